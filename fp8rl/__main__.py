@@ -1,0 +1,3 @@
+from fp8rl.cli import app
+
+app()

@@ -1,0 +1,1 @@
+"""kopf operator: pure manifest builders (RLJob -> KubeRay RayJob) and thin handlers."""

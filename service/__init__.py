@@ -1,0 +1,1 @@
+"""FastAPI control plane: routes, auth, settings, job stores and the local executor."""

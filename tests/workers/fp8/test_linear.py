@@ -1,0 +1,154 @@
+"""Fp8Linear forward and gradients against float64, with bounds from the formats' precision.
+
+The hybrid recipe's three GEMMs and the operands' quantization (see workers/fp8/linear.py):
+    y  = q(x; E4M3, 1x128)   @ q(W; E4M3, 128x128).T + b
+    dx = q(dy; E5M2, 1x128)  @ q(W; E4M3, 128x128)
+    dW = q(dy; E5M2, 128x1).T @ q(x; E4M3, 128x1)
+Each is bounded as in test_matmul.py: E_a @ |b| + |a| @ E_b + E_a @ E_b + gamma_{K+4} |a'| @ |b'|,
+with E from reference.error_bound (u = 1/16 for E4M3, 1/8 for E5M2, plus half a subnormal step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.workers.fp8 import reference as ref
+from tests.workers.fp8.test_matmul import bound, gamma
+from workers.fp8 import Fp8Linear, Fp8LinearConfig
+
+
+def run_layer(
+    m: int, k: int, n: int, bias: bool = True
+) -> tuple[Fp8Linear, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layer = Fp8Linear(k, n, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        if layer.bias is not None:
+            layer.bias.normal_(0, 0.1)
+    x = (torch.randn(m, k) * 2).requires_grad_(True)
+    y = layer(x)
+    dy = torch.randn(m, n) * 1e-3
+    y.backward(dy)
+    return layer, x, y, dy
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 16, 16), (7, 200, 48), (130, 256, 160), (64, 384, 96)])
+def test_forward_within_bound(seed: int, m: int, k: int, n: int) -> None:
+    layer, x, y, _ = run_layer(m, k, n)
+    w = layer.weight.detach()
+    expected = x.detach().double() @ w.double().t() + layer.bias.detach().double()  # type: ignore[union-attr]
+    ex = ref.error_bound(x.detach(), (1, 128), "e4m3")
+    ew = ref.error_bound(w, (128, 128), "e4m3").t()
+    # + float32 rounding of the bias addition
+    b = bound(x.detach(), ex, w.t(), ew) + 2.0**-23 * expected.abs()
+    assert bool(((y.detach().double() - expected).abs() <= b).all())
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 16, 16), (7, 200, 48), (130, 256, 160)])
+def test_gradients_within_bound(seed: int, m: int, k: int, n: int) -> None:
+    layer, x, _, dy = run_layer(m, k, n)
+    w, xd = layer.weight.detach(), x.detach()
+    # dgrad
+    expected_dx = dy.double() @ w.double()
+    edy = ref.error_bound(dy, (1, 128), "e5m2")
+    ew = ref.error_bound(w, (128, 128), "e4m3")
+    assert x.grad is not None
+    assert bool(((x.grad.double() - expected_dx).abs() <= bound(dy, edy, w, ew)).all())
+    # wgrad: operands tiled along tokens
+    expected_dw = dy.double().t() @ xd.double()
+    edy_col = ref.error_bound(dy, (128, 1), "e5m2").t()
+    ex_col = ref.error_bound(xd, (128, 1), "e4m3")
+    assert layer.weight.grad is not None
+    err_dw = (layer.weight.grad.double() - expected_dw).abs()
+    assert bool((err_dw <= bound(dy.t(), edy_col, xd, ex_col)).all())
+    # bias gradient: a float32 sum of M terms errs by at most gamma_M * sum |dy|
+    assert layer.bias is not None and layer.bias.grad is not None
+    err_db = (layer.bias.grad.double() - dy.double().sum(0)).abs()
+    assert bool((err_db <= gamma(m) * dy.double().abs().sum(0)).all())
+
+
+def test_gradients_are_fp8_not_high_precision(seed: int) -> None:
+    # The E5M2 gradient quantization must be visible: exact BF16/FP32 gradients would mean the
+    # backward silently ran in high precision.
+    layer, x, _, dy = run_layer(64, 256, 128)
+    exact_dx = dy.double() @ layer.weight.detach().double()
+    assert x.grad is not None
+    rel = float((x.grad.double() - exact_dx).norm() / exact_dx.norm())
+    assert 1e-3 < rel < 1 / 8
+
+
+def test_master_weights_stay_high_precision_and_fp8_copy_is_made_once_per_step(seed: int) -> None:
+    layer = Fp8Linear(128, 64)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for step in range(3):
+        for _micro in range(4):  # micro-batches of one step share the FP8 copy
+            layer(torch.randn(8, 128)).square().mean().backward()
+        assert layer.fp8_weight_updates == step + 1
+        assert layer.weight.dtype == torch.float32 and layer.weight.grad is not None
+        assert layer.weight.grad.dtype == torch.float32
+        before = layer.weight.detach().clone()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(before, layer.weight.detach())
+    layer(torch.randn(2, 128))
+    assert layer.fp8_weight_updates == 4
+
+
+def test_from_linear_shares_parameters_and_handles_3d_input(seed: int) -> None:
+    lin = nn.Linear(128, 48)
+    fp8 = Fp8Linear.from_linear(lin)
+    assert fp8.weight is lin.weight and fp8.bias is lin.bias
+    x = torch.randn(2, 5, 128)
+    y = fp8(x)
+    assert y.shape == (2, 5, 48)
+    ref_y = lin(x).detach().double()
+    assert float((y.detach().double() - ref_y).norm() / ref_y.norm()) < 1 / 8
+
+
+def test_bf16_master_weights(seed: int) -> None:
+    layer = Fp8Linear(128, 32, dtype=torch.bfloat16)
+    x = torch.randn(4, 128, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad is not None and x.grad.dtype == torch.bfloat16
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.bfloat16
+
+
+def test_tensorwise_config_and_power_of_two(seed: int) -> None:
+    cfg = Fp8LinearConfig(weight_block=None, activation_block=None, grad_block=None, power_of_two_scales=True)
+    layer = Fp8Linear(64, 32, config=cfg)
+    x = torch.randn(8, 64, requires_grad=True)
+    layer(x).sum().backward()
+    w_q = layer.fp8_weight()
+    assert w_q.block is None and float(torch.log2(w_q.scale)) == round(float(torch.log2(w_q.scale)))
+    expected = x.detach().double() @ layer.weight.detach().double().t()
+    got = layer(x).detach().double() - layer.bias.detach().double()  # type: ignore[union-attr]
+    assert float((got - expected).norm() / expected.norm()) < 1 / 8
+
+
+def test_nan_input_raises() -> None:
+    layer = Fp8Linear(128, 16)
+    x = torch.randn(3, 128)
+    x[1, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"first at index \(1, 5\)"):
+        layer(x)
+
+
+def test_no_wgrad_copy_under_no_grad(seed: int) -> None:
+    layer = Fp8Linear(128, 16)
+    with torch.no_grad():
+        y = layer(torch.randn(3, 128))
+    assert y.requires_grad is False
+
+
+@pytest.mark.gpu
+def test_cuda_forward_and_backward(seed: int) -> None:
+    layer = Fp8Linear(1024, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().square().mean().backward()
+    ref_y = x.detach().double() @ layer.weight.detach().double().t() + layer.bias.detach().double()  # type: ignore[union-attr]
+    assert float((y.detach().double() - ref_y).norm() / ref_y.norm()) < 1 / 16
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())

@@ -1,0 +1,1 @@
+"""Generator and Trainer protocols, native torch engines, and lazily imported adapters."""

@@ -1,0 +1,51 @@
+"""FP8 numerics for fp8rl: formats, scaled quantization, blockwise GEMM, FP8 linear layers,
+model conversion with a per-layer audit, FP8 KV-cache scales and weight-sync export.
+
+Usable on its own::
+
+    from workers.fp8 import quantize, fp8_matmul, Fp8Linear, convert_model
+
+    w = quantize(weight, "e4m3", block=(128, 128))      # Fp8Tensor: .data, .scale, .dequantize()
+    x = quantize(acts, "e4m3", block=(1, 128))
+    y = fp8_matmul(x, w.t())                            # float32 accumulation
+    audit = convert_model(hf_model, "fp8-e2e", keep_bf16=1)
+    print(audit.format())
+"""
+
+from workers.fp8.convert import RECIPES, AuditRow, Fp8Audit, convert_model
+from workers.fp8.export import export_weights, fp8_weight_names, load_weights, payload_bytes
+from workers.fp8.formats import E4M3, E5M2, Fp8Format, get_format
+from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, abs_percentile, quantize_kv
+from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
+from workers.fp8.matmul import fp8_matmul, matmul_emulated, matmul_scaled_mm, resolve_backend
+from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, TILE_1x128, cast_to_fp8, quantize
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "RECIPES",
+    "AuditRow",
+    "BLOCK_128x128",
+    "Fp8Audit",
+    "Fp8Format",
+    "Fp8Linear",
+    "Fp8LinearConfig",
+    "Fp8Tensor",
+    "KvScaleCalibrator",
+    "KvScales",
+    "TILE_1x128",
+    "abs_percentile",
+    "cast_to_fp8",
+    "convert_model",
+    "export_weights",
+    "fp8_matmul",
+    "fp8_weight_names",
+    "get_format",
+    "load_weights",
+    "matmul_emulated",
+    "matmul_scaled_mm",
+    "payload_bytes",
+    "quantize",
+    "quantize_kv",
+    "resolve_backend",
+]

@@ -1,0 +1,247 @@
+"""Swap a model's linear layers for :class:`Fp8Linear`, and say exactly what was and wasn't swapped.
+
+Rules (the anchors': NeMo RL, DeepSeek-V3):
+- Linear layers inside the decoder blocks (attention q/k/v/o, MLP gate/up/down) become FP8.
+- Embeddings, ``lm_head`` and norms stay in the model's dtype (BF16): they are a small share of
+  the FLOPs and the most sensitive to precision.
+- The first/last N decoder layers can be kept in BF16 (``keep_bf16``), and names can be excluded
+  by pattern (``skip``).
+- A linear layer whose dims are not multiples of 16 stays BF16: FP8 tensor-core GEMMs need that.
+
+Every module that holds parameters gets one row in the :class:`Fp8Audit`, FP8 or not, with the
+reason. Frameworks that fall back to BF16 silently make FP8 runs that are not FP8; the audit is
+printed at the start of every run and written next to its metrics.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
+
+RECIPES: tuple[str, ...] = ("bf16", "fp8-gen", "fp8-e2e")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One parameter-holding module: its precision after conversion and why."""
+
+    name: str
+    kind: str  # linear | lm_head | embedding | norm | other
+    precision: str  # fp8 | bf16 | float32 | ... (the dtype the module keeps)
+    reason: str
+    shape: tuple[int, ...]
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass
+class Fp8Audit:
+    """Per-layer quantization audit of one model."""
+
+    recipe: str
+    rows: list[AuditRow] = field(default_factory=list)
+
+    @property
+    def fp8_layers(self) -> list[str]:
+        return [r.name for r in self.rows if r.precision == "fp8"]
+
+    @property
+    def high_precision_layers(self) -> list[str]:
+        return [r.name for r in self.rows if r.precision != "fp8"]
+
+    def summary(self) -> dict[str, int | float | str]:
+        fp8 = [r for r in self.rows if r.precision == "fp8"]
+        linear = [r for r in self.rows if r.kind in ("linear", "lm_head")]
+        before = sum(r.bytes_before for r in self.rows)
+        after = sum(r.bytes_after for r in self.rows)
+        return {
+            "recipe": self.recipe,
+            "fp8_layers": len(fp8),
+            "linear_layers": len(linear),
+            "bytes_before": before,
+            "bytes_after": after,
+            "fp8_param_fraction": (
+                sum(_numel(r.shape) for r in fp8) / max(1, sum(_numel(r.shape) for r in self.rows))
+            ),
+        }
+
+    def to_dict(self) -> dict[str, object]:
+        return {"summary": self.summary(), "layers": [asdict(r) for r in self.rows]}
+
+    def format(self) -> str:
+        """A fixed-width table, one row per module, then a summary line."""
+        header = f"{'layer':<48} {'kind':<9} {'precision':<9} {'shape':<14} reason"
+        lines = [header, "-" * len(header)]
+        for r in self.rows:
+            shape = "x".join(str(d) for d in r.shape)
+            lines.append(f"{r.name:<48} {r.kind:<9} {r.precision:<9} {shape:<14} {r.reason}")
+        s = self.summary()
+        lines.append(
+            f"recipe {s['recipe']}: {s['fp8_layers']}/{s['linear_layers']} linear layers in FP8, "
+            f"{float(s['fp8_param_fraction']):.1%} of parameters; weights "
+            f"{_mib(int(s['bytes_before']))} -> {_mib(int(s['bytes_after']))}"
+        )
+        return "\n".join(lines)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _param_bytes(module: nn.Module, seen: set[int]) -> int:
+    """Bytes of the module's own parameters not counted yet (tied weights count once)."""
+    total = 0
+    for p in module.parameters(recurse=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _fp8_bytes(layer: nn.Linear, cfg: Fp8LinearConfig) -> int:
+    out_f, in_f = layer.weight.shape
+    if cfg.weight_block is None:
+        n_scales = 1
+    else:
+        br, bc = cfg.weight_block
+        n_scales = -(-out_f // br) * -(-in_f // bc)
+    bias = layer.bias.numel() * layer.bias.element_size() if layer.bias is not None else 0
+    return out_f * in_f + 4 * n_scales + bias
+
+
+def _kind(name: str, module: nn.Module, lm_head_names: set[str]) -> str:
+    cls = type(module).__name__.lower()
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if name in lm_head_names or name.split(".")[-1] == "lm_head":
+        return "lm_head"
+    if "norm" in cls or "norm" in name.split(".")[-1]:
+        return "norm"
+    if isinstance(module, nn.Linear | Fp8Linear):
+        return "linear"
+    return "other"
+
+
+def _num_layers(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    if isinstance(n, int):
+        return n
+    found = [int(m.group(1)) for name, _ in model.named_modules() if (m := _LAYER_INDEX.search(name + "."))]
+    return max(found) + 1 if found else 0
+
+
+def _lm_head_names(model: nn.Module) -> set[str]:
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return {name for name, m in model.named_modules() if head is not None and m is head}
+
+
+def _keep_range(keep_bf16: int | tuple[int, int]) -> tuple[int, int]:
+    first, last = (keep_bf16, keep_bf16) if isinstance(keep_bf16, int) else keep_bf16
+    if first < 0 or last < 0:
+        raise ValueError(f"keep_bf16={keep_bf16!r}: layer counts must be >= 0")
+    return first, last
+
+
+def _fp8_decision(
+    name: str, layer: nn.Linear, n_layers: int, keep: tuple[int, int], skip: Iterable[str]
+) -> str | None:
+    """None if the layer goes FP8, else the reason it stays in high precision."""
+    for pattern in skip:
+        if fnmatch.fnmatch(name, pattern):
+            return f"skipped by pattern {pattern!r}"
+    m = _LAYER_INDEX.search(name)
+    if m is not None:
+        idx = int(m.group(1))
+        if idx < keep[0]:
+            return f"decoder layer {idx} is among the first {keep[0]} kept in BF16"
+        if idx >= n_layers - keep[1]:
+            return f"decoder layer {idx} is among the last {keep[1]} kept in BF16"
+    out_f, in_f = layer.weight.shape
+    if in_f % 16 or out_f % 16:
+        return f"shape {out_f}x{in_f} not a multiple of 16 (FP8 GEMMs need it)"
+    return None
+
+
+def convert_model(
+    model: nn.Module,
+    recipe: str = "fp8-e2e",
+    keep_bf16: int | tuple[int, int] = 0,
+    skip: Iterable[str] = (),
+    config: Fp8LinearConfig | None = None,
+    verbose: bool = False,
+) -> Fp8Audit:
+    """Swap the decoder's ``nn.Linear`` layers for :class:`Fp8Linear` in place; return the audit.
+
+    Args:
+        model: a Hugging Face Llama/Qwen2 model (or any module with ``layers.<i>.`` names).
+        recipe: ``bf16`` converts nothing (the audit says so); ``fp8-gen`` and ``fp8-e2e``
+            convert (the caller decides which engines get an FP8 model).
+        keep_bf16: keep the first and last N decoder layers in BF16: an int for both ends, or
+            ``(first, last)``.
+        skip: ``fnmatch`` patterns of module names to keep in BF16.
+        config: quantization settings for the new layers.
+        verbose: print the audit table.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe={recipe!r} is not one of {RECIPES}")
+    cfg = config or Fp8LinearConfig()
+    keep = _keep_range(keep_bf16)
+    skip = tuple(skip)
+    n_layers = _num_layers(model)
+    heads = _lm_head_names(model)
+    audit = Fp8Audit(recipe=recipe)
+    seen: set[int] = set()
+    for name, module in list(model.named_modules()):
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        kind = _kind(name, module, heads)
+        before = _param_bytes(module, seen)
+        dtype = str(next(module.parameters(recurse=False)).dtype).replace("torch.", "")
+        shape = tuple(getattr(module, "weight", next(module.parameters(recurse=False))).shape)
+        if isinstance(module, Fp8Linear):
+            audit.rows.append(AuditRow(name, kind, "fp8", "already FP8", shape, before, before))
+            continue
+        reason: str | None
+        if kind == "embedding":
+            reason = "embeddings stay high precision"
+        elif kind == "lm_head":
+            reason = "lm_head stays high precision (logits are precision-sensitive)"
+        elif kind == "norm":
+            reason = "norms stay high precision"
+        elif kind != "linear" or not isinstance(module, nn.Linear):
+            reason = f"{type(module).__name__} has no FP8 implementation"
+        elif recipe == "bf16":
+            reason = "recipe bf16"
+        else:
+            reason = _fp8_decision(name, module, n_layers, keep, skip)
+        if reason is None and isinstance(module, nn.Linear):
+            _replace(model, name, Fp8Linear.from_linear(module, cfg))
+            after = _fp8_bytes(module, cfg)
+            audit.rows.append(AuditRow(name, kind, "fp8", "decoder linear", shape, before, after))
+        else:
+            audit.rows.append(AuditRow(name, kind, dtype, reason or "", shape, before, before))
+    if verbose:
+        print(audit.format())
+    return audit
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)

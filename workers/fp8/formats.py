@@ -1,0 +1,74 @@
+"""The two FP8 formats and the facts about them that the rest of fp8rl relies on.
+
+E4M3 (``torch.float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, no infinities, max 448.
+    More precision, less range: weights and activations.
+E5M2 (``torch.float8_e5m2``): 5 exponent bits, 2 mantissa bits, IEEE-like, max 57344.
+    More range, less precision: gradients (the "hybrid" recipe).
+
+Precision of a normal number with ``m`` mantissa bits: round-to-nearest makes a relative error
+of at most ``u = 2**-(m+1)`` (the unit roundoff): 1/16 for E4M3, 1/8 for E5M2. Below the smallest
+normal the spacing is fixed, so the absolute error there is at most half a subnormal step. Tests
+derive their bounds from these two numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """One FP8 format: its torch dtype and the constants scaling and error bounds use."""
+
+    name: str
+    dtype: torch.dtype
+    max: float  # largest finite value; casts saturate here
+    mantissa_bits: int
+    min_normal: float
+    min_subnormal: float
+
+    @property
+    def unit_roundoff(self) -> float:
+        """Largest relative rounding error of a normal number (round to nearest)."""
+        return 2.0 ** -(self.mantissa_bits + 1)
+
+    @property
+    def bits(self) -> int:
+        return 8
+
+
+E4M3 = Fp8Format(
+    name="e4m3",
+    dtype=torch.float8_e4m3fn,
+    max=448.0,
+    mantissa_bits=3,
+    min_normal=2.0**-6,
+    min_subnormal=2.0**-9,
+)
+E5M2 = Fp8Format(
+    name="e5m2",
+    dtype=torch.float8_e5m2,
+    max=57344.0,
+    mantissa_bits=2,
+    min_normal=2.0**-14,
+    min_subnormal=2.0**-16,
+)
+
+FORMATS: dict[str, Fp8Format] = {E4M3.name: E4M3, E5M2.name: E5M2}
+_BY_DTYPE: dict[torch.dtype, Fp8Format] = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
+
+
+def get_format(fmt: str | Fp8Format | torch.dtype) -> Fp8Format:
+    """Resolve ``"e4m3"``, ``"e5m2"``, a format or a float8 dtype to an :class:`Fp8Format`."""
+    if isinstance(fmt, Fp8Format):
+        return fmt
+    if isinstance(fmt, torch.dtype):
+        if fmt in _BY_DTYPE:
+            return _BY_DTYPE[fmt]
+        raise ValueError(f"dtype {fmt} is not an FP8 format fp8rl uses; use one of {sorted(FORMATS)}")
+    key = str(fmt).lower()
+    if key not in FORMATS:
+        raise ValueError(f"fmt={fmt!r} is not an FP8 format; allowed: {sorted(FORMATS)}")
+    return FORMATS[key]

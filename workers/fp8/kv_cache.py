@@ -1,0 +1,103 @@
+"""FP8 KV cache: per-layer K and V scales calibrated from observed magnitudes.
+
+A KV cache entry is written once and read at every later decoding step, so its scale must be
+fixed before the values arrive: one float32 scale per layer for K and one for V (the layout vLLM's
+``k_scale``/``v_scale`` use). They are calibrated from the K and V the model actually produces:
+
+    scale = percentile_p(|x|) * margin / fmt.max          (default p = 99.9, margin = 1.05, E4M3)
+
+A percentile rather than the max, so that a handful of outliers does not push every ordinary
+value towards the subnormal range; the margin leaves headroom for the next step's slightly
+larger values; the rare values above it saturate at ``fmt.max``. With several observations (one
+per batch) the calibrator keeps, per layer, the largest percentile it has seen. Weights change
+every RL step, so the driver calls :meth:`KvScaleCalibrator.reset` and recalibrates each step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.quant import Fp8Tensor, cast_to_fp8
+
+
+def abs_percentile(x: torch.Tensor, percentile: float) -> float:
+    """The ``percentile``-th percentile of ``|x|`` (nearest rank, exact)."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile={percentile} must be in (0, 100]")
+    flat = x.detach().reshape(-1).abs().to(torch.float32)
+    if flat.numel() == 0:
+        raise ValueError("abs_percentile of an empty tensor")
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError(f"KV calibration saw NaN/inf in a tensor of shape {tuple(x.shape)}")
+    # nearest-rank definition, in exact rationals: 99.9 / 100 * 1000 is 999.0000000000001 in floats
+    rank = max(1, math.ceil(Fraction(repr(float(percentile))) * flat.numel() / 100))
+    return float(torch.kthvalue(flat, rank).values)
+
+
+@dataclass
+class KvScales:
+    """Per-layer dequantization scales: ``k[i]``, ``v[i]`` for decoder layer ``i`` (float32 [L])."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    fmt: Fp8Format
+
+    def to_dict(self) -> dict[str, list[float] | str]:
+        return {"fmt": self.fmt.name, "k_scale": self.k.tolist(), "v_scale": self.v.tolist()}
+
+
+class KvScaleCalibrator:
+    """Collects per-layer K/V magnitudes and turns them into :class:`KvScales`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        fmt: str | Fp8Format = "e4m3",
+        percentile: float = 99.9,
+        margin: float = 1.05,
+    ) -> None:
+        if num_layers <= 0:
+            raise ValueError(f"num_layers={num_layers} must be positive")
+        if margin < 1.0:
+            raise ValueError(f"margin={margin} must be >= 1.0 (it is headroom above the percentile)")
+        abs_percentile(torch.ones(1), percentile)  # validate once, here
+        self.num_layers = num_layers
+        self.fmt = get_format(fmt)
+        self.percentile = percentile
+        self.margin = margin
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was observed (call when the weights change)."""
+        self._k = [0.0] * self.num_layers
+        self._v = [0.0] * self.num_layers
+        self.observations = 0
+
+    def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Record the K and V produced by ``layer`` for one batch (any shape)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} out of range [0, {self.num_layers})")
+        self._k[layer] = max(self._k[layer], abs_percentile(k, self.percentile))
+        self._v[layer] = max(self._v[layer], abs_percentile(v, self.percentile))
+        self.observations += 1
+
+    def scales(self) -> KvScales:
+        """Scales from what was observed; a layer never observed gets scale 1.0 (and a warning
+        in its value: callers should calibrate every layer)."""
+
+        def to_scale(vals: list[float]) -> torch.Tensor:
+            t = torch.tensor(vals, dtype=torch.float32) * self.margin / self.fmt.max
+            return torch.where(t > 0, t, torch.ones_like(t))
+
+        return KvScales(to_scale(self._k), to_scale(self._v), self.fmt)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float, fmt: str | Fp8Format = "e4m3") -> Fp8Tensor:
+    """Quantize K or V of one layer with its calibrated (tensorwise) scale; saturating."""
+    s = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
+    return cast_to_fp8(x, s.reshape(()), fmt, None)

@@ -1,0 +1,235 @@
+"""Scaled FP8 quantization: tensorwise, 1x128 tiles and 128x128 blocks.
+
+A tensor ``x`` is stored as ``data`` (float8) and ``scale`` (float32, one per block), so that
+
+    x ~= dequantize = data.float() * scale          (scale broadcast over its block)
+
+The scale of a block is ``amax(|x_block|) / fmt.max``: the largest element of the block lands
+exactly on the format's largest finite value, and everything else keeps the format's relative
+precision (unit roundoff u = 1/16 for E4M3) as long as it stays above the smallest normal number
+times the scale. That last condition is why blocks help: one huge outlier in a tensorwise scale
+pushes every small element of the tensor into the subnormal range, where precision is lost; with
+blocks only the outlier's own block pays.
+
+Blocks apply to the last two dimensions (``block=(rows, cols)``); leading dimensions are batch.
+Shapes that are not multiples of the block are handled: the last block of a row or column is
+partial, and its scale comes from the elements it has. Casts saturate at ``fmt.max`` (torch's own
+cast would give NaN for E4M3 and inf for E5M2). ``power_of_two=True`` rounds every scale up to a
+power of two, so that scaling is exact in binary and dequantization multiplies by 2^k only.
+
+Layouts used by the rest of fp8rl (DeepSeek-V3 style): weights ``[out, in]`` in 128x128 blocks, so
+the same FP8 copy serves ``x @ W.T`` and ``dy @ W``; activations and gradients in 1x128 tiles
+along the contraction dimension.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from workers.fp8.formats import Fp8Format, get_format
+
+Block = tuple[int, int] | None
+
+TILE_1x128: tuple[int, int] = (1, 128)
+BLOCK_128x128: tuple[int, int] = (128, 128)
+
+# Smallest scale we allow: an all-zero block gets this, and its data is all zeros anyway.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Tensor:
+    """An FP8 tensor with its float32 scales.
+
+    Attributes:
+        data: float8 tensor with the shape of the source tensor.
+        scale: float32. Tensorwise (``block is None``): a 0-d tensor. Blockwise: shape
+            ``[*lead, ceil(R / block[0]), ceil(C / block[1])]`` for a source ``[*lead, R, C]``.
+        block: ``(rows, cols)`` of one scaling block, or ``None`` for one scale per tensor.
+        fmt: the FP8 format of ``data``.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None
+    fmt: Fp8Format
+    # Weights set this: their float32 dequantization is kept for the emulated (CPU) GEMM, since
+    # the same FP8 weight is used for every call until the next optimizer step.
+    cache_dequantized: bool = False
+    _memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _transpose_of: Fp8Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload: one per element plus four per scale."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+    def expanded_scale(self) -> torch.Tensor:
+        """The scale of every element, float32, with the shape of ``data``."""
+        if self.block is None:
+            return self.scale.expand(self.data.shape)
+        br, bc = self.block
+        rows, cols = self.data.shape[-2:]
+        full = self.scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
+        return full[..., :rows, :cols]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data * scale`` in ``dtype`` (computed in float32)."""
+        if self._transpose_of is not None:  # a cached weight's transpose shares its memo
+            return self._transpose_of.dequantize(dtype).t()
+        if self.cache_dequantized and "f32" in self._memo:
+            return self._memo["f32"].to(dtype)
+        out = _apply_block_scale(self.data.to(torch.float32), self.scale, self.block, divide=False)
+        if self.cache_dequantized:
+            self._memo["f32"] = out
+        return out.to(dtype)
+
+    def t(self) -> Fp8Tensor:
+        """Transpose of a 2-D tensor: a view of ``data`` (column-major), scales transposed."""
+        if self.data.dim() != 2:
+            raise ValueError(f"Fp8Tensor.t() needs a 2-D tensor, got shape {tuple(self.data.shape)}")
+        block = None if self.block is None else (self.block[1], self.block[0])
+        scale = self.scale if self.block is None else self.scale.t()
+        parent = self if self.cache_dequantized else None
+        return Fp8Tensor(self.data.t(), scale, block, self.fmt, self.cache_dequantized, {}, parent)
+
+    def to(self, device: torch.device | str) -> Fp8Tensor:
+        return Fp8Tensor(
+            self.data.to(device), self.scale.to(device), self.block, self.fmt, self.cache_dequantized
+        )
+
+    def with_dequant_cache(self) -> Fp8Tensor:
+        """The same tensor, keeping its float32 dequantization once computed (for weights)."""
+        return Fp8Tensor(self.data, self.scale, self.block, self.fmt, True)
+
+
+def _apply_block_scale(
+    x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, divide: bool
+) -> torch.Tensor:
+    """``x / scale`` or ``x * scale`` with the scale broadcast over its blocks (float32 x).
+
+    Works on a ``[*lead, nR, br, nC, bc]`` view of x (padded when the shape is not a multiple of
+    the block), so no full-size scale tensor is ever built.
+    """
+    if block is None:
+        return x / scale if divide else x * scale
+    br, bc = block
+    rows, cols = x.shape[-2:]
+    n_r, n_c = scale.shape[-2:]
+    padded = n_r * br != rows or n_c * bc != cols
+    xp = F.pad(x, (0, n_c * bc - cols, 0, n_r * br - rows)) if padded else x
+    blocks = xp.reshape(*x.shape[:-2], n_r, br, n_c, bc)
+    s = scale.reshape(*scale.shape[:-2], n_r, 1, n_c, 1)
+    out = (blocks / s if divide else blocks * s).reshape(*x.shape[:-2], n_r * br, n_c * bc)
+    return out[..., :rows, :cols] if padded else out
+
+
+def _check_block(block: Block, x: torch.Tensor) -> tuple[int, int] | None:
+    if block is None:
+        return None
+    if (
+        not isinstance(block, tuple | list)
+        or len(block) != 2
+        or not all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise ValueError(
+            f"block={block!r} is not valid; use None (one scale per tensor), (1, 128) "
+            "(activation tiles) or (128, 128) (weight blocks): two positive integers"
+        )
+    if x.dim() < 2:
+        raise ValueError(
+            f"block={tuple(block)} needs a tensor with at least 2 dimensions, got shape "
+            f"{tuple(x.shape)}; reshape it to [1, n] or use block=None"
+        )
+    return (int(block[0]), int(block[1]))
+
+
+def _raise_non_finite(x: torch.Tensor, where: str) -> None:
+    bad = ~torch.isfinite(x)
+    n_nan = int(torch.isnan(x).sum())
+    n_inf = int(bad.sum()) - n_nan
+    first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+    raise ValueError(
+        f"{where}: input of shape {tuple(x.shape)} has {n_nan} NaN and {n_inf} inf values "
+        f"(first at index {first}: {x[first].item()}); FP8 scales computed from it would be "
+        "garbage. Find where the non-finite values come from (learning rate, loss, an overflowing "
+        "layer) rather than quantizing them."
+    )
+
+
+def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    # frexp: scale = mantissa * 2**exponent with mantissa in [0.5, 1); exact powers of two have
+    # mantissa 0.5 and stay, everything else rounds up so that no element saturates.
+    mantissa, exponent = torch.frexp(scale)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return torch.ldexp(torch.ones_like(scale), exponent)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Max |x| of every ``block`` of the last two dims: ``[*lead, ceil(R/br), ceil(C/bc)]``."""
+    br, bc = block
+    rows, cols = x.shape[-2:]
+    n_r, n_c = math.ceil(rows / br), math.ceil(cols / bc)
+    xp = x.to(torch.float32)
+    if n_r * br != rows or n_c * bc != cols:
+        xp = F.pad(xp, (0, n_c * bc - cols, 0, n_r * br - rows))  # zeros never raise an amax
+    blocks = xp.reshape(*x.shape[:-2], n_r, br, n_c, bc)  # [*lead, nR, br, nC, bc]
+    return blocks.abs().amax(dim=(-3, -1))  # [*lead, nR, nC]
+
+
+def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
+    """Scale that maps ``amax`` onto ``fmt.max`` (float32; rounded up to 2^k if asked)."""
+    scale = (amax.to(torch.float32) / fmt.max).clamp(min=_MIN_SCALE)
+    return _round_up_pow2(scale) if power_of_two else scale
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str | Fp8Format, block: Block = None) -> Fp8Tensor:
+    """Quantize ``x`` with given scales (e.g. calibrated KV-cache scales): saturating cast."""
+    f = get_format(fmt)
+    blk = _check_block(block, x)
+    scale = scale.to(device=x.device, dtype=torch.float32)
+    scaled = _apply_block_scale(x.to(torch.float32), scale, blk, divide=True)
+    q = scaled.clamp_(-f.max, f.max).to(f.dtype)
+    return Fp8Tensor(q.contiguous(), scale, blk, f)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Fp8Format = "e4m3",
+    block: Block = None,
+    *,
+    power_of_two: bool = False,
+    check_finite: bool = True,
+) -> Fp8Tensor:
+    """Quantize ``x`` to FP8 with one float32 scale per ``block`` (``None``: per tensor).
+
+    Args:
+        x: floating-point tensor; with a block, at least 2-D (blocks tile the last two dims).
+        fmt: ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
+        block: ``None``, ``(1, 128)``, ``(128, 128)`` or any ``(rows, cols)``.
+        power_of_two: round each scale up to a power of two.
+        check_finite: raise ``ValueError`` naming the first NaN/inf element (default on).
+
+    Returns:
+        An :class:`Fp8Tensor`; ``.dequantize()`` gives back ``x`` within the format's precision.
+    """
+    f = get_format(fmt)
+    if not torch.is_floating_point(x) or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"quantize needs a float32/bf16/fp16 tensor, got dtype {x.dtype}")
+    blk = _check_block(block, x)
+    amax = x.detach().abs().amax().to(torch.float32) if blk is None else block_amax(x.detach(), blk)
+    if check_finite and not bool(torch.isfinite(amax).all()):
+        _raise_non_finite(x, "quantize")
+    return cast_to_fp8(x.detach(), amax_to_scale(amax, f, power_of_two), f, blk)
