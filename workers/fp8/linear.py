@@ -49,6 +49,15 @@ class Fp8LinearConfig:
         return None if blk is None else (blk[1], blk[0])
 
 
+def _fprop(
+    x2d: torch.Tensor, w_q: Fp8Tensor, bias: torch.Tensor | None, cfg: Fp8LinearConfig
+) -> torch.Tensor:
+    """``q(x) @ q(W).T + b`` in float32: ``x2d [M, K]``, ``w_q [N, K]`` -> ``[M, N]``."""
+    x_q = quantize(x2d, cfg.forward_fmt, cfg.activation_block, power_of_two=cfg.power_of_two_scales)
+    y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend)  # [M, N] float32
+    return y if bias is None else y + bias.to(torch.float32)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -59,13 +68,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         w_q: Fp8Tensor,  # FP8 copy of weight, [N, K]
         cfg: Fp8LinearConfig,
     ) -> torch.Tensor:
-        p2 = cfg.power_of_two_scales
-        x_q = quantize(x2d, cfg.forward_fmt, cfg.activation_block, power_of_two=p2)  # [M, K]
-        y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend)  # [M, N] float32
-        if bias is not None:
-            y = y + bias.to(torch.float32)
+        y = _fprop(x2d, w_q, bias, cfg)
         if weight.requires_grad:
             # wgrad contracts over M: keep x tiled along tokens, in FP8
+            p2 = cfg.power_of_two_scales
             ctx.x_wgrad = quantize(x2d, cfg.forward_fmt, cfg.wgrad_block, power_of_two=p2)
         ctx.w_q = w_q
         ctx.cfg = cfg
@@ -174,9 +180,14 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [M, K]
-        y2d: torch.Tensor = _Fp8LinearFn.apply(  # type: ignore[no-untyped-call]
-            x2d, self.weight, self.bias, self.fp8_weight(), self.config
-        )
+        params_need_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        if not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
+            # inference (generation): one quantization of x, no autograd state, no wgrad copy
+            y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config).to(x.dtype)
+        else:
+            y2d = _Fp8LinearFn.apply(  # type: ignore[no-untyped-call]
+                x2d, self.weight, self.bias, self.fp8_weight(), self.config
+            )
         return y2d.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -76,15 +76,6 @@ class Fp8Tensor:
         """Bytes of payload: one per element plus four per scale."""
         return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
 
-    def expanded_scale(self) -> torch.Tensor:
-        """The scale of every element, float32, with the shape of ``data``."""
-        if self.block is None:
-            return self.scale.expand(self.data.shape)
-        br, bc = self.block
-        rows, cols = self.data.shape[-2:]
-        full = self.scale.repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
-        return full[..., :rows, :cols]
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale`` in ``dtype`` (computed in float32)."""
         if self._transpose_of is not None:  # a cached weight's transpose shares its memo

@@ -136,11 +136,26 @@ def test_nan_input_raises() -> None:
         layer(x)
 
 
-def test_no_wgrad_copy_under_no_grad(seed: int) -> None:
+def test_inference_quantizes_activations_once(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under no_grad (generation) only the 1x128 activation copy is made: no 128x1 wgrad copy.
+    from workers.fp8 import quantize as real
+
+    calls: list[tuple[int, int] | None] = []
+
+    def counting(x: torch.Tensor, fmt: str = "e4m3", block: object = None, **kw: object) -> object:
+        calls.append(block)  # type: ignore[arg-type]
+        return real(x, fmt, block, **kw)  # type: ignore[arg-type]
+
     layer = Fp8Linear(128, 16)
+    layer.fp8_weight()
+    monkeypatch.setattr("workers.fp8.linear.quantize", counting)
     with torch.no_grad():
         y = layer(torch.randn(3, 128))
-    assert y.requires_grad is False
+    assert calls == [(1, 128)] and y.requires_grad is False
+    calls.clear()
+    x = torch.randn(3, 128, requires_grad=True)
+    layer(x).sum().backward()  # training: fprop and wgrad copies of x; dgrad and wgrad copies of dy
+    assert calls == [(1, 128), (128, 1), (1, 128), (128, 1)]
 
 
 @pytest.mark.gpu
