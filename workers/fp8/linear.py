@@ -52,10 +52,15 @@ class Fp8LinearConfig:
 def _fprop(
     x2d: torch.Tensor, w_q: Fp8Tensor, bias: torch.Tensor | None, cfg: Fp8LinearConfig
 ) -> torch.Tensor:
-    """``q(x) @ q(W).T + b`` in float32: ``x2d [M, K]``, ``w_q [N, K]`` -> ``[M, N]``."""
+    """``q(x) @ q(W).T + b``, accumulated in float32, returned in ``x2d``'s dtype.
+
+    ``x2d [M, K]``, ``w_q [N, K]`` -> ``[M, N]``.
+    """
     x_q = quantize(x2d, cfg.forward_fmt, cfg.activation_block, power_of_two=cfg.power_of_two_scales)
     y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend)  # [M, N] float32
-    return y if bias is None else y + bias.to(torch.float32)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x2d.dtype)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -78,7 +83,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.x_dtype = x2d.dtype
         ctx.w_dtype = weight.dtype
-        return y.to(x2d.dtype)
+        return y
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -183,7 +188,7 @@ class Fp8Linear(nn.Module):
         params_need_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
             # inference (generation): one quantization of x, no autograd state, no wgrad copy
-            y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config).to(x.dtype)
+            y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config)
         else:
             y2d = _Fp8LinearFn.apply(  # type: ignore[no-untyped-call]
                 x2d, self.weight, self.bias, self.fp8_weight(), self.config
