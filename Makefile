@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint bench run clean
+.PHONY: install test test-fast lint bench run compare clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,19 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/fp8rl bench fp8 $(BENCH_ARGS)
 
-# The main job on the embedded default. Until the RL loop lands this is the FP8 benchmark.
-run: bench
+# The main job on the embedded default: GRPO on arithmetic with a tiny model, about 10 minutes on
+# 2 CPU cores. Re-running continues (or just reports) the same run directory.
+RECIPE ?= fp8-e2e
+RUN_ARGS ?=
+run: $(STAMP)
+	$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $(RECIPE) --output runs/arithmetic-$(RECIPE) --resume $(RUN_ARGS)
+
+# The three recipes on the same seed, then the comparison table and plot (README: "Results").
+compare: $(STAMP)
+	for r in bf16 fp8-gen fp8-e2e; do \
+		$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $$r --output runs/arithmetic-$$r --resume $(RUN_ARGS) || exit 1; \
+	done
+	$(VENV)/bin/fp8rl report runs/arithmetic-bf16 runs/arithmetic-fp8-gen runs/arithmetic-fp8-e2e -o runs/arithmetic-report.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

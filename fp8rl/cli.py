@@ -71,5 +71,76 @@ def bench_fp8(
         typer.echo(f"wrote {json_out}", err=True)
 
 
+@bench_app.command("mismatch")
+def bench_mismatch(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (model, task, rollout).")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
+    ] = None,
+    batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
+) -> None:
+    """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
+    from rljob.spec import SpecError, load_spec
+    from workers.mismatch_probe import probe
+
+    try:
+        spec = load_spec(spec_path)
+    except SpecError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    for recipe, value in probe(spec, checkpoint, batches).items():
+        typer.echo(f"{recipe:<8} token_mult_prob_error {value:.5f}")
+
+
+@app.command("run")
+def run_cmd(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],
+    recipe: Annotated[
+        str | None, typer.Option(help="Override precision.recipe: bf16 | fp8-gen | fp8-e2e.")
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="Override the number of RL steps.")] = None,
+    output: Annotated[Path | None, typer.Option(help="Override output_dir.")] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue from the newest checkpoint in the output dir.")
+    ] = False,
+    seed: Annotated[int | None, typer.Option(help="Override rollout.seed.")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Serve Prometheus /metrics on this port (0: any free port).")
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar (else one line per step).")] = True,
+) -> None:
+    """Run one RL job on local Ray (or RAY_ADDRESS): generate, reward, train, sync, repeat."""
+    from fp8rl.run import run_from_cli
+
+    overrides = {"recipe": recipe, "steps": steps, "output": output, "seed": seed}
+    raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress))
+
+
+@app.command("report")
+def report_cmd(
+    run_dirs: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Run output directories.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")] = Path("report.png"),
+    window: Annotated[int, typer.Option(help="Moving-average window, steps.")] = 5,
+) -> None:
+    """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table."""
+    from workers.report import report, summary
+
+    try:
+        path = report(run_dirs, output, window)
+        rows = summary(run_dirs)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(
+        f"{'run':<32} {'steps':>6} {'first reward':>13} {'final reward':>13} {'token_mult_prob_error':>22}"
+    )
+    for r in rows:
+        typer.echo(
+            f"{r['run']:<32} {r['steps']:>6} {r['first_reward']:>13.3f} {r['final_reward']:>13.3f} "
+            f"{r['token_mult_prob_error']:>22.5f}"
+        )
+    typer.echo(f"wrote {path}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -1,2 +1,44 @@
-"""The RLJob API type shared by the service, the operator and the workers (job spec, status,
-phases, and the CRD schema generated from them). Depends on pydantic only."""
+"""The RLJob API type shared by every tier: the job spec (and, later, status, phases, CRD schema).
+
+Depends on pydantic and PyYAML only, so the service, the operator and the workers can all import it.
+"""
+
+from rljob.spec import (
+    AlgorithmSpec,
+    ImportanceSamplingSpec,
+    JobSpec,
+    KlSpec,
+    ModelSpec,
+    OptimizerSpec,
+    PrecisionSpec,
+    ResourcesSpec,
+    RolloutSpec,
+    SpecError,
+    TaskSpec,
+    TinyModel,
+    TokenizerSpec,
+    WarmupSpec,
+    describe_errors,
+    load_spec,
+    parse_spec,
+)
+
+__all__ = [
+    "AlgorithmSpec",
+    "ImportanceSamplingSpec",
+    "JobSpec",
+    "KlSpec",
+    "ModelSpec",
+    "OptimizerSpec",
+    "PrecisionSpec",
+    "ResourcesSpec",
+    "RolloutSpec",
+    "SpecError",
+    "TaskSpec",
+    "TinyModel",
+    "TokenizerSpec",
+    "WarmupSpec",
+    "describe_errors",
+    "load_spec",
+    "parse_spec",
+]

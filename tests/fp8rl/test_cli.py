@@ -57,3 +57,127 @@ def test_shape_sets_are_the_ones_the_issue_names() -> None:
 def test_version() -> None:
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.startswith("fp8rl ")
+
+
+def test_run_rejects_a_bad_spec_with_the_field_path(tmp_path: Path) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("rollout:\n  group_size: 0\nprecision:\n  recipe: fp16\n")
+    result = runner.invoke(app, ["run", str(spec)])
+    assert result.exit_code == 2
+    assert "rollout.group_size" in result.output and "precision.recipe" in result.output
+    assert "'bf16', 'fp8-gen' or 'fp8-e2e'" in result.output
+
+
+def test_run_rejects_a_bad_override(tmp_path: Path) -> None:
+    spec = tmp_path / "ok.yaml"
+    spec.write_text("steps: 1\n")
+    result = runner.invoke(app, ["run", str(spec), "--recipe", "fp4"])
+    assert result.exit_code == 2 and "precision.recipe" in result.output
+
+
+def test_run_end_to_end_with_overrides(tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "model: {tiny: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
+        " num_kv_heads: 1}}\n"
+        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
+        "rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 2}\n"
+        "steps: 50\n"
+    )
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["run", str(spec), "--recipe", "bf16", "--steps", "2", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert json.loads((out / "spec.resolved.json").read_text())["precision"]["recipe"] == "bf16"
+    again = runner.invoke(app, ["run", str(spec), "--steps", "2", "--output", str(out)])
+    assert again.exit_code == 2 and "--resume" in again.output
+
+
+def _fake_run(path: Path, recipe: str, rewards: list[float], tmpe: list[float]) -> Path:
+    path.mkdir()
+    (path / "spec.resolved.json").write_text(json.dumps({"precision": {"recipe": recipe}}))
+    rows = [
+        {
+            "step": i + 1,
+            "reward/mean": r,
+            "mismatch/token_mult_prob_error": t,
+            "throughput/generation_tokens_per_s": 100.0,
+            "throughput/train_tokens_per_s": 50.0,
+            "mismatch/gen_kl_error": 0.0,
+            "mismatch/is_oob_ratio": 0.0,
+        }
+        for i, (r, t) in enumerate(zip(rewards, tmpe, strict=True))
+    ]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_draws_a_png_and_prints_final_reward_and_mismatch(tmp_path: Path) -> None:
+    # 12 steps: first 10 average (0.1*10)/10 = 0.1; last 10 = (0.1*8 + 0.7*2)/10 = 0.22
+    a = _fake_run(tmp_path / "a", "bf16", [0.1] * 10 + [0.7, 0.7], [1.0] * 6 + [1.02] * 6)
+    b = _fake_run(tmp_path / "b", "fp8-e2e", [0.2] * 12, [1.01] * 12)
+    png = tmp_path / "report.png"
+    result = runner.invoke(app, ["report", str(a), str(b), "-o", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    line_a = next(x for x in result.output.splitlines() if x.startswith("a (bf16)"))
+    assert line_a.split()[-3:] == ["0.100", "0.220", "1.01000"]  # mean tmpe (6*1.0 + 6*1.02)/12
+    bad = runner.invoke(app, ["report", str(tmp_path)])
+    assert bad.exit_code == 2 and "no metrics.jsonl" in bad.output
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (Ray's workers included)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "model: {tiny: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
+        " num_kv_heads: 1}}\n"
+        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
+        "rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 2}\n"
+        "steps: 10000\ncheckpoint_interval: 10000\n"
+    )
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fp8rl", "run", str(spec), "--output", str(out), "--no-progress"]
+    proc = subprocess.Popen(
+        cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))
+    ckpt = json.loads(next((out / "checkpoints").glob("step_*/state.json")).read_text())
+    assert ckpt["step"] == steps[-1]  # the stop saved the step it finished
+    resumed = runner.invoke(
+        app, ["run", str(spec), "--output", str(out), "--resume", "--steps", str(steps[-1] + 1)]
+    )
+    assert resumed.exit_code == 0, resumed.output
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [*steps, steps[-1] + 1]
+
+
+def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "model: {tiny: {hidden_size: 64, intermediate_size: 128, num_layers: 2}}\n"
+        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
+        "rollout: {prompts_per_step: 8, group_size: 4, max_new_tokens: 6}\n"
+    )
+    result = runner.invoke(app, ["bench", "mismatch", str(spec), "--batches", "2"])
+    assert result.exit_code == 0, result.output
+    values = {line.split()[0]: float(line.split()[-1]) for line in result.output.splitlines()}
+    assert set(values) == {"bf16", "fp8-gen", "fp8-e2e"}
+    # BF16 on both sides differs only by rounding; FP8 generation against a BF16 trainer adds the
+    # weights' and activations' quantization error
+    assert 1.0 <= values["bf16"] < values["fp8-gen"]

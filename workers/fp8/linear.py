@@ -183,6 +183,12 @@ class Fp8Linear(nn.Module):
         self.fp8_weight_updates += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Under torch.autocast (a BF16 trainer's mixed precision) the emulated GEMM must still
+        # accumulate in float32: autocast would silently turn it into a BF16 matmul.
+        with torch.autocast(x.device.type, enabled=False):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [M, K]
         params_need_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)

@@ -158,6 +158,21 @@ def test_inference_quantizes_activations_once(seed: int, monkeypatch: pytest.Mon
     assert calls == [(1, 128), (128, 1), (1, 128), (128, 1)]
 
 
+def test_autocast_does_not_turn_the_fp8_gemm_into_bf16(seed: int) -> None:
+    """A BF16-autocast trainer runs Fp8Linear inside autocast: the output and gradients must be
+    the ones computed outside it (float32 accumulation), not a BF16 matmul's."""
+    layer = Fp8Linear(256, 128)
+    x = torch.randn(32, 256)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_plain = layer(x1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_auto = layer(x2)
+    assert y_auto.dtype == torch.float32 and torch.equal(y_plain, y_auto)
+    y_plain.sum().backward()
+    y_auto.sum().backward()
+    assert x1.grad is not None and x2.grad is not None and torch.equal(x1.grad, x2.grad)
+
+
 @pytest.mark.gpu
 def test_cuda_forward_and_backward(seed: int) -> None:
     layer = Fp8Linear(1024, 512, device="cuda", dtype=torch.bfloat16)

@@ -1,0 +1,95 @@
+"""``fp8rl run``: load and override the spec, show progress, stop cleanly on Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from rljob.spec import JobSpec, SpecError, load_spec, parse_spec
+
+
+def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
+    """The spec with command-line overrides applied (validated like the file itself)."""
+    data = spec.model_dump(mode="json")
+    if overrides.get("recipe") is not None:
+        data["precision"]["recipe"] = overrides["recipe"]
+    if overrides.get("steps") is not None:
+        data["steps"] = overrides["steps"]
+    if overrides.get("output") is not None:
+        data["output_dir"] = str(overrides["output"])
+    if overrides.get("seed") is not None:
+        data["rollout"]["seed"] = overrides["seed"]
+    return parse_spec(data, "(after command-line overrides)")
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    return (
+        f"step {row['step']}: reward {row['reward/mean']:.3f}  "
+        f"mismatch {row['mismatch/token_mult_prob_error']:.4f}  "
+        f"gen {row['throughput/generation_tokens_per_s']:.0f} tok/s  "
+        f"train {row['throughput/train_tokens_per_s']:.0f} tok/s  "
+        f"step {row['timing/step_s']:.2f}s"
+    )
+
+
+def run_from_cli(
+    spec_path: Path, overrides: dict[str, Any], resume: bool, metrics_port: int | None, progress: bool
+) -> int:
+    """Returns the exit code: 0 done, 2 bad spec/output, 130 stopped by Ctrl-C."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from workers.driver import RunOptions, run
+
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    try:
+        spec = apply_overrides(load_spec(spec_path), overrides)
+    except SpecError as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+    stop = threading.Event()
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        console.print("stopping after this step (checkpoint saved); Ctrl-C again to abort")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    live = progress and console.is_terminal
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not live,
+    )
+    task_id = bar.add_task(spec.precision.recipe, total=spec.steps, info="starting Ray")
+
+    def on_step(row: dict[str, Any]) -> None:
+        bar.update(task_id, completed=row["step"], info=_format_row(row))
+        if not live:
+            console.print(_format_row(row), highlight=False)
+
+    opts = RunOptions(
+        resume=resume, metrics_port=metrics_port, stop=stop, on_step=on_step, log=lambda m: console.print(m)
+    )
+    try:
+        with bar:
+            result = run(spec, spec.output_dir, opts)
+    except (FileExistsError, ValueError) as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    console.print(f"run directory: {result.output_dir} (last step {result.last_step})")
+    if result.stopped:
+        print(f"resume with: fp8rl run {spec_path} --resume --output {result.output_dir}", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,287 @@
+"""The RL job spec: one pydantic model shared by the CLI, the control plane, the operator and the driver.
+
+Every field has a default a user can run with, a unit where it has one, and a description that
+ends up in the OpenAPI schema and the CRD. Unknown fields are errors (``extra="forbid"``), so a
+typo never silently falls back to a default. :func:`load_spec` turns validation errors into
+:class:`SpecError`, one line per problem: the field path, what was wrong, what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Recipe = Literal["bf16", "fp8-gen", "fp8-e2e"]
+IsMode = Literal["none", "tis", "icepop", "seq-tis", "seq-mask-tis", "geo-mask"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModel(_Strict):
+    """A small randomly initialised Llama/Qwen2 built from a config (no download): for CPU runs."""
+
+    arch: Literal["llama", "qwen2"] = Field("llama", description="Hugging Face architecture.")
+    hidden_size: int = Field(128, ge=16, le=16384, description="Model width.")
+    intermediate_size: int = Field(256, ge=16, le=65536, description="MLP width.")
+    num_layers: int = Field(2, ge=1, le=128, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, le=256, description="Attention heads.")
+    num_kv_heads: int = Field(2, ge=1, le=256, description="Key/value heads (GQA); divides num_heads.")
+    max_position_embeddings: int = Field(256, ge=16, le=1_048_576, description="Longest sequence, tokens.")
+    tie_word_embeddings: bool = Field(False, description="Share the embedding and lm_head weights.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        return self
+
+
+class ModelSpec(_Strict):
+    """The policy. Exactly one of ``name`` (Hugging Face) or ``tiny`` (inline config)."""
+
+    name: str | None = Field(
+        None, description="Hugging Face model id or local path (config, and weights if pretrained)."
+    )
+    pretrained: bool = Field(True, description="With `name`: load the weights; false: random init.")
+    tiny: TinyModel | None = Field(None, description="Inline tiny model config for CPU runs.")
+    init_seed: int = Field(0, ge=0, description="Seed of the random initialisation (tiny or not pretrained).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.name is None) == (self.tiny is None):
+            raise ValueError("set exactly one of model.name (Hugging Face id/path) or model.tiny")
+        return self
+
+
+class TokenizerSpec(_Strict):
+    """How text becomes token ids."""
+
+    kind: Literal["bytes", "huggingface"] = Field(
+        "bytes", description="`bytes`: one token per UTF-8 byte (vocab 259, no download); `huggingface`."
+    )
+    name: str | None = Field(None, description="Hugging Face tokenizer id/path; default: model.name.")
+
+
+class TaskSpec(_Strict):
+    """Prompts and rewards: a reasoning-gym generator, or a JSONL file of {question, answer}."""
+
+    reasoning_gym: str | None = Field(
+        "basic_arithmetic", description="reasoning-gym dataset name (e.g. basic_arithmetic, chain_sum)."
+    )
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the reasoning-gym generator."
+    )
+    dataset: str | None = Field(
+        None, description="JSONL file, one {question, answer} per line; replaces reasoning_gym."
+    )
+
+    @property
+    def generator(self) -> str | None:
+        """The reasoning-gym generator in use (None when a dataset file is used)."""
+        return None if self.dataset is not None else self.reasoning_gym
+
+    size: int = Field(10_000, ge=1, le=10_000_000, description="Number of distinct problems generated.")
+    seed: int = Field(0, ge=0, description="Seed of the problem generator.")
+    prompt_template: str = Field(
+        "{question}\nAnswer: ", description="Prompt text; `{question}` is replaced by the problem."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskSpec:
+        if (
+            self.dataset is not None
+            and self.reasoning_gym is not None
+            and "reasoning_gym" in self.model_fields_set
+        ):
+            raise ValueError("set only one of task.reasoning_gym and task.dataset")
+        if self.reasoning_gym is None and self.dataset is None:
+            raise ValueError("set task.reasoning_gym (a generator name) or task.dataset (a JSONL path)")
+        if "{question}" not in self.prompt_template:
+            raise ValueError("task.prompt_template must contain {question}")
+        return self
+
+
+class RolloutSpec(_Strict):
+    """Generation settings."""
+
+    prompts_per_step: int = Field(16, ge=1, le=65536, description="Distinct prompts per RL step.")
+    group_size: int = Field(8, ge=1, le=1024, description="Responses sampled per prompt (GRPO group).")
+    max_new_tokens: int = Field(32, ge=1, le=131072, description="Longest response, tokens.")
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int = Field(0, ge=0, description="Seed of prompt order and sampling.")
+
+
+class KlSpec(_Strict):
+    """Optional KL penalty against the initial policy."""
+
+    coef: float = Field(0.0, ge=0.0, le=10.0, description="Weight of the KL term; 0 disables it.")
+    kind: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+
+
+class ImportanceSamplingSpec(_Strict):
+    """Correction for the trainer/generator mismatch; w = exp(logp_trainer - logp_gen) per token."""
+
+    mode: IsMode = Field("tis", description="none | tis | icepop | seq-tis | seq-mask-tis | geo-mask.")
+    low: float = Field(0.5, ge=0.0, description="Lower bound on w (icepop, seq-mask-tis, geo-mask).")
+    high: float = Field(2.0, gt=0.0, description="Upper bound / truncation C on w.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ImportanceSamplingSpec:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
+        return self
+
+
+class AlgorithmSpec(_Strict):
+    """GRPO and its loss."""
+
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    advantage_normalization: Literal["std", "none"] = Field(
+        "std", description="Divide group-centred rewards by the group std (`std`) or not."
+    )
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip range below 1.")
+    clip_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip range above 1 (clip-higher).")
+    loss_aggregation: Aggregation = Field("token-mean", description="token-mean | seq-mean-token-mean.")
+    kl: KlSpec = Field(default_factory=KlSpec)
+    importance_sampling: ImportanceSamplingSpec = Field(default_factory=ImportanceSamplingSpec)
+    minibatches: int = Field(1, ge=1, le=1024, description="Optimizer steps per RL step.")
+
+
+class OptimizerSpec(_Strict):
+    """AdamW on the master weights."""
+
+    lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
+    micro_batch_size: int = Field(32, ge=1, le=65536, description="Sequences per forward/backward pass.")
+
+
+class WarmupSpec(_Strict):
+    """Optional supervised warm-up on the task's reference answers, before RL starts."""
+
+    sft_steps: int = Field(0, ge=0, le=100_000, description="Supervised steps; 0 disables the warm-up.")
+    batch_size: int = Field(64, ge=1, le=65536, description="Examples per supervised step.")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Supervised learning rate.")
+
+
+class PrecisionSpec(_Strict):
+    """Where FP8 is used (see README: precision recipes)."""
+
+    recipe: Recipe = Field("fp8-e2e", description="bf16 | fp8-gen | fp8-e2e.")
+    fp8_kv_cache: bool = Field(False, description="Store the generator's KV cache in FP8 (E4M3).")
+    keep_bf16_layers: tuple[int, int] = Field(
+        (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
+    )
+    power_of_two_scales: bool = Field(False, description="Round FP8 scales to powers of two.")
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Trainer's master weights and optimizer state."
+    )
+
+    @field_validator("keep_bf16_layers")
+    @classmethod
+    def _non_negative(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if min(v) < 0:
+            raise ValueError("layer counts must be >= 0")
+        return v
+
+
+class ResourcesSpec(_Strict):
+    """Ray actors and the devices each gets."""
+
+    generators: int = Field(1, ge=1, le=1024, description="Generator actors.")
+    trainers: int = Field(1, ge=1, le=1024, description="Trainer actors (data parallel).")
+    gpus_per_generator: int = Field(0, ge=0, le=16, description="GPUs per generator; 0 = CPU.")
+    gpus_per_trainer: int = Field(0, ge=0, le=16, description="GPUs per trainer; 0 = CPU.")
+    cpus_per_actor: float = Field(1.0, gt=0.0, le=256, description="Ray CPUs reserved per actor.")
+    threads_per_actor: int = Field(
+        0, ge=0, le=256, description="torch threads per actor; 0 = the cores shared out between the actors."
+    )
+    engine: Literal["native", "vllm", "megatron"] = Field(
+        "native", description="native (torch, CPU/GPU); vllm/megatron need a GPU image."
+    )
+
+
+class JobSpec(_Strict):
+    """One RL post-training job."""
+
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec(tiny=TinyModel()))
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    warmup: WarmupSpec = Field(default_factory=WarmupSpec)
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    steps: int = Field(20, ge=1, le=10_000_000, description="RL steps.")
+    checkpoint_interval: int = Field(10, ge=1, description="Steps between checkpoints (and at the end).")
+    output_dir: str = Field("runs/job", description="Metrics, checkpoints, audit and resolved spec go here.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        if self.tokenizer.kind == "huggingface" and self.tokenizer.name is None and self.model.name is None:
+            raise ValueError("tokenizer.name is required with tokenizer.kind=huggingface and model.tiny")
+        if self.tokenizer.kind == "bytes" and self.model.name is not None and self.model.pretrained:
+            raise ValueError("a pretrained model needs its own tokenizer: set tokenizer.kind=huggingface")
+        if self.resources.engine != "native" and self.resources.gpus_per_generator == 0:
+            raise ValueError(f"resources.engine={self.resources.engine} needs GPUs (gpus_per_generator >= 1)")
+        return self
+
+
+class SpecError(ValueError):
+    """A job spec that does not validate; ``problems`` holds one ``path: message`` per error."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(f"invalid job spec {source}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def describe_errors(err: ValidationError) -> list[str]:
+    """``field.path: message (got: value)`` for each pydantic error."""
+    out = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(spec)"
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r:.80})"
+        out.append(f"{path}: {e['msg']}{got}")
+    return out
+
+
+def parse_spec(data: Any, source: str = "") -> JobSpec:
+    """Validate a mapping (parsed YAML/JSON) as a :class:`JobSpec`; raise :class:`SpecError`."""
+    if not isinstance(data, dict):
+        raise SpecError(source, [f"(spec): expected a mapping of fields, got {type(data).__name__}"])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(source, describe_errors(err)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a YAML or JSON job spec; an ``RLJob`` manifest's ``spec.job`` is accepted too."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise SpecError(str(p), [f"cannot read the file: {err.strerror}"]) from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise SpecError(str(p), [f"not valid YAML/JSON: {err}"]) from None
+    if isinstance(data, dict) and data.get("kind") == "RLJob":
+        data = (data.get("spec") or {}).get("job", {})
+    return parse_spec(data, str(p))

@@ -1,0 +1,99 @@
+"""The job spec: defaults validate, every bad field is reported with its path and what is allowed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rljob import JobSpec, SpecError, load_spec, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def problems(data: object) -> list[str]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data, "test")
+    return info.value.problems
+
+
+def test_defaults_are_a_runnable_spec() -> None:
+    spec = JobSpec()
+    assert spec.precision.recipe == "fp8-e2e"
+    assert spec.model.tiny is not None and spec.model.name is None
+    assert spec.task.generator == "basic_arithmetic"
+
+
+def test_unknown_field_is_reported_with_its_path() -> None:
+    (p,) = problems({"rollout": {"tempreature": 0.7}})
+    assert p.startswith("rollout.tempreature:") and "Extra inputs are not permitted" in p
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    found = problems({"rollout": {"group_size": 0}, "precision": {"recipe": "fp9"}, "steps": -1})
+    paths = sorted(p.split(":")[0] for p in found)
+    assert paths == ["precision.recipe", "rollout.group_size", "steps"]
+    recipe = next(p for p in found if p.startswith("precision.recipe"))
+    assert "'bf16', 'fp8-gen' or 'fp8-e2e'" in recipe and "fp9" in recipe
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "needle"),
+    [
+        (
+            {"algorithm": {"importance_sampling": {"mode": "bogus"}}},
+            "algorithm.importance_sampling.mode",
+            "tis",
+        ),
+        (
+            {"algorithm": {"importance_sampling": {"low": 3.0, "high": 2.0}}},
+            "algorithm.importance_sampling",
+            "low",
+        ),
+        ({"algorithm": {"loss_aggregation": "sum"}}, "algorithm.loss_aggregation", "token-mean"),
+        ({"model": {"name": "x", "tiny": {}}}, "model", "exactly one"),
+        ({"model": {"tiny": {"hidden_size": 100, "num_heads": 3}}}, "model.tiny", "multiple of num_heads"),
+        ({"precision": {"keep_bf16_layers": [-1, 0]}}, "precision.keep_bf16_layers", ">= 0"),
+        ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
+        ({"task": {"prompt_template": "no placeholder"}}, "task", "{question}"),
+        ({"task": {"reasoning_gym": "chain_sum", "dataset": "a.jsonl"}}, "task", "only one"),
+        ({"resources": {"engine": "vllm"}}, "(spec)", "needs GPUs"),
+    ],
+)
+def test_bad_field(data: dict[str, object], path: str, needle: str) -> None:
+    found = problems(data)
+    assert any(p.startswith(path + ":") and needle in p for p in found), found
+
+
+def test_dataset_replaces_the_default_generator() -> None:
+    spec = parse_spec({"task": {"dataset": "problems.jsonl"}})
+    assert spec.task.generator is None and spec.task.dataset == "problems.jsonl"
+
+
+def test_not_a_mapping() -> None:
+    assert problems([1, 2]) == ["(spec): expected a mapping of fields, got list"]
+
+
+def test_load_yaml_json_and_rljob_manifest(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("steps: 3\nprecision:\n  recipe: bf16\n")
+    (tmp_path / "b.json").write_text(json.dumps({"steps": 4}))
+    (tmp_path / "c.yaml").write_text("kind: RLJob\nspec:\n  job:\n    steps: 5\n")
+    assert load_spec(tmp_path / "a.yaml").precision.recipe == "bf16"
+    assert load_spec(tmp_path / "b.json").steps == 4
+    assert load_spec(tmp_path / "c.yaml").steps == 5
+
+
+def test_load_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("steps: [1\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+
+
+def test_examples_validate() -> None:
+    specs = sorted(EXAMPLES.glob("*.yaml"))
+    assert specs, "examples/ should hold job specs"
+    for path in specs:
+        load_spec(path)

@@ -1,0 +1,107 @@
+"""Weight sync: packing is lossless, and a broadcast between two real processes (gloo) delivers
+tensors identical byte for byte, FP8 data, scales and BF16 alike, over several buckets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.multiprocessing import start_processes  # type: ignore[attr-defined]
+
+from workers.fp8.quant import Fp8Tensor, quantize
+from workers.weight_sync import BroadcastWeightSync, bucket_sizes, manifest_of, pack, unpack
+
+
+def payload(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layers.0.mlp.up_proj.weight": quantize(torch.randn(256, 192, generator=g), "e4m3", (128, 128)),
+        "layers.0.input_layernorm.weight": torch.randn(192, generator=g).to(torch.bfloat16),
+        "layers.0.self_attn.q_proj.weight": quantize(torch.randn(64, 64, generator=g), "e4m3", None),
+        "lm_head.weight": torch.randn(300, 64, generator=g).to(torch.bfloat16),
+        "lm_head.bias": torch.randn(300, generator=g),
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, Fp8Tensor):
+        return (
+            isinstance(b, Fp8Tensor)
+            and a.block == b.block
+            and a.fmt.name == b.fmt.name
+            and a.data.dtype == b.data.dtype
+            and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+            and torch.equal(a.scale, b.scale)
+        )
+    return (
+        isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 4096, 1 << 30])
+def test_pack_unpack_round_trip(seed: int, bucket_bytes: int) -> None:
+    sent = payload(seed)
+    manifest = manifest_of(sent)
+    buckets = pack(sent, manifest, bucket_bytes)
+    assert [b.numel() for b in buckets] == bucket_sizes(manifest, bucket_bytes)
+    # bytes on the wire, counted by hand: FP8 1 B/element + 4 B/scale, BF16 2 B, float32 4 B
+    expected = (256 * 192 + 4 * 2 * 2) + 2 * 192 + (64 * 64 + 4) + 2 * 300 * 64 + 4 * 300
+    assert sum(b.numel() for b in buckets) == expected
+    if bucket_bytes == 1:
+        assert len(buckets) == len(sent)  # each tensor alone
+    got = unpack(buckets, manifest)
+    assert list(got) == list(sent) and all(same(sent[k], got[k]) for k in sent)
+
+
+def test_sender_must_pass_a_payload_and_init_first() -> None:
+    sync = BroadcastWeightSync(0, 1, "tcp://127.0.0.1:1")
+    with pytest.raises(RuntimeError, match="init_communicator"):
+        sync.sync_weights(payload(0))
+
+
+def _member(rank: int, init_file: str, seed: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    sync = BroadcastWeightSync(rank, 2, f"file://{init_file}", "gloo", bucket_bytes=8192, timeout_s=120)
+    sync.init_communicator()
+    try:
+        for version in (1, 2):
+            result = sync.sync_weights(payload(seed + version) if rank == 0 else None)
+            assert result.version == version
+            if rank == 1:
+                torch.save(
+                    {
+                        k: (v.data.view(torch.uint8), v.scale) if isinstance(v, Fp8Tensor) else v
+                        for k, v in (result.payload or {}).items()
+                    },
+                    Path(out_dir) / f"v{version}.pt",
+                )
+                torch.save(
+                    {"bytes": result.bytes, "buckets": result.buckets}, Path(out_dir) / f"s{version}.pt"
+                )
+    finally:
+        sync.shutdown()
+
+
+def test_broadcast_between_two_processes_delivers_identical_tensors(seed: int, tmp_path: Path) -> None:
+    init_file = tmp_path / "rendezvous"
+    start_processes(
+        _member, args=(str(init_file), seed, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    for version in (1, 2):
+        sent = payload(seed + version)
+        got = torch.load(tmp_path / f"v{version}.pt", weights_only=True)
+        assert list(got) == list(sent)
+        for name, value in sent.items():
+            if isinstance(value, Fp8Tensor):
+                data, scale = got[name]
+                assert torch.equal(data, value.data.view(torch.uint8)) and torch.equal(scale, value.scale)
+            else:
+                assert got[name].dtype == value.dtype and torch.equal(got[name], value)
+        stats = torch.load(tmp_path / f"s{version}.pt", weights_only=True)
+        assert stats["buckets"] > 1 and stats["bytes"] == sum(
+            b.numel() for b in pack(sent, manifest_of(sent), 8192)
+        )

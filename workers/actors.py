@@ -1,0 +1,134 @@
+"""Ray actor shells around the engines: the only place where engines meet Ray and torch.distributed.
+
+Rank layout of the job's process group: trainers ``0..T-1``, generators ``T..T+G-1``. The weight
+sync group is trainer 0 plus every generator; with ``T > 1`` the trainers also form a data-parallel
+group for gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rljob.spec import JobSpec
+from workers.engines.protocols import Rollouts
+from workers.weight_sync import BroadcastWeightSync
+
+
+def _threads(spec: JobSpec) -> None:
+    # Default: share the node's cores between the actors. Oversubscribed OpenMP threads wait on
+    # busy cores and make small kernels 10-30x slower (measured on 2 cores).
+    actors = spec.resources.trainers + spec.resources.generators
+    n = spec.resources.threads_per_actor or max(1, (os.cpu_count() or 1) // actors)
+    torch.set_num_threads(n)
+
+
+def _device(gpus: int) -> str:
+    return "cuda" if gpus > 0 and torch.cuda.is_available() else "cpu"
+
+
+class _Member:
+    """What trainers and generators share: their rank and the communicator."""
+
+    def __init__(self, spec_json: str, rank: int, world_size: int) -> None:
+        self.spec = JobSpec.model_validate_json(spec_json)
+        self.rank, self.world_size = rank, world_size
+        self.sync: BroadcastWeightSync | None = None
+        self.dp_group: Any = None
+        _threads(self.spec)
+
+    def free_address(self) -> str:
+        """A ``tcp://ip:port`` on this node for the process group's rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return f"tcp://{ip}:{port}"
+
+    def _join(self, init_method: str, backend: str, trainers: int) -> None:
+        import torch.distributed as dist
+
+        world = list(range(self.world_size))
+        sync_ranks = None if trainers == 1 else [0, *world[trainers:]]
+        self.sync = BroadcastWeightSync(self.rank, self.world_size, init_method, backend, ranks=sync_ranks)
+        self.sync.init_communicator()
+        if trainers > 1:  # every rank must take part in creating every group
+            group = dist.new_group(world[:trainers])
+            self.dp_group = group if self.rank < trainers else None
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.shutdown()
+
+
+class TrainerWorker(_Member):
+    def __init__(self, spec_json: str, rank: int, world_size: int, vocab_size: int) -> None:
+        super().__init__(spec_json, rank, world_size)
+        self.vocab_size = vocab_size
+
+    def setup(self, init_method: str, backend: str) -> dict[str, Any]:
+        from workers.engines.native_trainer import NativeTrainer
+
+        self._join(init_method, backend, self.spec.resources.trainers)
+        device = _device(self.spec.resources.gpus_per_trainer)
+        self.engine = NativeTrainer(self.spec, self.vocab_size, device, self.dp_group)
+        self.sft_optimizer: torch.optim.Optimizer | None = None
+        return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
+
+    def sft_step(self, batch: Rollouts) -> float:
+        if self.sft_optimizer is None:
+            self.sft_optimizer = torch.optim.AdamW(self.engine.model.parameters(), lr=self.spec.warmup.lr)
+        return self.engine.sft_step(batch, self.sft_optimizer)
+
+    def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        out = self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
+        return out.logprobs_old, out.stats
+
+    def send_weights(self, fp8_names: list[str]) -> dict[str, float]:
+        assert self.sync is not None
+        if self.rank != 0:
+            return {}
+        result = self.sync.sync_weights(self.engine.export_weights(fp8_names))
+        return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
+
+    def save(self, directory: str) -> None:
+        if self.rank == 0:
+            torch.save(self.engine.state_dict(), Path(directory) / "trainer.pt")
+
+    def load(self, directory: str) -> None:
+        state = torch.load(Path(directory) / "trainer.pt", map_location=self.engine.device, weights_only=True)
+        self.engine.load_state_dict(state)
+
+
+class GeneratorWorker(_Member):
+    def __init__(
+        self, spec_json: str, rank: int, world_size: int, vocab_size: int, eos_id: int, pad_id: int
+    ) -> None:
+        super().__init__(spec_json, rank, world_size)
+        self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
+
+    def setup(self, init_method: str, backend: str) -> dict[str, Any]:
+        from workers.engines.native_generator import NativeGenerator
+
+        self._join(init_method, backend, self.spec.resources.trainers)
+        device = _device(self.spec.resources.gpus_per_generator)
+        self.engine = NativeGenerator(self.spec, self.vocab_size, self.eos_id, self.pad_id, device)
+        return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
+
+    def receive_weights(self) -> dict[str, float]:
+        assert self.sync is not None
+        result = self.sync.sync_weights(None)
+        assert result.payload is not None
+        self.engine.load_weights(result.payload)
+        return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
+
+    def generate(self, prompts: list[list[int]], seed: int) -> tuple[Rollouts, int]:
+        r = self.spec.rollout
+        out = self.engine.generate(prompts, r.max_new_tokens, r.temperature, r.top_p, seed)
+        return out, self.engine.kv_cache_bytes

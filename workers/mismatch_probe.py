@@ -1,0 +1,53 @@
+"""Mismatch of each recipe on the *same* weights: the controlled comparison behind the README.
+
+Run means of ``token_mult_prob_error`` compare different training trajectories, and mismatch
+depends on how sharp the policy is. Here one checkpoint's master weights go into each recipe's
+trainer and generator, the generator samples the same prompts with the same seeds, and the
+trainer scores them: only the precision recipe differs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rljob.spec import JobSpec
+from workers.algo.mismatch import mismatch_metrics
+from workers.engines.native_generator import NativeGenerator
+from workers.engines.native_trainer import NativeTrainer
+from workers.tasks import Task
+from workers.tokenizer import build_tokenizer
+
+RECIPES = ("bf16", "fp8-gen", "fp8-e2e")
+
+
+def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str, float]:
+    """Mean ``token_mult_prob_error`` per recipe over ``batches`` rollout batches of the spec."""
+    tok, task = build_tokenizer(spec), Task(spec.task)
+    state = None
+    if checkpoint is not None:
+        path = checkpoint / "trainer.pt" if checkpoint.is_dir() else checkpoint
+        state = torch.load(path, map_location="cpu", weights_only=True)["model"]
+    r = spec.rollout
+    out: dict[str, float] = {}
+    for recipe in RECIPES:
+        s = spec.model_copy(deep=True)
+        s.precision.recipe = recipe  # type: ignore[assignment]
+        trainer = NativeTrainer(s, tok.vocab_size)
+        if state is not None:
+            trainer.model.load_state_dict(state)
+        gen = NativeGenerator(s, tok.vocab_size, tok.eos_id, tok.pad_id)
+        gen.load_weights(
+            trainer.export_weights([f"{x.name}.weight" for x in gen.audit.rows if x.precision == "fp8"])
+        )
+        values = []
+        for b in range(batches):
+            problems = [p for p in task.sample(b, r.prompts_per_step, r.seed) for _ in range(r.group_size)]
+            batch = gen.generate(
+                [tok.encode(task.prompt(p)) for p in problems], r.max_new_tokens, r.temperature, r.top_p, b
+            )
+            m = mismatch_metrics(trainer.logprobs(batch, r.temperature), batch.logprobs, batch.response_mask)
+            values.append(m["mismatch/token_mult_prob_error"])
+        out[recipe] = sum(values) / len(values)
+    return out

@@ -1,0 +1,90 @@
+"""``fp8rl report``: reward, throughput and mismatch curves of one or several runs, as one PNG."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from workers.metrics import MetricsLog
+
+PANELS: tuple[tuple[str, str, float | None], ...] = (
+    ("reward/mean", "reward (mean)", None),
+    ("mismatch/token_mult_prob_error", "token_mult_prob_error (1.0 = no mismatch)", 1.05),
+    ("throughput/generation_tokens_per_s", "generation tokens/s", None),
+    ("throughput/train_tokens_per_s", "training tokens/s", None),
+    ("mismatch/gen_kl_error", "gen KL error (k3)", None),
+    ("mismatch/is_oob_ratio", "IS out-of-bounds fraction", None),
+)
+
+
+def load_run(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
+    """``(label, rows)`` of a run directory; the label is its name and recipe."""
+    rows = MetricsLog(run_dir / "metrics.jsonl").rows()
+    if not rows:
+        raise ValueError(f"{run_dir}: no metrics.jsonl with steps; is this an fp8rl run directory?")
+    label = run_dir.name
+    spec = run_dir / "spec.resolved.json"
+    if spec.exists():
+        import json
+
+        recipe = json.loads(spec.read_text()).get("precision", {}).get("recipe")
+        if recipe and recipe not in label:
+            label = f"{label} ({recipe})"
+    return label, rows
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (NaNs ignored)."""
+    out = []
+    for i in range(len(values)):
+        part = [v for v in values[max(0, i - window + 1) : i + 1] if not math.isnan(v)]
+        out.append(sum(part) / len(part) if part else math.nan)
+    return out
+
+
+def report(run_dirs: list[Path], output: Path, window: int = 5) -> Path:
+    """Draw the :data:`PANELS` for every run into ``output`` (PNG); return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_run(d) for d in run_dirs]
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11))
+    for ax, (key, title, line) in zip(axes.flat, PANELS, strict=True):
+        for label, rows in runs:
+            steps = [int(r["step"]) for r in rows]
+            values = [float(r.get(key, math.nan)) for r in rows]
+            ax.plot(steps, smooth(values, window), label=label)
+        if line is not None:
+            ax.axhline(line, color="red", linestyle="--", linewidth=0.8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"fp8rl runs (moving average over {window} steps)")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=90)
+    plt.close(fig)
+    return output
+
+
+def summary(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
+    """Per run: final reward (mean of the last ``last`` steps) and mean token_mult_prob_error."""
+    out = []
+    for d in run_dirs:
+        label, rows = load_run(d)
+        tail = rows[-last:]
+        tmpe = [float(r["mismatch/token_mult_prob_error"]) for r in rows]
+        out.append(
+            {
+                "run": label,
+                "steps": int(rows[-1]["step"]),
+                "first_reward": sum(float(r["reward/mean"]) for r in rows[:last]) / len(rows[:last]),
+                "final_reward": sum(float(r["reward/mean"]) for r in tail) / len(tail),
+                "token_mult_prob_error": sum(tmpe) / len(tmpe),
+            }
+        )
+    return out

@@ -1,0 +1,239 @@
+"""Weight sync: the trainer broadcasts its weights to the generators after every update.
+
+The protocol has four methods (as NeMo RL's): ``init_communicator``, ``sync_weights``,
+``is_stale``, ``shutdown``, so the driver never branches on the transport.
+:class:`BroadcastWeightSync` is the torch.distributed implementation: gloo on CPU, NCCL on GPU.
+
+Wire format of one sync, from the trainer (rank 0 of the sync group) to every generator:
+1. a manifest (``broadcast_object_list``): version and, per parameter, its kind (``fp8``: data +
+   float32 scales, or ``tensor``), dtype, shape, scale shape, block and format;
+2. the bytes, packed in order into uint8 buckets of at most ``bucket_bytes`` (a tensor larger than
+   a bucket travels alone), one ``broadcast`` per bucket.
+FP8 weights travel as the trainer's own data and scales; the generator wraps them back into
+:class:`~workers.fp8.quant.Fp8Tensor` and loads them without re-quantizing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from workers.fp8.formats import get_format
+from workers.fp8.quant import Fp8Tensor
+
+Payload = dict[str, Any]
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+class WeightSync(Protocol):
+    def init_communicator(self) -> None: ...
+
+    def sync_weights(self, payload: Payload | None = None) -> SyncResult: ...
+
+    def is_stale(self, version: int) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class SyncResult:
+    """One sync as one end saw it: the payload (receivers), its version, bytes moved and seconds."""
+
+    version: int
+    bytes: int
+    seconds: float
+    buckets: int
+    payload: Payload | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    kind: str  # fp8 | tensor
+    dtype: str
+    shape: tuple[int, ...]
+    scale_shape: tuple[int, ...] = ()
+    block: tuple[int, int] | None = None
+    fmt: str = ""
+
+    def nbytes(self) -> int:
+        n = _numel(self.shape) * torch.empty((), dtype=_dtype(self.dtype)).element_size()
+        return n + (4 * _numel(self.scale_shape) if self.kind == "fp8" else 0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight sync: unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def manifest_of(payload: Payload) -> list[_Entry]:
+    """The manifest of a payload, in a fixed (insertion) order."""
+    out = []
+    for name, v in payload.items():
+        if isinstance(v, Fp8Tensor):
+            out.append(
+                _Entry(
+                    name, "fp8", str(v.data.dtype), tuple(v.shape), tuple(v.scale.shape), v.block, v.fmt.name
+                )
+            )
+        elif isinstance(v, torch.Tensor):
+            out.append(_Entry(name, "tensor", str(v.dtype), tuple(v.shape)))
+        else:
+            raise TypeError(f"weight sync: {name} is a {type(v).__name__}, expected a Tensor or Fp8Tensor")
+    return out
+
+
+def pack(payload: Payload, manifest: list[_Entry], bucket_bytes: int) -> list[torch.Tensor]:
+    """The payload's bytes in uint8 buckets (see the module docstring)."""
+    buckets: list[torch.Tensor] = []
+    pending: list[torch.Tensor] = []
+    size = 0
+    for entry in manifest:
+        v = payload[entry.name]
+        parts = [_as_bytes(v.data), _as_bytes(v.scale.float())] if entry.kind == "fp8" else [_as_bytes(v)]
+        n = sum(p.numel() for p in parts)
+        if pending and size + n > bucket_bytes:
+            buckets.append(torch.cat(pending))
+            pending, size = [], 0
+        pending.extend(parts)
+        size += n
+    if pending:
+        buckets.append(torch.cat(pending))
+    return buckets
+
+
+def bucket_sizes(manifest: list[_Entry], bucket_bytes: int) -> list[int]:
+    """Sizes :func:`pack` produces for ``manifest`` (what a receiver allocates)."""
+    sizes: list[int] = []
+    size = 0
+    for entry in manifest:
+        n = entry.nbytes()
+        if size and size + n > bucket_bytes:
+            sizes.append(size)
+            size = 0
+        size += n
+    if size:
+        sizes.append(size)
+    return sizes
+
+
+def unpack(buckets: list[torch.Tensor], manifest: list[_Entry]) -> Payload:
+    """Inverse of :func:`pack`."""
+    flat = torch.cat(buckets) if len(buckets) > 1 else buckets[0]
+    payload: Payload = {}
+    offset = 0
+
+    def take(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nonlocal offset
+        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        t = flat[offset : offset + n].clone().view(dtype).reshape(shape)
+        offset += n
+        return t
+
+    for e in manifest:
+        if e.kind == "fp8":
+            data = take(e.shape, _dtype(e.dtype))
+            scale = take(e.scale_shape, torch.float32)
+            payload[e.name] = Fp8Tensor(data=data, scale=scale, block=e.block, fmt=get_format(e.fmt))
+        else:
+            payload[e.name] = take(e.shape, _dtype(e.dtype))
+    if offset != flat.numel():
+        raise RuntimeError(
+            f"weight sync: {flat.numel() - offset} bytes left after unpacking; manifests differ"
+        )
+    return payload
+
+
+class BroadcastWeightSync:
+    """Broadcast from the trainer (rank ``src`` of ``group``) to the generators over torch.distributed.
+
+    Every member calls :meth:`sync_weights` for each version: the trainer with the payload, the
+    generators with ``None``; they return the received payload in :class:`SyncResult`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        backend: str = "gloo",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 600.0,
+        src: int = 0,
+        ranks: list[int] | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.init_method = rank, world_size, init_method
+        self.backend, self.bucket_bytes, self.timeout_s, self.src = backend, bucket_bytes, timeout_s, src
+        self.ranks = ranks
+        self.group: Any = None
+        self.version = 0
+        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+
+    def init_communicator(self) -> None:
+        if not dist.is_initialized():
+            try:
+                dist.init_process_group(
+                    self.backend,
+                    init_method=self.init_method,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=timedelta(seconds=self.timeout_s),
+                )
+            except Exception as err:
+                raise RuntimeError(
+                    f"weight sync: rank {self.rank}/{self.world_size} could not join {self.init_method} "
+                    f"over {self.backend} ({err}); check that every trainer and generator started, "
+                    "that the address is reachable from all of them, and the port is free"
+                ) from err
+        self.group = dist.new_group(self.ranks) if self.ranks is not None else dist.group.WORLD
+
+    def is_stale(self, version: int) -> bool:
+        """True when weights of ``version`` are older than the last synced version."""
+        return version < self.version
+
+    def sync_weights(self, payload: Payload | None = None) -> SyncResult:
+        if self.group is None:
+            raise RuntimeError("weight sync: call init_communicator() first")
+        start = time.perf_counter()
+        sender = self.rank == self.src
+        if sender and payload is None:
+            raise ValueError("weight sync: the sender must pass a payload")
+        header: list[Any] = [(self.version + 1, manifest_of(payload))] if sender and payload else [None]
+        dist.broadcast_object_list(header, src=self.src, group=self.group)
+        version, manifest = header[0]
+        if sender and payload is not None:
+            buckets = [b.to(self.device) for b in pack(payload, manifest, self.bucket_bytes)]
+        else:
+            buckets = [
+                torch.empty(n, dtype=torch.uint8, device=self.device)
+                for n in bucket_sizes(manifest, self.bucket_bytes)
+            ]
+        for b in buckets:
+            dist.broadcast(b, src=self.src, group=self.group)
+        self.version = version
+        received = None if sender else unpack([b.cpu() for b in buckets], manifest)
+        nbytes = sum(b.numel() for b in buckets)
+        return SyncResult(version, nbytes, time.perf_counter() - start, len(buckets), received)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.group = None
