@@ -116,6 +116,45 @@ def run_cmd(
     raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress))
 
 
+@app.command("serve")
+def serve_cmd(
+    host: Annotated[str | None, typer.Option(help="Address to listen on (FP8RL_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (FP8RL_PORT).")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="SQLite and run directories (FP8RL_DATA_DIR).")
+    ] = None,
+    tokens_file: Annotated[
+        Path | None, typer.Option(help="YAML/JSON {token: tenant} (FP8RL_TOKENS_FILE).")
+    ] = None,
+    store: Annotated[str | None, typer.Option(help="sql (embedded default) (FP8RL_STORE).")] = None,
+) -> None:
+    """The control plane: REST API on the embedded default (SQLite + local Ray jobs)."""
+    import uvicorn
+
+    from service.app import create_app
+    from service.auth import TokenFileError
+    from service.executor import LocalExecutor
+    from service.settings import Settings
+    from service.store import SqlJobStore
+
+    given = {"host": host, "port": port, "data_dir": data_dir, "tokens_file": tokens_file, "store": store}
+    try:
+        settings = Settings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+        if settings.store != "sql":
+            raise ValueError("--store kubernetes is not available in this release; use --store sql")
+        db = SqlJobStore(settings.data_dir / "jobs.sqlite")
+        executor = LocalExecutor(db, settings.data_dir)
+        application = create_app(settings, db, executor=executor)
+    except (ValueError, TokenFileError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    executor.start()
+    try:
+        uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+    finally:
+        executor.shutdown()
+
+
 @app.command("report")
 def report_cmd(
     run_dirs: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Run output directories.")],

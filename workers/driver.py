@@ -357,8 +357,19 @@ def main(argv: list[str] | None = None) -> int:
         namespace=args.namespace,
         on_step=line,
     )
-    run(spec, args.output, opts)
-    return 0
+    # SIGINT/SIGTERM (suspend, pod eviction): finish the step, checkpoint, exit 130
+    import signal
+
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: opts.stop.set())
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        result = run(spec, args.output, opts)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 130 if result.stopped else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

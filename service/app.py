@@ -1,0 +1,101 @@
+"""The FastAPI application: routes, auth, body limits and error bodies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.responses import Response
+
+from fp8rl import __version__
+from service.auth import TokenAuth, load_tokens
+from service.executor import LocalExecutor
+from service.routes import jobs, runs
+from service.settings import Settings
+from service.store import SqlJobStore
+
+
+class BodyLimit(BaseHTTPMiddleware):
+    """413 for bodies over the limit, before they are read into memory."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        super().__init__(app)
+        self.limit = limit
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return JSONResponse(
+                {"detail": f"request body over {self.limit} bytes; job specs are small, check what is sent"},
+                status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+            )
+        return await call_next(request)
+
+
+def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = []
+    for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ())]
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        problems.append(
+            {"field": ".".join(loc) or "(body)", "message": e.get("msg", ""), "type": e.get("type", "")}
+        )
+    return JSONResponse({"detail": problems}, 422)
+
+
+def create_app(
+    settings: Settings,
+    store: SqlJobStore | None = None,
+    tokens: dict[str, str] | None = None,
+    executor: LocalExecutor | None = None,
+) -> FastAPI:
+    """The app for ``settings``; ``store`` and ``tokens`` default to what the settings name."""
+    if tokens is None:
+        if settings.tokens_file is None:
+            raise ValueError("no tokens: pass --tokens-file (or FP8RL_TOKENS_FILE) with {token: tenant}")
+        tokens = load_tokens(settings.tokens_file)
+    app = FastAPI(
+        title="fp8rl control plane",
+        version=__version__,
+        description="Submit and watch end-to-end FP8 RL post-training jobs.",
+    )
+    app.state.settings = settings
+    app.state.store = store or SqlJobStore(settings.data_dir / "jobs.sqlite")
+    app.state.auth = TokenAuth(tokens)
+    app.state.executor = executor
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.include_router(jobs.router)
+    app.include_router(runs.router)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
+    def metrics() -> str:
+        """Prometheus exposition: jobs per tenant and phase."""
+        from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+        registry = CollectorRegistry()
+        gauge = Gauge("fp8rl_jobs", "Jobs by tenant and phase", ("namespace", "phase"), registry=registry)
+        jobs_, _ = app.state.store.query(None, None, limit=1_000_000)
+        counts: dict[tuple[str, str], int] = {}
+        for j in jobs_:
+            key = (j.tenant, j.status.phase.value)
+            counts[key] = counts.get(key, 0) + 1
+        for (tenant, phase), n in counts.items():
+            gauge.labels(namespace=tenant, phase=phase).set(n)
+        return generate_latest(registry).decode()
+
+    @app.get("/readyz", tags=["health"])
+    def readyz() -> dict[str, str]:
+        app.state.store.query(None, None, limit=1)
+        return {"status": "ready"}
+
+    return app

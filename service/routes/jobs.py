@@ -1,0 +1,140 @@
+"""``/v1/jobs``: create, list, get, delete, suspend and resume RL jobs of the caller's tenant.
+
+A tenant only ever sees its own jobs: another tenant's job is 404, as if it did not exist.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request, status
+
+from rljob.status import ACTIONS, IllegalTransition, Phase
+from service.deps import SettingsDep, StoreDep, TenantDep
+from service.schemas import JobCreate, JobList, JobPublic
+from service.store import Job, JobExists, JobNotFound
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+def public(job: Job) -> JobPublic:
+    return JobPublic(
+        name=job.name,
+        tenant=job.tenant,
+        spec=job.spec,
+        status=job.status,
+        created=job.created,
+        updated=job.updated,
+    )
+
+
+def _gpus(job: Job) -> int:
+    r = job.spec.resources
+    return r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
+
+
+def _not_found(name: str) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found")
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+def create_job(
+    body: JobCreate, tenant: TenantDep, store: StoreDep, settings: SettingsDep, request: Request
+) -> JobPublic:
+    """Record a job (201). 409 if the name exists for this tenant; 403 over the tenant's limits."""
+    active = store.active(tenant)
+    if len(active) >= settings.max_concurrent_jobs:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"tenant {tenant!r} already has {len(active)} active jobs "
+            f"(limit {settings.max_concurrent_jobs}); "
+            "wait for one to finish, or cancel or suspend one",
+        )
+    r = body.spec.resources
+    wanted = r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
+    used = sum(_gpus(j) for j in active)
+    if used + wanted > settings.max_gpus:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"job asks for {wanted} GPUs and tenant {tenant!r} uses {used} of {settings.max_gpus}; "
+            "lower resources.gpus_per_* or wait for a job to finish",
+        )
+    try:
+        job = store.create(tenant, body.name, body.spec)
+    except JobExists:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"job {body.name!r} already exists; pick another name"
+        ) from None
+    executor = getattr(request.app.state, "executor", None)
+    if executor is not None:
+        executor.submit(job)
+    return public(job)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    tenant: TenantDep,
+    store: StoreDep,
+    phase: Annotated[Phase | None, Query(description="Only jobs in this phase.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+    offset: Annotated[int, Query(ge=0, le=10_000_000, description="Jobs to skip.")] = 0,
+) -> JobList:
+    """The tenant's jobs, oldest first, a page at a time."""
+    jobs, total = store.query(tenant, phase, limit, offset)
+    nxt = offset + len(jobs) if offset + len(jobs) < total else None
+    return JobList(items=[public(j) for j in jobs], total=total, next_offset=nxt)
+
+
+@router.get("/{name}", response_model=JobPublic)
+def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
+    """Spec, phase, conditions and the latest progress (step, reward, tokens/s, mismatch)."""
+    try:
+        return public(store.get(tenant, name))
+    except JobNotFound:
+        raise _not_found(name) from None
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> None:
+    """Cancel the job if it is active, then delete its record."""
+    try:
+        job = store.get(tenant, name)
+    except JobNotFound:
+        raise _not_found(name) from None
+    executor = getattr(request.app.state, "executor", None)
+    if executor is not None:
+        executor.cancel(job)
+    try:
+        store.delete(tenant, name)
+    except JobNotFound:
+        raise _not_found(name) from None
+
+
+def _action(name: str, action: str, tenant: str, store: StoreDep, request: Request) -> JobPublic:
+    target = ACTIONS[action]
+    try:
+        job = store.update(
+            tenant,
+            name,
+            lambda s: s.moved(target, f"User{action.capitalize()}d", f"{action} requested", action),
+        )
+    except JobNotFound:
+        raise _not_found(name) from None
+    except IllegalTransition as err:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(err)) from None
+    executor = getattr(request.app.state, "executor", None)
+    if executor is not None:
+        getattr(executor, action)(job)
+    return public(job)
+
+
+@router.post("/{name}:suspend", response_model=JobPublic)
+def suspend_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> JobPublic:
+    """Stop the job after its current step, with a checkpoint. 409 from a phase that cannot."""
+    return _action(name, "suspend", tenant, store, request)
+
+
+@router.post("/{name}:resume", response_model=JobPublic)
+def resume_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> JobPublic:
+    """Continue a suspended or failed job from its last checkpoint."""
+    return _action(name, "resume", tenant, store, request)

@@ -1,0 +1,72 @@
+"""What a job's driver wrote: ``/v1/jobs/{name}/metrics`` (per-step history) and ``/logs``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi.responses import StreamingResponse
+
+from rljob.status import ACTIVE
+from service.deps import SettingsDep, StoreDep, TenantDep
+from service.executor import read_metrics, run_dir
+from service.store import JobNotFound
+
+router = APIRouter(prefix="/v1/jobs", tags=["runs"])
+
+
+@router.get("/{name}/metrics")
+def job_metrics(
+    name: str,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    since: Annotated[int, Query(ge=0, description="Only steps after this one.")] = 0,
+) -> list[dict[str, Any]]:
+    """One object per completed step, as in the run's ``metrics.jsonl``."""
+    try:
+        job = store.get(tenant, name)
+    except JobNotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found") from None
+    return [r for r in read_metrics(settings.data_dir, job) if int(str(r.get("step", 0))) > since]
+
+
+@router.get("/{name}/logs")
+def job_logs(
+    name: str,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    request: Request,
+    follow: Annotated[bool, Query(description="Keep streaming until the job stops.")] = False,
+) -> StreamingResponse:
+    """The driver's log, streamed (``follow=true`` tails it while the job is active)."""
+    try:
+        job = store.get(tenant, name)
+    except JobNotFound:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found") from None
+    path = run_dir(settings.data_dir, job.tenant, job.name) / "driver.log"
+
+    async def stream() -> AsyncIterator[bytes]:
+        offset, tail = 0, follow
+        while True:
+            if path.exists():
+                with path.open("rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                offset += len(chunk)
+                if chunk:
+                    yield chunk
+            if not tail or await request.is_disconnected():
+                return
+            try:
+                if store.get(tenant, name).status.phase not in ACTIVE:
+                    tail = False  # one more read, then stop
+                    continue
+            except JobNotFound:
+                return
+            await asyncio.sleep(0.5)
+
+    return StreamingResponse(stream(), media_type="text/plain")
