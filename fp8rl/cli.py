@@ -93,6 +93,24 @@ def bench_mismatch(
         typer.echo(f"{recipe:<8} token_mult_prob_error {value:.5f}")
 
 
+@bench_app.command("api")
+def bench_api(
+    clients: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,10,50",
+    requests: Annotated[int, typer.Option(help="Requests per client per operation.")] = 20,
+) -> None:
+    """p50/p99 latency of POST and GET /v1/jobs on the embedded default (SQLite)."""
+    from service import bench
+
+    try:
+        levels = tuple(int(x) for x in clients.split(","))
+        if not levels or min(levels) < 1 or requests < 1:
+            raise ValueError
+    except ValueError as err:
+        typer.echo("error: --clients takes positive integers like 1,10,50; --requests >= 1", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(bench.format_table(bench.run(levels, requests)))
+
+
 @app.command("run")
 def run_cmd(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],

@@ -41,11 +41,18 @@ CREATE TABLE IF NOT EXISTS jobs (
     spec    TEXT NOT NULL,
     status  TEXT NOT NULL,
     phase   TEXT NOT NULL,
+    gpus    INTEGER NOT NULL,
     created TEXT NOT NULL,
     updated TEXT NOT NULL,
     PRIMARY KEY (tenant, name)
 )
 """
+
+
+def gpus_of(spec: JobSpec) -> int:
+    """GPUs a job requests: generators and trainers times their GPUs each."""
+    r = spec.resources
+    return r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
 
 
 def _now() -> datetime:
@@ -60,6 +67,7 @@ class SqlJobStore:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_tenant_phase ON jobs (tenant, phase)")
         self._lock = threading.Lock()
 
     def _row(self, row: tuple[str, ...]) -> Job:
@@ -79,13 +87,15 @@ class SqlJobStore:
         with self._lock:
             try:
                 self._db.execute(
-                    "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO jobs (tenant, name, spec, status, phase, gpus, created, updated) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         tenant,
                         name,
                         spec.model_dump_json(),
                         status.model_dump_json(),
                         status.phase.value,
+                        gpus_of(spec),
                         now,
                         now,
                     ),
@@ -145,9 +155,16 @@ class SqlJobStore:
         if cur.rowcount == 0:
             raise JobNotFound(name)
 
-    def active(self, tenant: str) -> list[Job]:
-        jobs, _ = self.query(tenant, None, limit=1_000_000)
-        return [j for j in jobs if j.status.phase in ACTIVE]
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(active jobs, GPUs they request) of a tenant, for its limits."""
+        phases = [p.value for p in ACTIVE]
+        with self._lock:
+            count, gpus = self._db.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(gpus), 0) FROM jobs WHERE tenant = ? AND phase IN "
+                f"({', '.join('?' * len(phases))})",
+                [tenant, *phases],
+            ).fetchone()
+        return int(count), int(gpus)
 
     def close(self) -> None:
         self._db.close()

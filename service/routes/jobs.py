@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from rljob.status import ACTIONS, IllegalTransition, Phase
 from service.deps import SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
-from service.store import Job, JobExists, JobNotFound
+from service.store import Job, JobExists, JobNotFound, gpus_of
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -28,11 +28,6 @@ def public(job: Job) -> JobPublic:
     )
 
 
-def _gpus(job: Job) -> int:
-    r = job.spec.resources
-    return r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
-
-
 def _not_found(name: str) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found")
 
@@ -42,17 +37,14 @@ def create_job(
     body: JobCreate, tenant: TenantDep, store: StoreDep, settings: SettingsDep, request: Request
 ) -> JobPublic:
     """Record a job (201). 409 if the name exists for this tenant; 403 over the tenant's limits."""
-    active = store.active(tenant)
-    if len(active) >= settings.max_concurrent_jobs:
+    active, used = store.usage(tenant)
+    if active >= settings.max_concurrent_jobs:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,
-            f"tenant {tenant!r} already has {len(active)} active jobs "
-            f"(limit {settings.max_concurrent_jobs}); "
-            "wait for one to finish, or cancel or suspend one",
+            f"tenant {tenant!r} already has {active} active jobs "
+            f"(limit {settings.max_concurrent_jobs}); wait for one to finish, or cancel or suspend one",
         )
-    r = body.spec.resources
-    wanted = r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
-    used = sum(_gpus(j) for j in active)
+    wanted = gpus_of(body.spec)
     if used + wanted > settings.max_gpus:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,

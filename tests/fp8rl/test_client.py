@@ -79,3 +79,25 @@ def test_token_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FP8RL_TOKEN", raising=False)
     result = runner.invoke(app, ["list"])
     assert result.exit_code == 2 and "FP8RL_TOKEN" in result.output
+
+
+def test_bench_api_prints_percentiles_for_each_level() -> None:
+    result = runner.invoke(app, ["bench", "api", "--clients", "1,3", "--requests", "4"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.strip().splitlines()[1:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("POST", "1", "4"),
+        ("GET", "1", "4"),
+        ("POST", "3", "12"),
+        ("GET", "3", "12"),
+    ]
+    for r in rows:
+        assert 0 < float(r[3]) <= float(r[4])  # p50 <= p99
+    assert runner.invoke(app, ["bench", "api", "--clients", "0"]).exit_code == 2
+
+
+def test_nearest_rank_percentile_by_hand() -> None:
+    from service.bench import percentile
+
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]  # sorted 1..5; p50: rank ceil(2.5)=3 -> 3; p99: rank 5 -> 5
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 20)) == (3.0, 5.0, 1.0)
