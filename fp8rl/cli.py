@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fp8rl import __version__
+
+if TYPE_CHECKING:
+    from rljob.spec import JobSpec
 
 app = typer.Typer(
     help="fp8rl: end-to-end FP8 reinforcement-learning post-training of LLMs.",
@@ -20,6 +23,17 @@ bench_app = typer.Typer(
     help="Performance benchmarks; each prints ratios measured in one run.", no_args_is_help=True
 )
 app.add_typer(bench_app, name="bench")
+
+
+def _load_spec(path: Path) -> JobSpec:
+    """The job spec at ``path``, or exit 2 with every bad field listed."""
+    from rljob.spec import SpecError, load_spec
+
+    try:
+        return load_spec(path)
+    except SpecError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
 
 
 def _version(value: bool) -> None:
@@ -81,14 +95,9 @@ def bench_mismatch(
     batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
-    from rljob.spec import SpecError, load_spec
     from workers.mismatch_probe import probe
 
-    try:
-        spec = load_spec(spec_path)
-    except SpecError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from err
+    spec = _load_spec(spec_path)
     for recipe, value in probe(spec, checkpoint, batches).items():
         typer.echo(f"{recipe:<8} token_mult_prob_error {value:.5f}")
 
@@ -217,13 +226,7 @@ def submit_cmd(
     output: Output = "table",
 ) -> None:
     """Submit a job spec to the control plane."""
-    from rljob.spec import SpecError, load_spec
-
-    try:
-        spec = load_spec(spec_path)
-    except SpecError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from err
+    spec = _load_spec(spec_path)
     client = _client(server, token)
     _show(_do(lambda: client.submit(name, spec.model_dump(mode="json"))), output)
 

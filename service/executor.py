@@ -14,7 +14,6 @@ Nothing stays Running forever: on start, jobs left Starting/Running by a previou
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from rljob.status import IllegalTransition, JobStatus, Phase, Progress
+from rljob.status import TERMINAL, IllegalTransition, JobStatus, Phase, Progress
 from service.store import Job, JobNotFound, SqlJobStore
 from workers.metrics import MetricsLog
 
@@ -34,6 +33,7 @@ class _Running:
     log: Path
     metrics: MetricsLog
     seen_step: int = 0
+    offset: int = 0  # bytes of metrics.jsonl already read
 
 
 def run_dir(data_dir: Path, tenant: str, name: str) -> Path:
@@ -96,7 +96,7 @@ class LocalExecutor:
         if running is not None:
             running.proc.kill()
             running.proc.wait()
-        if job.status.phase not in (Phase.SUCCEEDED, Phase.CANCELLED):
+        if job.status.phase not in TERMINAL:
             self._move(job, Phase.CANCELLED, "UserCancelled", "cancelled")
 
     def _signal(self, job: Job, sig: int) -> None:
@@ -116,7 +116,7 @@ class LocalExecutor:
             self.store.update(job.tenant, job.name, change)
 
     def _observe(self, key: tuple[str, str], r: _Running) -> None:
-        rows = r.metrics.rows()
+        rows, r.offset = r.metrics.read_new(r.offset)
         if rows and int(rows[-1]["step"]) != r.seen_step:
             r.seen_step = int(rows[-1]["step"])
             progress = Progress.from_row(rows[-1], r.job.spec.steps)
@@ -159,7 +159,3 @@ class LocalExecutor:
 
 def read_metrics(data_dir: Path, job: Job) -> list[dict[str, object]]:
     return MetricsLog(run_dir(data_dir, job.tenant, job.name) / "metrics.jsonl").rows()
-
-
-def describe(job: Job) -> str:
-    return json.dumps({"tenant": job.tenant, "name": job.name, "phase": job.status.phase.value})

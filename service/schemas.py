@@ -42,9 +42,3 @@ class JobList(BaseModel):
     items: list[JobPublic]
     total: int
     next_offset: int | None = Field(None, description="Pass as `offset` for the next page; null at the end.")
-
-
-class Problem(BaseModel):
-    """An error body: what went wrong, and for validation errors each field path."""
-
-    detail: str | list[dict[str, object]]

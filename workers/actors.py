@@ -62,10 +62,6 @@ class _Member:
             group = dist.new_group(world[:trainers])
             self.dp_group = group if self.rank < trainers else None
 
-    def shutdown(self) -> None:
-        if self.sync is not None:
-            self.sync.shutdown()
-
 
 class TrainerWorker(_Member):
     def __init__(self, spec_json: str, rank: int, world_size: int, vocab_size: int) -> None:
@@ -120,6 +116,12 @@ class GeneratorWorker(_Member):
         device = _device(self.spec.resources.gpus_per_generator)
         self.engine = NativeGenerator(self.spec, self.vocab_size, self.eos_id, self.pad_id, device)
         return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
+
+    def fp8_weight_names(self) -> list[str]:
+        """The weights this generator holds in FP8 (what the trainer must send as FP8)."""
+        from workers.fp8.export import fp8_weight_names
+
+        return fp8_weight_names(self.engine.model)
 
     def receive_weights(self) -> dict[str, float]:
         assert self.sync is not None

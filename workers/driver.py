@@ -80,11 +80,9 @@ class _Cluster:
         ]
         backend = "nccl" if res.gpus_per_trainer and res.gpus_per_generator else "gloo"
         address = ray.get(self.trainers[0].free_address.remote())
-        audits = ray.get([a.setup.remote(address, backend) for a in self.trainers + self.generators])
+        audits = ray.get([a.setup.remote(address, backend) for a in self.all()])
         self.trainer_audit, self.generator_audit = audits[0], audits[t]
-        self.fp8_names = [
-            f"{row['name']}.weight" for row in self.generator_audit["layers"] if row["precision"] == "fp8"
-        ]
+        self.fp8_names: list[str] = ray.get(self.generators[0].fp8_weight_names.remote())
 
     def all(self) -> list[Any]:
         return self.trainers + self.generators

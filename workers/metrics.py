@@ -140,6 +140,20 @@ class MetricsLog:
                 break  # a line cut by a crash: everything after it is lost anyway
         return out
 
+    def read_new(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """Complete lines after byte ``offset`` and the offset after them, for a reader that
+        polls a growing log without re-reading it. A file shorter than ``offset`` (truncated by
+        a resume) is read from the start."""
+        if not self.path.exists():
+            return [], 0
+        with self.path.open("rb") as f:
+            if f.seek(0, os.SEEK_END) < offset:
+                offset = 0
+            f.seek(offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()], offset + end
+
     def truncate(self, last_step: int) -> list[dict[str, Any]]:
         """Keep rows with ``step <= last_step`` (atomically); return them."""
         kept = [r for r in self.rows() if int(r.get("step", 0)) <= last_step]

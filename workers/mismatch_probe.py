@@ -16,6 +16,7 @@ from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.native_generator import NativeGenerator
 from workers.engines.native_trainer import NativeTrainer
+from workers.fp8.export import fp8_weight_names
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 
@@ -38,9 +39,7 @@ def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str,
         if state is not None:
             trainer.model.load_state_dict(state)
         gen = NativeGenerator(s, tok.vocab_size, tok.eos_id, tok.pad_id)
-        gen.load_weights(
-            trainer.export_weights([f"{x.name}.weight" for x in gen.audit.rows if x.precision == "fp8"])
-        )
+        gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
         values = []
         for b in range(batches):
             problems = [p for p in task.sample(b, r.prompts_per_step, r.seed) for _ in range(r.group_size)]

@@ -101,38 +101,38 @@ def manifest_of(payload: Payload) -> list[_Entry]:
     return out
 
 
-def pack(payload: Payload, manifest: list[_Entry], bucket_bytes: int) -> list[torch.Tensor]:
-    """The payload's bytes in uint8 buckets (see the module docstring)."""
-    buckets: list[torch.Tensor] = []
-    pending: list[torch.Tensor] = []
+def bucket_plan(manifest: list[_Entry], bucket_bytes: int) -> list[list[_Entry]]:
+    """Entries grouped in order into buckets of at most ``bucket_bytes`` (a larger entry travels
+    alone). Sender and receivers both derive the layout from the manifest with this one rule."""
+    plan: list[list[_Entry]] = []
     size = 0
     for entry in manifest:
-        v = payload[entry.name]
-        parts = [_as_bytes(v.data), _as_bytes(v.scale.float())] if entry.kind == "fp8" else [_as_bytes(v)]
-        n = sum(p.numel() for p in parts)
-        if pending and size + n > bucket_bytes:
-            buckets.append(torch.cat(pending))
-            pending, size = [], 0
-        pending.extend(parts)
+        n = entry.nbytes()
+        if not plan or (size and size + n > bucket_bytes):
+            plan.append([])
+            size = 0
+        plan[-1].append(entry)
         size += n
-    if pending:
-        buckets.append(torch.cat(pending))
+    return plan
+
+
+def pack(payload: Payload, manifest: list[_Entry], bucket_bytes: int) -> list[torch.Tensor]:
+    """The payload's bytes in uint8 buckets (see the module docstring)."""
+    buckets = []
+    for group in bucket_plan(manifest, bucket_bytes):
+        parts = []
+        for entry in group:
+            v = payload[entry.name]
+            parts += (
+                [_as_bytes(v.data), _as_bytes(v.scale.float())] if entry.kind == "fp8" else [_as_bytes(v)]
+            )
+        buckets.append(torch.cat(parts))
     return buckets
 
 
 def bucket_sizes(manifest: list[_Entry], bucket_bytes: int) -> list[int]:
     """Sizes :func:`pack` produces for ``manifest`` (what a receiver allocates)."""
-    sizes: list[int] = []
-    size = 0
-    for entry in manifest:
-        n = entry.nbytes()
-        if size and size + n > bucket_bytes:
-            sizes.append(size)
-            size = 0
-        size += n
-    if size:
-        sizes.append(size)
-    return sizes
+    return [sum(e.nbytes() for e in group) for group in bucket_plan(manifest, bucket_bytes)]
 
 
 def unpack(buckets: list[torch.Tensor], manifest: list[_Entry]) -> Payload:

@@ -86,13 +86,14 @@ class NativeTrainer:
             dist.all_reduce(t, group=self.dp_group)
         return t
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> float:
+        """Sum gradients over the trainers, clip, step, clear; returns the norm before clipping."""
         for p in self.model.parameters():
             if p.grad is not None and self.dp_group is not None:
                 dist.all_reduce(p.grad, group=self.dp_group)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optimizer.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
     def train_step(self, batch: Rollouts, rewards: torch.Tensor, temperature: float) -> TrainStats:
@@ -133,7 +134,7 @@ class NativeTrainer:
                 totals["is_sum"] += out.is_weight_sum
                 totals["is_max"] = max(totals["is_max"], out.is_weight_max)
                 totals["kl"] += out.kl_sum
-            totals["grad_norm"] = max(totals["grad_norm"], self._optimizer_step())
+            totals["grad_norm"] = max(totals["grad_norm"], self._optimizer_step(self.optimizer))
         tokens = max(float(batch.response_mask.sum()), 1.0)
         stats = {
             "train/loss": totals["loss"],
@@ -157,12 +158,7 @@ class NativeTrainer:
             loss = -logp.sum() / tokens.clamp(min=1.0)
             torch.autograd.backward(loss)
             total += float(loss.detach())
-        for p in self.model.parameters():
-            if p.grad is not None and self.dp_group is not None:
-                dist.all_reduce(p.grad, group=self.dp_group)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optimizer.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self._optimizer_step(optimizer)
         return total
 
     # -- weights and state -----------------------------------------------------------------------

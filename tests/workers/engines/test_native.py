@@ -22,6 +22,7 @@ from workers.algo.mismatch import mismatch_metrics
 from workers.engines.native_generator import Fp8KvCache, NativeGenerator, sample_top_p
 from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import left_pad, positions
+from workers.fp8.export import fp8_weight_names
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -43,8 +44,7 @@ def spec_for(recipe: str, seed: int, **precision: Any) -> JobSpec:
 def engines(spec: JobSpec) -> tuple[NativeTrainer, NativeGenerator]:
     trainer = NativeTrainer(spec, TOK.vocab_size)
     gen = NativeGenerator(spec, TOK.vocab_size, TOK.eos_id, TOK.pad_id)
-    fp8_names = [f"{r.name}.weight" for r in gen.audit.rows if r.precision == "fp8"]
-    gen.load_weights(trainer.export_weights(fp8_names))
+    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
     return trainer, gen
 
 
