@@ -154,33 +154,55 @@ def serve_cmd(
     tokens_file: Annotated[
         Path | None, typer.Option(help="YAML/JSON {token: tenant} (FP8RL_TOKENS_FILE).")
     ] = None,
-    store: Annotated[str | None, typer.Option(help="sql (embedded default) (FP8RL_STORE).")] = None,
+    store: Annotated[
+        str | None, typer.Option(help="sql (embedded default) or kubernetes (RLJobs) (FP8RL_STORE).")
+    ] = None,
+    kubeconfig: Annotated[
+        str | None, typer.Option(help="With --store kubernetes outside a pod (FP8RL_KUBECONFIG).")
+    ] = None,
 ) -> None:
-    """The control plane: REST API on the embedded default (SQLite + local Ray jobs)."""
+    """The control plane. --store sql: SQLite + jobs run as local drivers (the embedded default).
+    --store kubernetes: each job is an RLJob in the tenant's namespace, run by `fp8rl operator`."""
     import uvicorn
 
     from service.app import create_app
     from service.auth import TokenFileError
-    from service.executor import LocalExecutor
+    from service.executor import Executor, LocalExecutor
     from service.settings import Settings
-    from service.store import SqlJobStore
+    from service.store import JobStore, SqlJobStore
 
-    given = {"host": host, "port": port, "data_dir": data_dir, "tokens_file": tokens_file, "store": store}
+    given = {
+        "host": host,
+        "port": port,
+        "data_dir": data_dir,
+        "tokens_file": tokens_file,
+        "store": store,
+        "kubeconfig": kubeconfig,
+    }
+    local: LocalExecutor | None = None
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
-        if settings.store != "sql":
-            raise ValueError("--store kubernetes is not available in this release; use --store sql")
-        db = SqlJobStore(settings.data_dir / "jobs.sqlite")
-        executor = LocalExecutor(db, settings.data_dir)
+        db: JobStore
+        executor: Executor
+        if settings.store == "kubernetes":
+            from service.kube_store import KubernetesJobStore, OperatorHandoff, api_client
+
+            kube = KubernetesJobStore(api_client(settings.kubeconfig))
+            db, executor = kube, OperatorHandoff(kube)
+        else:
+            db = SqlJobStore(settings.data_dir / "jobs.sqlite")
+            executor = local = LocalExecutor(db, settings.data_dir)
         application = create_app(settings, db, executor=executor)
     except (ValueError, TokenFileError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
-    executor.start()
+    if local is not None:
+        local.start()
     try:
         uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
     finally:
-        executor.shutdown()
+        if local is not None:
+            local.shutdown()
 
 
 Server = Annotated[str | None, typer.Option(help="Control-plane URL (FP8RL_SERVER).")]

@@ -12,10 +12,10 @@ from starlette.responses import Response
 
 from fp8rl import __version__
 from service.auth import TokenAuth, load_tokens
-from service.executor import LocalExecutor
+from service.executor import Executor
 from service.routes import jobs, runs
 from service.settings import Settings
-from service.store import SqlJobStore
+from service.store import JobStore, SqlJobStore
 
 
 class BodyLimit(BaseHTTPMiddleware):
@@ -48,11 +48,20 @@ def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": problems}, 422)
 
 
+def _kube_error(request: Request, exc: Exception) -> JSONResponse:
+    """The Kubernetes API failed or could not be reached: 503, never a bare 500."""
+    what = f"{getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or type(exc).__name__}".strip()
+    return JSONResponse(
+        {"detail": f"the Kubernetes API server did not accept the request ({what}); try again later"},
+        status.HTTP_503_SERVICE_UNAVAILABLE,
+    )
+
+
 def create_app(
     settings: Settings,
-    store: SqlJobStore | None = None,
+    store: JobStore | None = None,
     tokens: dict[str, str] | None = None,
-    executor: LocalExecutor | None = None,
+    executor: Executor | None = None,
 ) -> FastAPI:
     """The app for ``settings``; ``store`` and ``tokens`` default to what the settings name."""
     if tokens is None:
@@ -70,6 +79,12 @@ def create_app(
     app.state.executor = executor
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    if settings.store == "kubernetes":
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        app.add_exception_handler(ApiException, _kube_error)
+        app.add_exception_handler(HTTPError, _kube_error)
     app.include_router(jobs.router)
     app.include_router(runs.router)
 
@@ -95,7 +110,8 @@ def create_app(
 
     @app.get("/readyz", tags=["health"])
     def readyz() -> dict[str, str]:
-        app.state.store.query(None, None, limit=1)
+        """Ready when the store answers (SQLite, or the Kubernetes API server)."""
+        app.state.store.ping()
         return {"status": "ready"}
 
     return app

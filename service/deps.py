@@ -8,11 +8,11 @@ from fastapi import Depends, HTTPException, Request, status
 
 from service.auth import TokenAuth
 from service.settings import Settings
-from service.store import SqlJobStore
+from service.store import JobStore
 
 
-def get_store(request: Request) -> SqlJobStore:
-    store: SqlJobStore = request.app.state.store
+def get_store(request: Request) -> JobStore:
+    store: JobStore = request.app.state.store
     return store
 
 
@@ -33,6 +33,6 @@ def get_tenant(request: Request) -> str:
     return tenant
 
 
-StoreDep = Annotated[SqlJobStore, Depends(get_store)]
+StoreDep = Annotated[JobStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 TenantDep = Annotated[str, Depends(get_tenant)]

@@ -7,29 +7,94 @@ metrics line makes it Running, exit 0 Succeeded, any other exit Failed with the 
 log's last line (resumable from the last checkpoint). Suspend sends SIGINT, which the driver answers
 by checkpointing after the current step; resume starts the driver again with ``--resume``.
 
-Nothing stays Running forever: on start, jobs left Starting/Running by a previous service process
-(whose driver is gone) are marked Failed with reason ``ServiceRestarted`` and can be resumed.
+Drivers run in their own session, so they outlive a restart of the service. Each run directory
+holds ``driver.pid`` (pid and the process's start time, which tells a live driver from a reused
+pid). On start, a job left Starting/Running by a previous service process is re-attached if its
+driver still runs: it is watched as before, and when it exits the outcome is read from what it
+wrote (its last step reaching ``steps`` is Succeeded; otherwise Failed, reason ``WorkerExited``).
+If the driver is gone, the job is Succeeded if it finished, else Failed with reason
+``ServiceRestarted``, resumable. Nothing stays Running forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rljob.status import TERMINAL, IllegalTransition, JobStatus, Phase, Progress
-from service.store import Job, JobNotFound, SqlJobStore
+from service.store import Job, JobNotFound, JobStore
 from workers.metrics import MetricsLog
+
+
+class Executor(Protocol):
+    """What the routes call after recording a user's action."""
+
+    runs_locally: bool  # its jobs write their logs and metrics under the service's data dir
+
+    def submit(self, job: Job) -> None: ...
+
+    def suspend(self, job: Job) -> None: ...
+
+    def resume(self, job: Job) -> None: ...
+
+    def cancel(self, job: Job) -> None: ...
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None
+    if there is no such process or it has exited (a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+UNKNOWN_EXIT = -1000  # a re-attached driver is not our child: its exit code cannot be read
+
+
+class _Process:
+    """A driver process: started here (``Popen``) or re-attached after a restart (pid only)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None, started: str = "") -> None:
+        self.pid, self.popen = pid, popen
+        self.started = started or (_start_time(pid) or "")
+
+    def poll(self) -> int | None:
+        """None while it runs; the exit code when known; ``UNKNOWN_EXIT`` for a re-attached one."""
+        if self.popen is not None:
+            return self.popen.poll()
+        return None if _start_time(self.pid) == self.started else UNKNOWN_EXIT
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the driver's whole process group: its session holds the local Ray processes."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait()
 
 
 @dataclass
 class _Running:
     job: Job
-    proc: subprocess.Popen[bytes]
+    proc: _Process
     log: Path
     metrics: MetricsLog
     seen_step: int = 0
@@ -40,8 +105,15 @@ def run_dir(data_dir: Path, tenant: str, name: str) -> Path:
     return data_dir / "runs" / tenant / name
 
 
+def _finished(job: Job, metrics: MetricsLog) -> bool:
+    rows = metrics.rows()
+    return bool(rows) and int(str(rows[-1]["step"])) >= job.spec.steps
+
+
 class LocalExecutor:
-    def __init__(self, store: SqlJobStore, data_dir: Path, poll_s: float = 0.5) -> None:
+    runs_locally = True
+
+    def __init__(self, store: JobStore, data_dir: Path, poll_s: float = 0.5) -> None:
         self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
         self._procs: dict[tuple[str, str], _Running] = {}
         self._lock = threading.Lock()
@@ -51,16 +123,35 @@ class LocalExecutor:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Recover after a restart, start pending jobs, then watch."""
+        """Recover after a restart (re-attach live drivers), start pending jobs, then watch."""
         jobs, _ = self.store.query(None, None, limit=1_000_000)
         for job in jobs:
             if job.status.phase in (Phase.STARTING, Phase.RUNNING):
-                self._move(
-                    job, Phase.FAILED, "ServiceRestarted", "the control plane restarted; resume the job"
-                )
+                self._recover(job)
             elif job.status.phase is Phase.PENDING:
                 self.submit(job)
         self._thread.start()
+
+    def _recover(self, job: Job) -> None:
+        out = run_dir(self.data_dir, job.tenant, job.name)
+        metrics = MetricsLog(out / "metrics.jsonl")
+        try:
+            record = json.loads((out / "driver.pid").read_text())
+            proc = _Process(int(record["pid"]), started=str(record["started"]))
+        except (OSError, ValueError, KeyError):
+            proc = None
+        if proc is not None and proc.poll() is None:
+            with self._lock:
+                self._procs[(job.tenant, job.name)] = _Running(job, proc, out / "driver.log", metrics)
+        elif _finished(job, metrics):
+            self._move(job, Phase.SUCCEEDED, "Completed", "finished while the control plane was down")
+        else:
+            self._move(
+                job,
+                Phase.FAILED,
+                "ServiceRestarted",
+                "the driver stopped while the control plane was down; resume the job",
+            )
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -79,7 +170,9 @@ class LocalExecutor:
         cmd += ["--job", job.name, "--namespace", job.tenant] + (["--resume"] if resume else [])
         log = out / "driver.log"
         with log.open("ab") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = _Process(popen.pid, popen)
+        (out / "driver.pid").write_text(json.dumps({"pid": proc.pid, "started": proc.started}))
         with self._lock:
             self._procs[(job.tenant, job.name)] = _Running(job, proc, log, MetricsLog(out / "metrics.jsonl"))
         self._move(job, Phase.STARTING, "ProcessStarted", f"driver pid {proc.pid}")
@@ -95,14 +188,13 @@ class LocalExecutor:
             running = self._procs.pop((job.tenant, job.name), None)
         if running is not None:
             running.proc.kill()
-            running.proc.wait()
         if job.status.phase not in TERMINAL:
             self._move(job, Phase.CANCELLED, "UserCancelled", "cancelled")
 
     def _signal(self, job: Job, sig: int) -> None:
         with self._lock:
             running = self._procs.get((job.tenant, job.name))
-        if running is not None and running.proc.poll() is None:
+        if running is not None:
             running.proc.send_signal(sig)
 
     # -- observation ----------------------------------------------------------------------------
@@ -142,12 +234,13 @@ class LocalExecutor:
             return
         if current is Phase.SUSPENDED or current is Phase.CANCELLED:
             return
-        if code == 0:
+        if code == 0 or (code == UNKNOWN_EXIT and _finished(r.job, r.metrics)):
             self._move(r.job, Phase.SUCCEEDED, "Completed", f"finished step {r.seen_step}")
         else:
             lines = r.log.read_text(errors="replace").strip().splitlines() if r.log.exists() else []
             last = lines[-1][:300] if lines else ""
-            self._move(r.job, Phase.FAILED, "WorkerExited", f"driver exited with code {code}: {last}")
+            how = "with an unknown code (re-attached)" if code == UNKNOWN_EXIT else f"with code {code}"
+            self._move(r.job, Phase.FAILED, "WorkerExited", f"driver exited {how}: {last}")
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.poll_s):

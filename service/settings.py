@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TenantLimits(BaseModel):
+    """Limits of one tenant; unset fields take the service-wide ``max_*`` settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent_jobs: int | None = Field(None, ge=0, description="Jobs Pending/Starting/Running.")
+    max_gpus: int | None = Field(None, ge=0, description="GPUs requested by its active jobs.")
 
 
 class Settings(BaseSettings):
@@ -21,6 +30,20 @@ class Settings(BaseSettings):
     store: Literal["sql", "kubernetes"] = Field("sql", description="Where jobs are recorded.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body, bytes.")
     max_concurrent_jobs: int = Field(
-        4, ge=1, description="Per tenant: jobs Pending/Starting/Running at once."
+        4, ge=0, description="Each tenant's default: jobs Pending/Starting/Running at once."
     )
-    max_gpus: int = Field(8, ge=0, description="Per tenant: GPUs requested by its active jobs.")
+    max_gpus: int = Field(8, ge=0, description="Each tenant's default: GPUs requested by its active jobs.")
+    tenant_limits: dict[str, TenantLimits] = Field(
+        default_factory=dict,
+        description='Per-tenant overrides, e.g. {"team-a": {"max_gpus": 32}} (JSON in FP8RL_TENANT_LIMITS).',
+    )
+    kubeconfig: str | None = Field(
+        None, description="--store kubernetes outside a pod: kubeconfig file (default: KUBECONFIG)."
+    )
+
+    def limits(self, tenant: str) -> tuple[int, int]:
+        """(max concurrent jobs, max GPUs) of ``tenant``."""
+        own = self.tenant_limits.get(tenant, TenantLimits())
+        jobs = own.max_concurrent_jobs if own.max_concurrent_jobs is not None else self.max_concurrent_jobs
+        gpus = own.max_gpus if own.max_gpus is not None else self.max_gpus
+        return jobs, gpus

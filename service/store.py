@@ -1,7 +1,8 @@
-"""Job stores. ``SqlJobStore`` keeps jobs in SQLite (the embedded default): one row per (tenant,
-name), the spec and status as JSON. A UNIQUE constraint makes concurrent creates of one name
-record it exactly once; status changes are read-check-write under one lock, through the state
-machine in ``rljob.status``."""
+"""Job stores behind one protocol, ``JobStore``. ``SqlJobStore`` keeps jobs in SQLite (the embedded
+default): one row per (tenant, name), the spec and status as JSON. A UNIQUE constraint makes
+concurrent creates of one name record it exactly once; status changes are read-check-write under
+one lock, through the state machine in ``rljob.status``. ``service.kube_store.KubernetesJobStore``
+keeps each job as an RLJob custom resource instead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 from rljob.spec import JobSpec
 from rljob.status import ACTIVE, JobStatus, Phase
@@ -24,6 +26,10 @@ class JobNotFound(Exception):
     pass
 
 
+class TenantNamespaceMissing(Exception):
+    """``--store kubernetes``: the tenant's namespace does not exist on the cluster."""
+
+
 @dataclass
 class Job:
     tenant: str
@@ -32,6 +38,28 @@ class Job:
     status: JobStatus
     created: datetime
     updated: datetime
+
+
+class JobStore(Protocol):
+    """What the routes and executors need from a store. ``tenant=None`` in ``query`` means all."""
+
+    def create(self, tenant: str, name: str, spec: JobSpec) -> Job: ...
+
+    def get(self, tenant: str, name: str) -> Job: ...
+
+    def query(
+        self, tenant: str | None, phase: Phase | None = None, limit: int = 50, offset: int = 0
+    ) -> tuple[list[Job], int]: ...
+
+    def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job: ...
+
+    def delete(self, tenant: str, name: str) -> None: ...
+
+    def usage(self, tenant: str) -> tuple[int, int]: ...
+
+    def ping(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 _SCHEMA = """
@@ -165,6 +193,10 @@ class SqlJobStore:
                 [tenant, *phases],
             ).fetchone()
         return int(count), int(gpus)
+
+    def ping(self) -> None:
+        with self._lock:
+            self._db.execute("SELECT 1 FROM jobs LIMIT 1").fetchall()
 
     def close(self) -> None:
         self._db.close()

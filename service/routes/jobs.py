@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from rljob.status import ACTIONS, IllegalTransition, Phase
 from service.deps import SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
-from service.store import Job, JobExists, JobNotFound, gpus_of
+from service.store import Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -37,18 +37,19 @@ def create_job(
     body: JobCreate, tenant: TenantDep, store: StoreDep, settings: SettingsDep, request: Request
 ) -> JobPublic:
     """Record a job (201). 409 if the name exists for this tenant; 403 over the tenant's limits."""
+    max_jobs, max_gpus = settings.limits(tenant)
     active, used = store.usage(tenant)
-    if active >= settings.max_concurrent_jobs:
+    if active >= max_jobs:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,
             f"tenant {tenant!r} already has {active} active jobs "
-            f"(limit {settings.max_concurrent_jobs}); wait for one to finish, or cancel or suspend one",
+            f"(limit {max_jobs}); wait for one to finish, or cancel or suspend one",
         )
     wanted = gpus_of(body.spec)
-    if used + wanted > settings.max_gpus:
+    if used + wanted > max_gpus:
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,
-            f"job asks for {wanted} GPUs and tenant {tenant!r} uses {used} of {settings.max_gpus}; "
+            f"job asks for {wanted} GPUs and tenant {tenant!r} uses {used} of {max_gpus}; "
             "lower resources.gpus_per_* or wait for a job to finish",
         )
     try:
@@ -57,6 +58,8 @@ def create_job(
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"job {body.name!r} already exists; pick another name"
         ) from None
+    except TenantNamespaceMissing as err:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
     executor = getattr(request.app.state, "executor", None)
     if executor is not None:
         executor.submit(job)

@@ -17,12 +17,25 @@ from service.store import JobNotFound
 router = APIRouter(prefix="/v1/jobs", tags=["runs"])
 
 
+def _local_only(request: Request, what: str) -> None:
+    """With ``--store kubernetes`` the driver runs in the job's Ray cluster, not beside the service."""
+    executor = request.app.state.executor
+    if executor is not None and not executor.runs_locally:
+        raise HTTPException(
+            status.HTTP_501_NOT_IMPLEMENTED,
+            f"{what} is not kept by the control plane with --store kubernetes: the driver runs in the "
+            "job's RayJob. Read the fp8rl_* series in Prometheus/Grafana, `kubectl logs` of the "
+            "RayJob's submitter pod, or metrics.jsonl under the job's output_dir",
+        )
+
+
 @router.get("/{name}/metrics")
 def job_metrics(
     name: str,
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
+    request: Request,
     since: Annotated[int, Query(ge=0, description="Only steps after this one.")] = 0,
 ) -> list[dict[str, Any]]:
     """One object per completed step, as in the run's ``metrics.jsonl``."""
@@ -30,6 +43,7 @@ def job_metrics(
         job = store.get(tenant, name)
     except JobNotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found") from None
+    _local_only(request, "per-step history")
     return [r for r in read_metrics(settings.data_dir, job) if int(str(r.get("step", 0))) > since]
 
 
@@ -47,6 +61,7 @@ def job_logs(
         job = store.get(tenant, name)
     except JobNotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found") from None
+    _local_only(request, "the driver log")
     path = run_dir(settings.data_dir, job.tenant, job.name) / "driver.log"
 
     async def stream() -> AsyncIterator[bytes]:

@@ -143,6 +143,25 @@ def test_tenant_limits(tmp_path: Path) -> None:
     assert api.post("/v1/jobs", json={"name": "d"}, headers=auth(ALICE)).status_code == 201
 
 
+def test_per_tenant_limit_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8RL_TENANT_LIMITS overrides the service-wide limits for the tenants it names."""
+    monkeypatch.setenv(
+        "FP8RL_TENANT_LIMITS", '{"team-a": {"max_concurrent_jobs": 1}, "team-b": {"max_gpus": 0}}'
+    )
+    settings = Settings(data_dir=tmp_path, max_concurrent_jobs=3, max_gpus=4)
+    assert settings.limits("team-a") == (1, 4) and settings.limits("team-b") == (3, 0)
+    assert settings.limits("team-z") == (3, 4)
+    api = TestClient(create_app(settings, tokens=TOKENS))
+    assert api.post("/v1/jobs", json={"name": "a1"}, headers=auth(ALICE)).status_code == 201
+    r = api.post("/v1/jobs", json={"name": "a2"}, headers=auth(ALICE))
+    assert r.status_code == 403 and "limit 1" in r.json()["detail"]
+    gpu_job = {"resources": {"gpus_per_generator": 1}}
+    r = api.post("/v1/jobs", json={"name": "b1", "spec": gpu_job}, headers=auth(BOB))
+    assert r.status_code == 403 and "uses 0 of 0" in r.json()["detail"]
+    for i in range(3):
+        assert api.post("/v1/jobs", json={"name": f"b{i}"}, headers=auth(BOB)).status_code == 201
+
+
 def test_fifty_clients_at_once_record_every_job_exactly_once(tmp_path: Path) -> None:
     api = client(tmp_path, max_concurrent_jobs=1000)
     with ThreadPoolExecutor(50) as pool:

@@ -1,8 +1,12 @@
 """A tiny real job through the API on the embedded default: submit, progress, suspend, resume,
-succeed; and a restart that finds a job Running with no driver marks it Failed (resumable)."""
+succeed; a driver that dies (Failed with a reason, then resumed); a restart of the service that
+re-attaches a live driver, or marks a job whose driver is gone Failed (resumable)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +17,10 @@ from fastapi.testclient import TestClient
 from rljob.spec import JobSpec
 from rljob.status import JobStatus, Phase
 from service.app import create_app
-from service.executor import LocalExecutor
+from service.executor import LocalExecutor, run_dir
 from service.settings import Settings
 from service.store import SqlJobStore
+from workers.metrics import MetricsLog
 
 TOKEN = "lifecycle-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -103,3 +108,87 @@ def test_restart_marks_orphaned_running_jobs_failed_and_resumable(tmp_path: Path
     status: JobStatus = store.get("team-a", "orphan").status
     assert status.phase is Phase.FAILED and status.reason == "ServiceRestarted"
     assert status.moved(Phase.PENDING, "UserResumed").phase is Phase.PENDING
+
+
+def _driver_pid(run: Path) -> int:
+    return int(json.loads((run / "driver.pid").read_text())["pid"])
+
+
+def test_a_dead_driver_fails_the_job_with_a_reason_and_it_resumes(tmp_path: Path) -> None:
+    """SIGKILL to the driver's process group (the driver and its local Ray): Failed, reason
+    WorkerExited with the signal; resume continues from the last checkpoint to the end."""
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    executor = LocalExecutor(store, tmp_path, poll_s=0.2)
+    app = create_app(Settings(data_dir=tmp_path), store, {TOKEN: "team-a"}, executor)
+    executor.start()
+    spec = {**TINY, "steps": 12, "checkpoint_interval": 2}
+    try:
+        api = TestClient(app)
+        assert api.post("/v1/jobs", json={"name": "dies", "spec": spec}, headers=HEADERS).status_code == 201
+
+        def get() -> dict[str, Any]:
+            return api.get("/v1/jobs/dies", headers=HEADERS).json()
+
+        wait(get, lambda j: j["status"]["progress"]["step"] >= 3, "progress")
+        os.killpg(_driver_pid(run_dir(tmp_path, "team-a", "dies")), signal.SIGKILL)
+        failed = wait(get, lambda j: j["status"]["phase"] == "Failed", "the failure")
+        assert failed["status"]["reason"] == "WorkerExited"
+        assert "code -9" in failed["status"]["message"]
+        assert api.post("/v1/jobs/dies:resume", headers=HEADERS).status_code == 200
+        done = wait(get, lambda j: j["status"]["phase"] == "Succeeded", "success after resume")
+        assert done["status"]["progress"]["step"] == 12
+        history = api.get("/v1/jobs/dies/metrics", headers=HEADERS).json()
+        assert [r["step"] for r in history] == list(range(1, 13))  # recomputed steps replace lost ones
+    finally:
+        executor.shutdown()
+
+
+def test_a_restarted_service_reattaches_a_live_driver(tmp_path: Path) -> None:
+    """The service goes away while its driver runs; the next one watches the same driver to the end
+    instead of failing the job or starting a second driver."""
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    first = LocalExecutor(store, tmp_path, poll_s=0.2)
+    first.start()
+    job = store.create("team-a", "long", JobSpec.model_validate({**TINY, "steps": 15}))
+    first.submit(job)
+
+    def get() -> dict[str, Any]:
+        return {"status": store.get("team-a", "long").status.model_dump(mode="json")}
+
+    wait(get, lambda j: j["status"]["phase"] == "Running", "Running")
+    run = run_dir(tmp_path, "team-a", "long")
+    pid = _driver_pid(run)
+    first.shutdown()  # the old service stops watching; its driver keeps running
+    [popen] = [r.proc.popen for r in first._procs.values()]
+    second = LocalExecutor(store, tmp_path, poll_s=0.2)
+    second.start()
+    try:
+        assert store.get("team-a", "long").status.phase is Phase.RUNNING  # not failed
+        done = wait(get, lambda j: j["status"]["phase"] == "Succeeded", "success", timeout=240)
+        assert done["status"]["progress"]["step"] == 15 and done["status"]["reason"] == "Completed"
+        assert _driver_pid(run) == pid  # no second driver
+        steps = [r["step"] for r in MetricsLog(run / "metrics.jsonl").rows()]
+        assert steps == list(range(1, 16))
+    finally:
+        second.shutdown()
+        if popen is not None:
+            popen.wait(timeout=60)  # reap it: this test process is its parent
+
+
+def test_restart_with_a_finished_or_vanished_driver(tmp_path: Path) -> None:
+    """A pid record whose process is gone (or whose pid was reused: the start time differs)."""
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    for name in ("finished", "vanished"):
+        store.create("team-a", name, JobSpec.model_validate({**TINY, "steps": 2}))
+        store.update("team-a", name, lambda s: s.moved(Phase.STARTING, "ProcessStarted"))
+        run = run_dir(tmp_path, "team-a", name)
+        run.mkdir(parents=True)
+        (run / "driver.pid").write_text(json.dumps({"pid": os.getpid(), "started": "0"}))
+        rows = 2 if name == "finished" else 1
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1}) + "\n" for i in range(rows)))
+    executor = LocalExecutor(store, tmp_path)
+    executor.start()
+    executor.shutdown()
+    assert store.get("team-a", "finished").status.phase is Phase.SUCCEEDED
+    vanished = store.get("team-a", "vanished").status
+    assert vanished.phase is Phase.FAILED and vanished.reason == "ServiceRestarted"

@@ -1,0 +1,199 @@
+"""``--store kubernetes``: each job is an RLJob custom resource in its tenant's namespace.
+
+The RLJob is the record; there is no second copy. Creating a job creates the object (a name taken
+in that namespace is 409 from the API server, surfaced as ``JobExists``); status changes write the
+status subresource with the ``resourceVersion`` that was read, so a concurrent writer (the
+operator) makes the API server answer 409 Conflict and the change is re-applied to the fresh
+status. Suspend and resume set ``spec.suspend``, which the operator acts on. The tenant's
+namespace is the tenant name (a DNS label, checked when tokens are loaded); it must exist.
+
+Talks to the API server through the official ``kubernetes`` client: in-cluster config when running
+in a pod, else ``KUBECONFIG`` / ``~/.kube/config``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, cast
+
+from rljob import resource as rl
+from rljob.spec import JobSpec
+from rljob.status import ACTIVE, JobStatus, Phase
+from service.store import Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+
+CONFLICT_RETRIES = 8
+
+
+def api_client(kubeconfig: str | None = None) -> Any:
+    """A ``kubernetes.client.ApiClient``: in-cluster config in a pod, else the kubeconfig."""
+    from kubernetes import client, config
+
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return client.ApiClient()
+    return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+
+
+class KubernetesJobStore:
+    """The ``JobStore`` protocol over RLJob objects."""
+
+    def __init__(self, api: Any = None) -> None:
+        from kubernetes import client
+
+        self._api = api if api is not None else api_client()
+        self._objects = client.CustomObjectsApi(self._api)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _args(self, namespace: str) -> tuple[str, str, str, str]:
+        return (rl.GROUP, rl.VERSION, namespace, rl.PLURAL)
+
+    def _job(self, obj: dict[str, Any]) -> Job:
+        meta = obj.get("metadata") or {}
+        status = rl.status_of(obj)
+        created = rl.created_of(obj)
+        stamps = [c.last_transition for c in status.conditions]
+        return Job(
+            tenant=meta.get("namespace", ""),
+            name=meta["name"],
+            spec=rl.spec_of(obj).job,
+            status=status,
+            created=created,
+            updated=max([created, *stamps]),
+        )
+
+    def _read(self, tenant: str, name: str) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            obj = cast(dict[str, Any], self._objects.get_namespaced_custom_object(*self._args(tenant), name))
+        except ApiException as err:
+            if err.status == 404:
+                raise JobNotFound(name) from None
+            raise
+        return obj
+
+    def _list(self, tenant: str | None) -> list[dict[str, Any]]:
+        if tenant is None:
+            out = cast(
+                dict[str, Any], self._objects.list_cluster_custom_object(rl.GROUP, rl.VERSION, rl.PLURAL)
+            )
+        else:
+            out = cast(dict[str, Any], self._objects.list_namespaced_custom_object(*self._args(tenant)))
+        items: list[dict[str, Any]] = out.get("items") or []
+        return items
+
+    # -- JobStore -------------------------------------------------------------------------------
+
+    def create(self, tenant: str, name: str, spec: JobSpec) -> Job:
+        from kubernetes.client.exceptions import ApiException
+
+        body = rl.manifest(name, tenant, spec, tenant=tenant)
+        try:
+            obj = cast(
+                dict[str, Any], self._objects.create_namespaced_custom_object(*self._args(tenant), body)
+            )
+        except ApiException as err:
+            if err.status == 409:
+                raise JobExists(name) from None
+            if err.status == 404:
+                raise TenantNamespaceMissing(
+                    f"namespace {tenant!r} of tenant {tenant!r} does not exist on the cluster; "
+                    "a cluster admin must create it"
+                ) from None
+            raise
+        return self._job(obj)
+
+    def get(self, tenant: str, name: str) -> Job:
+        return self._job(self._read(tenant, name))
+
+    def query(
+        self, tenant: str | None, phase: Phase | None = None, limit: int = 50, offset: int = 0
+    ) -> tuple[list[Job], int]:
+        jobs = [self._job(o) for o in self._list(tenant)]
+        if phase is not None:
+            jobs = [j for j in jobs if j.status.phase is phase]
+        jobs.sort(key=lambda j: (j.created, j.name))
+        return jobs[offset : offset + limit], len(jobs)
+
+    def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job:
+        """Read, apply ``change`` (which may raise IllegalTransition), write with the version read;
+        on 409 Conflict read again and re-apply."""
+        from kubernetes.client.exceptions import ApiException
+
+        for _ in range(CONFLICT_RETRIES):
+            obj = self._read(tenant, name)
+            new = change(rl.status_of(obj))
+            body: dict[str, Any] = {"status": new.model_dump(mode="json")}
+            version = (obj.get("metadata") or {}).get("resourceVersion")
+            if version:
+                body["metadata"] = {"resourceVersion": version}
+            try:
+                written = self._objects.patch_namespaced_custom_object_status(*self._args(tenant), name, body)
+            except ApiException as err:
+                if err.status == 409:
+                    continue
+                if err.status == 404:
+                    raise JobNotFound(name) from None
+                raise
+            return self._job(cast(dict[str, Any], written))
+        raise RuntimeError(f"RLJob {tenant}/{name}: status kept changing under us; try again")
+
+    def set_suspend(self, tenant: str, name: str, suspend: bool) -> None:
+        """Set ``spec.suspend`` (the operator suspends or resumes the RayJob)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._objects.patch_namespaced_custom_object(
+                *self._args(tenant), name, {"spec": {"suspend": suspend}}
+            )
+        except ApiException as err:
+            if err.status == 404:
+                raise JobNotFound(name) from None
+            raise
+
+    def delete(self, tenant: str, name: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._objects.delete_namespaced_custom_object(*self._args(tenant), name)
+        except ApiException as err:
+            if err.status == 404:
+                raise JobNotFound(name) from None
+            raise
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        active = [self._job(o) for o in self._list(tenant)]
+        active = [j for j in active if j.status.phase in ACTIVE]
+        return len(active), sum(gpus_of(j.spec) for j in active)
+
+    def ping(self) -> None:
+        """One cheap API call for ``/readyz``."""
+        self._objects.list_cluster_custom_object(rl.GROUP, rl.VERSION, rl.PLURAL, limit=1)
+
+    def close(self) -> None:
+        self._api.close()
+
+
+class OperatorHandoff:
+    """The executor of ``--store kubernetes``: the operator runs the jobs, so submitting is the
+    create itself; suspend and resume flip ``spec.suspend``; cancel is the delete (the operator's
+    finalizer removes the RayJob)."""
+
+    runs_locally = False
+
+    def __init__(self, store: KubernetesJobStore) -> None:
+        self.store = store
+
+    def submit(self, job: Job) -> None:
+        pass
+
+    def suspend(self, job: Job) -> None:
+        self.store.set_suspend(job.tenant, job.name, True)
+
+    def resume(self, job: Job) -> None:
+        self.store.set_suspend(job.tenant, job.name, False)
+
+    def cancel(self, job: Job) -> None:
+        pass

@@ -1,0 +1,160 @@
+"""``--store kubernetes`` against kmock (a real HTTP Kubernetes API emulator): each job is an RLJob in
+its tenant's namespace, created, listed, read, changed and deleted through the official client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from operators.emulator import KubeEmulator
+from rljob import resource as rl
+from rljob.spec import JobSpec, load_spec
+from rljob.status import JobStatus, Phase
+from service.app import create_app
+from service.kube_store import KubernetesJobStore, OperatorHandoff, api_client
+from service.settings import Settings
+from service.store import JobExists, JobNotFound, TenantNamespaceMissing
+
+ALICE, BOB, CAROL = "alice-token-0123456789", "bob-token-0123456789ab", "carol-token-0123456789"
+TOKENS = {ALICE: "team-a", BOB: "team-b", CAROL: "team-c"}  # team-c has no namespace
+EXAMPLE = Path(__file__).parents[2] / "examples" / "arithmetic-cpu.yaml"
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def kube(tmp_path: Path) -> Iterator[KubeEmulator]:
+    with KubeEmulator(tmp_path, namespaces=["team-a", "team-b"]) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def store(kube: KubeEmulator) -> Iterator[KubernetesJobStore]:
+    s = KubernetesJobStore(api_client(str(kube.kubeconfig)))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def api(store: KubernetesJobStore) -> TestClient:
+    settings = Settings(store="kubernetes", max_concurrent_jobs=3, max_gpus=0)
+    return TestClient(create_app(settings, store, TOKENS, OperatorHandoff(store)))
+
+
+def test_the_rljob_is_the_record(store: KubernetesJobStore, kube: KubeEmulator) -> None:
+    spec = load_spec(EXAMPLE)
+    job = store.create("team-a", "arith", spec)
+    assert job.name == "arith" and job.tenant == "team-a" and job.status.phase is Phase.PENDING
+    [obj] = kube.objects("rljobs", "team-a")
+    assert obj["apiVersion"] == "fp8rl.io/v1alpha1" and obj["kind"] == "RLJob"
+    assert obj["metadata"]["labels"][rl.TENANT_LABEL] == "team-a"
+    assert obj["spec"]["suspend"] is False
+    # what the object holds is the whole spec, nothing else: it parses back to the same spec
+    assert JobSpec.model_validate(obj["spec"]["job"]) == spec
+    assert store.get("team-a", "arith").spec == spec
+    assert kube.objects("rljobs", "team-b") == []
+
+
+def test_create_list_get_delete_per_namespace(store: KubernetesJobStore, kube: KubeEmulator) -> None:
+    for name in ("b-job", "a-job"):
+        store.create("team-a", name, JobSpec(steps=3))
+    store.create("team-b", "a-job", JobSpec(steps=5))  # same name, other tenant: fine
+    with pytest.raises(JobExists):
+        store.create("team-a", "a-job", JobSpec())
+    with pytest.raises(TenantNamespaceMissing, match="team-c"):
+        store.create("team-c", "x", JobSpec())
+    jobs, total = store.query("team-a")
+    assert total == 2 and {j.name for j in jobs} == {"a-job", "b-job"}
+    assert store.get("team-b", "a-job").spec.steps == 5
+    page, total = store.query("team-a", limit=1, offset=1)
+    assert total == 2 and len(page) == 1
+    assert store.query(None)[1] == 3
+    store.delete("team-a", "a-job")
+    with pytest.raises(JobNotFound):
+        store.get("team-a", "a-job")
+    with pytest.raises(JobNotFound):
+        store.delete("team-a", "a-job")
+    assert {o["metadata"]["name"] for o in kube.objects("rljobs")} == {"a-job", "b-job"}
+
+
+def test_status_update_retries_on_a_conflicting_writer(store: KubernetesJobStore, kube: KubeEmulator) -> None:
+    """A second writer (as the operator would be) changes the status between our read and write:
+    the API server answers 409 and the change is re-applied to what that writer wrote."""
+    store.create("team-a", "race", JobSpec())
+    other = KubernetesJobStore(api_client(str(kube.kubeconfig)))
+    calls: list[Phase] = []
+
+    def change(s: JobStatus) -> JobStatus:
+        calls.append(s.phase)
+        if len(calls) == 1:  # interleave the other writer once
+            other.update("team-a", "race", lambda t: t.moved(Phase.STARTING, "RayJobCreated"))
+        return s.model_copy(update={"message": "seen"}) if s.phase is Phase.STARTING else s
+
+    job = store.update("team-a", "race", change)
+    assert calls == [Phase.PENDING, Phase.STARTING]
+    assert job.status.phase is Phase.STARTING and job.status.message == "seen"
+    [obj] = kube.objects("rljobs", "team-a")
+    assert obj["status"]["phase"] == "Starting" and obj["status"]["reason"] == "RayJobCreated"
+    other.close()
+
+
+def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeEmulator) -> None:
+    r = api.post("/v1/jobs", json={"name": "j1", "spec": {"steps": 7}}, headers=auth(ALICE))
+    assert r.status_code == 201, r.text
+    assert r.json()["status"]["phase"] == "Pending" and r.json()["tenant"] == "team-a"
+    assert api.post("/v1/jobs", json={"name": "j1"}, headers=auth(ALICE)).status_code == 409
+    # tenants are namespaces: Bob sees nothing of Alice's
+    assert api.get("/v1/jobs/j1", headers=auth(BOB)).status_code == 404
+    assert api.get("/v1/jobs", headers=auth(BOB)).json()["total"] == 0
+    assert api.get("/v1/jobs", headers=auth(ALICE)).json()["items"][0]["spec"]["steps"] == 7
+    # suspend/resume: the status moves and spec.suspend tells the operator
+    r = api.post("/v1/jobs/j1:suspend", headers=auth(ALICE))
+    assert r.status_code == 200 and r.json()["status"]["phase"] == "Suspended"
+
+    def obj() -> dict[str, Any]:
+        [o] = kube.objects("rljobs", "team-a")
+        return o
+
+    assert obj()["spec"]["suspend"] is True and obj()["status"]["phase"] == "Suspended"
+    assert api.post("/v1/jobs/j1:suspend", headers=auth(ALICE)).status_code == 409
+    r = api.post("/v1/jobs/j1:resume", headers=auth(ALICE))
+    assert r.status_code == 200 and r.json()["status"]["phase"] == "Pending"
+    assert obj()["spec"]["suspend"] is False
+    # per-step history and logs live with the RayJob, not the control plane
+    r = api.get("/v1/jobs/j1/metrics", headers=auth(ALICE))
+    assert r.status_code == 501 and "Prometheus" in r.json()["detail"]
+    assert api.get("/v1/jobs/j1/logs", headers=auth(ALICE)).status_code == 501
+    # a tenant without a namespace gets a clear 403
+    r = api.post("/v1/jobs", json={"name": "j1"}, headers=auth(CAROL))
+    assert r.status_code == 403 and "namespace 'team-c'" in r.json()["detail"]
+    assert api.get("/readyz").status_code == 200
+    assert 'fp8rl_jobs{namespace="team-a",phase="Pending"} 1.0' in api.get("/metrics").text
+    assert api.delete("/v1/jobs/j1", headers=auth(ALICE)).status_code == 204
+    assert kube.objects("rljobs") == []
+
+
+def test_limits_count_the_tenants_rljobs(api: TestClient) -> None:
+    for i in range(3):
+        assert api.post("/v1/jobs", json={"name": f"j{i}"}, headers=auth(BOB)).status_code == 201
+    r = api.post("/v1/jobs", json={"name": "j3"}, headers=auth(BOB))
+    assert r.status_code == 403 and "3 active jobs" in r.json()["detail"]
+    assert api.post("/v1/jobs", json={"name": "j3"}, headers=auth(ALICE)).status_code == 201
+    spec = {"resources": {"generators": 1, "gpus_per_generator": 1}}
+    r = api.post("/v1/jobs", json={"name": "gpu", "spec": spec}, headers=auth(ALICE))
+    assert r.status_code == 403 and "asks for 1 GPUs" in r.json()["detail"], r.text
+
+
+def test_api_server_down_is_503(tmp_path: Path) -> None:
+    with KubeEmulator(tmp_path, namespaces=["team-a"]) as emulator:
+        kubeconfig = str(emulator.kubeconfig)
+    store = KubernetesJobStore(api_client(kubeconfig))  # points at a port nobody listens on now
+    api = TestClient(create_app(Settings(store="kubernetes"), store, TOKENS, OperatorHandoff(store)))
+    r = api.get("/v1/jobs", headers=auth(ALICE))
+    assert r.status_code == 503 and "Kubernetes API server" in r.json()["detail"]
+    assert api.get("/readyz").status_code == 503
