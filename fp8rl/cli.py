@@ -205,6 +205,35 @@ def serve_cmd(
             local.shutdown()
 
 
+@app.command("operator")
+def operator_cmd(
+    namespace: Annotated[
+        list[str] | None, typer.Option("--namespace", "-n", help="Watch this namespace (repeatable).")
+    ] = None,
+    kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig file (default: KUBECONFIG).")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML of operator defaults (FP8RL_OPERATOR_* otherwise).")
+    ] = None,
+    liveness: Annotated[
+        str | None, typer.Option(help="Serve a liveness probe, e.g. http://0.0.0.0:8080/healthz.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option(help="Debug logging.")] = False,
+) -> None:
+    """The operator: RLJobs become KubeRay RayJobs; their status comes back to the RLJob."""
+    from pydantic import ValidationError
+
+    from operators.settings import OperatorSettings
+
+    try:
+        OperatorSettings.load(config)  # fail here, with the field, not inside kopf
+    except (OSError, ValidationError) as err:
+        typer.echo(f"error: operator config: {err}", err=True)
+        raise typer.Exit(2) from err
+    from operators.main import run
+
+    run(namespace or (), kubeconfig, config, liveness, verbose)
+
+
 Server = Annotated[str | None, typer.Option(help="Control-plane URL (FP8RL_SERVER).")]
 Token = Annotated[str | None, typer.Option(help="Bearer token (FP8RL_TOKEN).")]
 Output = Annotated[str, typer.Option("-o", "--output", help="table | json")]

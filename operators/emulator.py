@@ -27,6 +27,7 @@ from kmock._internal.rendering import Request
 RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
     ("v1/namespaces", "Namespace", False, ("ns",), ()),
     ("v1/configmaps", "ConfigMap", True, ("cm",), ()),
+    ("v1/pods", "Pod", True, ("po",), ("status",)),
     ("v1/events", "Event", True, ("ev",), ()),
     ("v1/secrets", "Secret", True, (), ()),
     ("events.k8s.io/v1/events", "Event", True, ("ev",), ()),

@@ -32,6 +32,10 @@ SINGULAR = "rljob"
 SHORT_NAMES = ("rlj",)
 API_VERSION = f"{GROUP}/{VERSION}"
 TENANT_LABEL = "fp8rl.io/tenant"
+# On a cluster each Ray worker group advertises a custom resource and the driver's actors ask for
+# it, so generators land on the generation pool and trainers on the training pool.
+RAY_GROUP_RESOURCES = {"generation": "fp8rl_generation", "training": "fp8rl_training"}
+RAY_GROUPS_ENV = "FP8RL_RAY_GROUPS"  # "1" in the RayJob's head container
 
 
 class _Strict(BaseModel):
@@ -86,6 +90,12 @@ class ClusterSpec(_Strict):
     )
     ttl_seconds_after_finished: int | None = Field(
         None, alias="ttlSecondsAfterFinished", ge=0, description="Keep the Ray cluster this long after."
+    )
+    volume_claim: str | None = Field(
+        None,
+        alias="volumeClaim",
+        description="PersistentVolumeClaim (ReadWriteMany) mounted at /runs on every pod: put "
+        "job.output_dir under /runs so checkpoints survive a suspend or a restart.",
     )
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
@@ -56,6 +57,17 @@ class RunResult:
     metrics_port: int | None
 
 
+def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:
+    """Ray options of a generator or trainer actor. In a RayJob built by the operator
+    (``FP8RL_RAY_GROUPS=1``) each also asks for its worker group's custom resource."""
+    res = spec.resources
+    gpus = res.gpus_per_generator if role == "generation" else res.gpus_per_trainer
+    opts: dict[str, Any] = {"num_cpus": res.cpus_per_actor, "num_gpus": gpus}
+    if os.environ.get(RAY_GROUPS_ENV) == "1":
+        opts["resources"] = {RAY_GROUP_RESOURCES[role]: 1}
+    return opts
+
+
 class _Cluster:
     """The job's actors: trainers (ranks 0..T-1) and generators."""
 
@@ -68,12 +80,8 @@ class _Cluster:
         t, g = res.trainers, res.generators
         world = t + g
         spec_json = spec.model_dump_json()
-        trainer_cls: Any = ray.remote(num_cpus=res.cpus_per_actor, num_gpus=res.gpus_per_trainer)(
-            TrainerWorker
-        )
-        gen_cls: Any = ray.remote(num_cpus=res.cpus_per_actor, num_gpus=res.gpus_per_generator)(
-            GeneratorWorker
-        )
+        trainer_cls: Any = ray.remote(**actor_options(spec, "training"))(TrainerWorker)
+        gen_cls: Any = ray.remote(**actor_options(spec, "generation"))(GeneratorWorker)
         self.trainers: list[Any] = [trainer_cls.remote(spec_json, r, world, vocab_size) for r in range(t)]
         self.generators: list[Any] = [
             gen_cls.remote(spec_json, t + i, world, vocab_size, tok.eos_id, tok.pad_id) for i in range(g)

@@ -1,0 +1,234 @@
+"""Pure builders: an RLJob (and the operator's defaults) in, Kubernetes objects out.
+
+- ``spec_configmap``: the job spec the driver reads, as ``job.json`` (owned by the RLJob).
+- ``rayjob``: a KubeRay ``ray.io/v1`` RayJob in HTTPMode whose Ray cluster has a CPU head (runs the
+  driver), a generation group and a training group. Each actor gets its own pod with its GPUs
+  (requests = limits), ``num-gpus`` and a custom Ray resource (``fp8rl_generation`` /
+  ``fp8rl_training``) that pins the driver's actors to their group.
+- ``owner_reference``: set on everything built, so Kubernetes garbage-collects it with the RLJob
+  (the operator also deletes it explicitly, behind a finalizer).
+
+Nothing here talks to the API server; every builder is unit-tested and validated against
+KubeRay's CRD schema and the Kubernetes schemas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from typing import Any
+
+from operators.settings import OperatorSettings
+from rljob import resource as rl
+from rljob.resource import ClusterSpec, Pool, RLJobSpec
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "fp8rl-operator"}
+RLJOB_LABEL = "fp8rl.io/rljob"
+SPEC_HASH = "fp8rl.io/spec-hash"
+SPEC_DIR = "/etc/fp8rl"
+RUNS_DIR = "/runs"
+
+# scheduler -> labels on the RayJob for its queue (KubeRay's batch-scheduler integrations)
+QUEUE_LABELS = {
+    "kueue": lambda q: {"kueue.x-k8s.io/queue-name": q},
+    "volcano": lambda q: {"ray.io/scheduler-name": "volcano", "volcano.sh/queue-name": q},
+    "kai": lambda q: {"ray.io/scheduler-name": "kai-scheduler", "kai.scheduler/queue": q},
+}
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-spec"
+
+
+def owner_reference(rljob: dict[str, Any]) -> dict[str, Any]:
+    meta = rljob["metadata"]
+    return {
+        "apiVersion": rl.API_VERSION,
+        "kind": rl.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def spec_hash(spec: RLJobSpec) -> str:
+    """Identifies the job spec a RayJob was built from (``spec.suspend`` excluded)."""
+    text = json.dumps(spec.model_dump(mode="json", exclude={"suspend"}, by_alias=True), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _meta(rljob: dict[str, Any], name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta = rljob["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": {**MANAGED_BY, RLJOB_LABEL: meta["name"], **(extra_labels or {})},
+        "ownerReferences": [owner_reference(rljob)],
+    }
+
+
+def spec_configmap(rljob: dict[str, Any], spec: RLJobSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(rljob, configmap_name(rljob["metadata"]["name"])),
+        "data": {"job.json": spec.job.model_dump_json(indent=2)},
+    }
+
+
+def _pool(own: Pool, default: Pool) -> dict[str, Any]:
+    selector = own.node_selector if own.node_selector is not None else default.node_selector
+    tolerations = own.tolerations if own.tolerations is not None else default.tolerations
+    out: dict[str, Any] = {}
+    if selector:
+        out["nodeSelector"] = dict(selector)
+    if tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+    return out
+
+
+def _security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod(
+    rljob: dict[str, Any],
+    cluster: ClusterSpec,
+    s: OperatorSettings,
+    container: dict[str, Any],
+    group: str,
+    placement: dict[str, Any],
+    extra_volumes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.shm_size}}, *extra_volumes]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts += [{"name": v["name"], "mountPath": v.pop("_mount")} for v in volumes if "_mount" in v]
+    if cluster.volume_claim:
+        volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": cluster.volume_claim}})
+        mounts.append({"name": "runs", "mountPath": RUNS_DIR})
+    spec: dict[str, Any] = {
+        "containers": [
+            {
+                "image": cluster.image or s.image,
+                "imagePullPolicy": s.image_pull_policy,
+                "securityContext": _security(),
+                "volumeMounts": mounts,
+                **container,
+            }
+        ],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
+        **placement,
+    }
+    if s.service_account:
+        spec["serviceAccountName"] = s.service_account
+    if cluster.priority_class:
+        spec["priorityClassName"] = cluster.priority_class
+    labels = {RLJOB_LABEL: rljob["metadata"]["name"], "fp8rl.io/group": group}
+    return {"metadata": {"labels": labels}, "spec": spec}
+
+
+def _env(values: dict[str, str]) -> list[dict[str, str]]:
+    return [{"name": k, "value": v} for k, v in sorted(values.items())]
+
+
+def entrypoint(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> str:
+    """The driver command: always ``--resume``, so a resumed RayJob continues from the checkpoint
+    (on a fresh output directory it starts from step 1)."""
+    meta = rljob["metadata"]
+    args = ["python", "-m", "workers.driver", f"{SPEC_DIR}/job.json", "--output", spec.job.output_dir]
+    args += ["--resume", "--metrics-port", str(s.metrics_port)]
+    args += ["--job", meta["name"], "--namespace", meta["namespace"]]
+    return shlex.join(args)
+
+
+def _group(
+    rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings, group: str, actors: int, gpus: int
+) -> dict[str, Any]:
+    cluster = spec.cluster
+    own, default = (
+        (cluster.generation, s.generation) if group == "generation" else (cluster.training, s.training)
+    )
+    limits: dict[str, str] = {
+        "memory": s.worker_memory,
+        "cpu": str(max(1, int(spec.job.resources.cpus_per_actor))),
+    }
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    container = {
+        "name": "ray-worker",
+        "env": _env(s.nccl_env),
+        "resources": {"requests": dict(limits), "limits": dict(limits)},
+    }
+    return {
+        "groupName": group,
+        "replicas": actors,
+        "minReplicas": actors,
+        "maxReplicas": actors,
+        "rayStartParams": {
+            "num-gpus": str(gpus),
+            "resources": json.dumps(json.dumps({rl.RAY_GROUP_RESOURCES[group]: 1})),
+        },
+        "template": _pod(rljob, cluster, s, container, group, _pool(own, default), []),
+    }
+
+
+def rayjob(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> dict[str, Any]:
+    """The RayJob for an RLJob (same name and namespace)."""
+    cluster, res = spec.cluster, spec.job.resources
+    meta = rljob["metadata"]
+    labels = QUEUE_LABELS[cluster.queue.scheduler](cluster.queue.name) if cluster.queue else {}
+    head_resources = {"cpu": s.head_cpu, "memory": s.head_memory}
+    spec_volume = {
+        "name": "job-spec",
+        "configMap": {"name": configmap_name(meta["name"])},
+        "_mount": SPEC_DIR,
+    }
+    head_container = {
+        "name": "ray-head",
+        "env": _env({**s.nccl_env, rl.RAY_GROUPS_ENV: "1"}),
+        "resources": {"requests": dict(head_resources), "limits": dict(head_resources)},
+        "ports": [
+            {"name": "gcs", "containerPort": 6379},
+            {"name": "dashboard", "containerPort": 8265},
+            {"name": "client", "containerPort": 10001},
+            {"name": "fp8rl-metrics", "containerPort": s.metrics_port},
+        ],
+    }
+    # Kueue admits a job by unsuspending it: it must be created suspended
+    suspend = spec.suspend or bool(cluster.queue and cluster.queue.scheduler == "kueue")
+    body: dict[str, Any] = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {**_meta(rljob, meta["name"], labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
+        "spec": {
+            "submissionMode": "HTTPMode",
+            "entrypoint": entrypoint(rljob, spec, s),
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": _pick(
+                cluster.ttl_seconds_after_finished, s.ttl_seconds_after_finished
+            ),
+            "activeDeadlineSeconds": _pick(cluster.active_deadline_seconds, s.active_deadline_seconds),
+            "backoffLimit": _pick(cluster.backoff_limit, s.backoff_limit),
+            "suspend": suspend,
+            "rayClusterSpec": {
+                "rayVersion": s.ray_version,
+                "enableInTreeAutoscaling": False,
+                "headGroupSpec": {
+                    "rayStartParams": {"num-gpus": "0", "no-monitor": "true", "dashboard-host": "0.0.0.0"},
+                    "template": _pod(rljob, cluster, s, head_container, "head", {}, [spec_volume]),
+                },
+                "workerGroupSpecs": [
+                    _group(rljob, spec, s, "generation", res.generators, res.gpus_per_generator),
+                    _group(rljob, spec, s, "training", res.trainers, res.gpus_per_trainer),
+                ],
+            },
+        },
+    }
+    return body
+
+
+def _pick(own: int | None, default: int) -> int:
+    return own if own is not None else default

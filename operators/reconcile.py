@@ -1,0 +1,279 @@
+"""What the operator does for one RLJob, through the Kubernetes API: keep its ConfigMap and RayJob
+as the builders say, mirror the RayJob's status and the driver's progress into the RLJob's
+status, and post an Event for every transition and error. The kopf handlers (``handlers.py``) only
+call into this; every step is idempotent, so a restarted operator creates no duplicates."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from operators import builders
+from operators.settings import OperatorSettings
+from operators.status import advance, progress_of, target_of
+from rljob import resource as rl
+from rljob.spec import describe_errors
+from rljob.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase
+from service.kube_store import KubernetesJobStore
+from service.store import JobNotFound
+
+log = logging.getLogger("fp8rl.operator")
+RAY = ("ray.io", "v1")
+SPEC_REFUSED = "SpecChangeRefused"
+
+
+def _condition(status: JobStatus, kind: str, on: bool, reason: str, message: str) -> JobStatus:
+    """``status`` with condition ``kind`` set (its transition time kept if nothing changed)."""
+    old = next((c for c in status.conditions if c.type == kind), None)
+    if old is not None and (old.status, old.reason, old.message) == (on, reason, message):
+        return status
+    rest = [c for c in status.conditions if c.type != kind]
+    return status.model_copy(
+        update={"conditions": [*rest, Condition(type=kind, status=on, reason=reason, message=message)]}
+    )
+
+
+class Reconciler:
+    def __init__(self, api: Any, settings: OperatorSettings) -> None:
+        from kubernetes import client
+
+        self.settings = settings
+        # typed as Any: the client accepts plain dicts as bodies and returns dicts for custom objects
+        self.core: Any = client.CoreV1Api(api)
+        self.objects: Any = client.CustomObjectsApi(api)
+        self.rljobs = KubernetesJobStore(api)
+        self.http = httpx.Client(timeout=3.0)
+
+    # -- small API helpers ----------------------------------------------------------------------
+
+    def _missing(self, err: Exception) -> bool:
+        return getattr(err, "status", None) == 404
+
+    def read_rayjob(self, ns: str, name: str) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            obj: dict[str, Any] = self.objects.get_namespaced_custom_object(*RAY, ns, "rayjobs", name)
+        except ApiException as err:
+            if self._missing(err):
+                return None
+            raise
+        return obj
+
+    def event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the RLJob (what `kubectl describe rljob` shows)."""
+        meta = rljob["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": rl.API_VERSION,
+                "kind": rl.KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid", ""),
+            },
+            "reason": reason,
+            "message": message[:1000],
+            "type": kind,
+            "source": {"component": "fp8rl-operator"},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except Exception as err:  # an event that cannot be posted must not stop reconciling
+            log.warning("could not post event %s on %s: %s", reason, meta["name"], err)
+        log.info("%s/%s %s: %s", meta["namespace"], meta["name"], reason, message)
+
+    def _set_status(self, rljob: dict[str, Any], change: Any) -> JobStatus | None:
+        meta = rljob["metadata"]
+        try:
+            return self.rljobs.update(meta["namespace"], meta["name"], change).status
+        except JobNotFound:
+            return None
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def reconcile(self, rljob: dict[str, Any]) -> None:
+        """Create or repair what the RLJob needs, then mirror status. Called on create, update,
+        resume (operator start), RayJob events and on a timer."""
+        meta = rljob["metadata"]
+        if meta.get("deletionTimestamp"):
+            return
+        try:
+            spec = rl.spec_of(rljob)
+        except ValidationError as err:
+            problems = "; ".join(describe_errors(err))
+            self._fail_invalid(rljob, problems)
+            return
+        status = rl.status_of(rljob)
+        if status.phase in TERMINAL:
+            return
+        self._ensure_configmap(rljob, spec, status)
+        rayjob = self.read_rayjob(meta["namespace"], meta["name"])
+        rayjob = self._ensure_rayjob(rljob, spec, status, rayjob)
+        if rayjob is not None:
+            self._mirror(rljob, spec, rayjob)
+
+    def _fail_invalid(self, rljob: dict[str, Any], problems: str) -> None:
+        def change(s: JobStatus) -> JobStatus:
+            if s.phase is Phase.FAILED and s.reason == "InvalidSpec" and s.message == problems:
+                return s
+            moved, _ = advance(s, (Phase.FAILED, "InvalidSpec", problems))
+            return moved
+
+        before = rl.status_of(rljob)
+        after = self._set_status(rljob, change)
+        if after is not None and (after.phase, after.message) != (before.phase, before.message):
+            self.event(rljob, "Warning", "InvalidSpec", f"spec refused: {problems}; fix it with kubectl edit")
+
+    def _ensure_configmap(self, rljob: dict[str, Any], spec: rl.RLJobSpec, status: JobStatus) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        ns = rljob["metadata"]["namespace"]
+        body = builders.spec_configmap(rljob, spec)
+        try:
+            self.core.create_namespaced_config_map(ns, body)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+            if status.phase not in ACTIVE or status.phase is Phase.PENDING:
+                self.core.patch_namespaced_config_map(body["metadata"]["name"], ns, {"data": body["data"]})
+
+    def _create_rayjob(self, rljob: dict[str, Any], spec: rl.RLJobSpec, why: str) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        ns = rljob["metadata"]["namespace"]
+        body = builders.rayjob(rljob, spec, self.settings)
+        try:
+            created: dict[str, Any] = self.objects.create_namespaced_custom_object(*RAY, ns, "rayjobs", body)
+        except ApiException as err:
+            if err.status == 409:  # someone (a previous operator run) was first: use theirs
+                return self.read_rayjob(ns, rljob["metadata"]["name"]) or body
+            raise
+        self.event(
+            rljob,
+            "Normal" if why == "RayJobCreated" else "Warning",
+            why,
+            f"RayJob {ns}/{body['metadata']['name']}",
+        )
+        return created
+
+    def _delete_rayjob(self, ns: str, name: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.objects.delete_namespaced_custom_object(*RAY, ns, "rayjobs", name)
+        except ApiException as err:
+            if not self._missing(err):
+                raise
+
+    def _ensure_rayjob(
+        self, rljob: dict[str, Any], spec: rl.RLJobSpec, status: JobStatus, rayjob: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        meta = rljob["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        if rayjob is None:
+            # a RayJob deleted by someone else while the job should run is recreated
+            ran = status.phase in (Phase.STARTING, Phase.RUNNING)
+            return self._create_rayjob(rljob, spec, "RayJobRecreated" if ran else "RayJobCreated")
+        rayjob_status = (rayjob.get("status") or {}).get("jobDeploymentStatus") or ""
+        built_from = ((rayjob.get("metadata") or {}).get("annotations") or {}).get(builders.SPEC_HASH)
+        wanted = builders.spec_hash(spec)
+        if built_from != wanted:
+            if status.phase in (Phase.STARTING, Phase.RUNNING):
+                message = (
+                    "spec.job/spec.cluster changed while the job runs: refused (the RayJob keeps the spec "
+                    "it started with). Suspend it (spec.suspend: true), change it, then resume."
+                )
+                was = next((c for c in status.conditions if c.type == SPEC_REFUSED and c.status), None)
+                self._set_status(rljob, lambda s: _condition(s, SPEC_REFUSED, True, "JobRunning", message))
+                if was is None:
+                    self.event(rljob, "Warning", SPEC_REFUSED, message)
+                return rayjob
+            self._delete_rayjob(ns, name)  # not running: rebuild it from the new spec
+            self._set_status(rljob, lambda s: _condition(s, SPEC_REFUSED, False, "Applied", "spec applied"))
+            self.event(rljob, "Normal", "SpecApplied", "RayJob rebuilt from the changed spec")
+            return self._create_rayjob(rljob, spec, "RayJobCreated")
+        if status.phase is Phase.PENDING and rayjob_status in ("Complete", "Failed") and not spec.suspend:
+            # resumed after a failure: a finished RayJob does not run again, a new one does
+            self._delete_rayjob(ns, name)
+            return self._create_rayjob(rljob, spec, "RayJobRestarted")
+        kueue = bool(spec.cluster.queue and spec.cluster.queue.scheduler == "kueue")
+        desired = spec.suspend or (kueue and bool((rayjob.get("spec") or {}).get("suspend")))
+        if bool((rayjob.get("spec") or {}).get("suspend")) != desired:
+            patched: dict[str, Any] = self.objects.patch_namespaced_custom_object(
+                *RAY, ns, "rayjobs", name, {"spec": {"suspend": desired}}
+            )
+            self.event(
+                rljob, "Normal", "Suspending" if desired else "Resuming", f"RayJob spec.suspend={desired}"
+            )
+            return patched
+        return rayjob
+
+    def _mirror(self, rljob: dict[str, Any], spec: rl.RLJobSpec, rayjob: dict[str, Any]) -> None:
+        target = target_of(rayjob, spec.suspend)
+        progress = (
+            self._scrape(rljob, spec, rayjob) if target[0] in (Phase.RUNNING, Phase.SUCCEEDED) else None
+        )
+        passed: list[Phase] = []
+
+        def change(s: JobStatus) -> JobStatus:
+            moved, steps = advance(s, target)
+            passed[:] = steps
+            if progress is not None and progress.step >= moved.progress.step:
+                moved = moved.model_copy(update={"progress": progress})
+            return moved
+
+        before = rl.status_of(rljob)
+        after = self._set_status(rljob, change)
+        if after is None:
+            return
+        for phase in passed:
+            kind = "Warning" if phase is Phase.FAILED else "Normal"
+            self.event(rljob, kind, phase.value, f"{target[1]}: {target[2]}")
+        if after.progress.step != before.progress.step:
+            log.debug("%s progress step %d", rljob["metadata"]["name"], after.progress.step)
+
+    def _scrape(self, rljob: dict[str, Any], spec: rl.RLJobSpec, rayjob: dict[str, Any]) -> Any:
+        """The driver's progress from its Prometheus endpoint on the head pod (None if unreachable)."""
+        cluster = (rayjob.get("status") or {}).get("rayClusterName")
+        if not cluster:
+            return None
+        ns = rljob["metadata"]["namespace"]
+        try:
+            pods = self.core.list_namespaced_pod(
+                ns, label_selector=f"ray.io/cluster={cluster},ray.io/node-type=head"
+            )
+            ips = [p.status.pod_ip for p in pods.items if p.status is not None and p.status.pod_ip]
+            if not ips:
+                return None
+            url = self.settings.progress_url.format(pod_ip=ips[0], port=self.settings.metrics_port)
+            text = self.http.get(url).text
+        except Exception as err:  # progress is best effort: the phase does not depend on it
+            log.debug("no progress for %s: %s", rljob["metadata"]["name"], err)
+            return None
+        return progress_of(text, spec.job.steps)
+
+    def cleanup(self, rljob: dict[str, Any]) -> None:
+        """On delete (behind the finalizer): remove the RayJob and the ConfigMap."""
+        from kubernetes.client.exceptions import ApiException
+
+        meta = rljob["metadata"]
+        ns, name = meta["namespace"], meta["name"]
+        self._delete_rayjob(ns, name)
+        try:
+            self.core.delete_namespaced_config_map(builders.configmap_name(name), ns)
+        except ApiException as err:
+            if not self._missing(err):
+                raise
+        log.info("%s/%s deleted with its RayJob and ConfigMap", ns, name)

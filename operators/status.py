@@ -1,0 +1,97 @@
+"""Pure status logic of the operator: what phase a RayJob's status means for its RLJob, how to get
+there through the state machine, and the progress read from the driver's Prometheus exposition."""
+
+from __future__ import annotations
+
+from collections import deque
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress
+
+Target = tuple[Phase, str, str]  # phase, reason, message
+
+
+def target_of(rayjob: dict[str, Any], suspend: bool) -> Target:
+    """The RLJob phase a RayJob's ``status`` (``jobDeploymentStatus`` + ``jobStatus``) stands for."""
+    st = rayjob.get("status") or {}
+    deployment = st.get("jobDeploymentStatus") or ""
+    job = st.get("jobStatus") or ""
+    reason, message = st.get("reason") or "", st.get("message") or ""
+    if suspend:
+        return (
+            Phase.SUSPENDED,
+            "Suspended",
+            f"RayJob {deployment or 'suspending'}; resume continues from the checkpoint",
+        )
+    if deployment in ("Suspending", "Suspended"):
+        return Phase.PENDING, "WaitingForAdmission", "the RayJob is suspended until its queue admits it"
+    if deployment in ("", "Initializing", "Waiting"):
+        return Phase.STARTING, "RayClusterStarting", message or "waiting for the Ray cluster"
+    if deployment == "Retrying":
+        return Phase.STARTING, "Retrying", message or "KubeRay is retrying the job"
+    if deployment == "Running":
+        if job == "RUNNING":
+            return Phase.RUNNING, "Training", message or "the driver is running"
+        return Phase.STARTING, "DriverStarting", message or f"driver {job or 'not submitted yet'}"
+    if deployment == "Complete" and job == "SUCCEEDED":
+        return Phase.SUCCEEDED, "Completed", message or "the driver finished"
+    if deployment == "Complete":
+        return Phase.FAILED, f"Driver{job.capitalize() or 'Failed'}", message or f"driver {job}"
+    if deployment in ("Failed", "ValidationFailed"):
+        return Phase.FAILED, reason or f"RayJob{deployment}", message or f"RayJob {deployment}"
+    return Phase.STARTING, "Unknown", f"unknown RayJob jobDeploymentStatus {deployment!r}"
+
+
+def path(current: Phase, target: Phase) -> list[Phase] | None:
+    """The shortest list of moves from ``current`` to ``target`` the state machine allows."""
+    if current is target:
+        return []
+    seen, queue = {current}, deque([(current, list[Phase]())])
+    while queue:
+        phase, moves = queue.popleft()
+        for nxt in sorted(ALLOWED[phase], key=lambda p: p.value):
+            if nxt in seen:
+                continue
+            if nxt is target:
+                return [*moves, nxt]
+            if nxt not in TERMINAL:
+                seen.add(nxt)
+                queue.append((nxt, [*moves, nxt]))
+    return None
+
+
+def advance(status: JobStatus, target: Target) -> tuple[JobStatus, list[Phase]]:
+    """``status`` moved to ``target`` through allowed phases (recording each as a condition), and
+    the phases passed. A finished job, or one the machine cannot take there, is left as it is."""
+    phase, reason, message = target
+    if status.phase in TERMINAL:
+        return status, []
+    moves = path(status.phase, phase)
+    if moves is None:
+        return status, []
+    for step in moves:
+        status = status.moved(step, reason, message)
+    if not moves and (status.reason, status.message) != (reason, message) and phase is not Phase.SUSPENDED:
+        status = status.model_copy(update={"reason": reason, "message": message})
+    return status, moves
+
+
+def progress_of(exposition: str, total_steps: int) -> Progress | None:
+    """Progress from the driver's ``/metrics`` text (None before its first step)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            values.setdefault(sample.name, sample.value)
+    if "fp8rl_step" not in values:
+        return None
+    return Progress(
+        step=int(values["fp8rl_step"]),
+        total_steps=total_steps,
+        reward=values.get("fp8rl_reward_mean"),
+        generation_tokens_per_s=values.get("fp8rl_generation_tokens_per_second"),
+        token_mult_prob_error=values.get("fp8rl_token_mult_prob_error"),
+        updated=datetime.now(UTC),
+    )
