@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import subprocess
+import sys
 import threading
+import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -161,3 +165,27 @@ class KubeEmulator:
             if wanted and not obj.deleted:
                 out.append(dict(obj.raw))
         return out
+
+
+def start_operator(
+    kubeconfig: Path, log: Path, env: dict[str, str] | None = None, extra_args: Iterable[str] = ()
+) -> subprocess.Popen[bytes]:
+    """``fp8rl operator`` as a real process against ``kubeconfig``, logging to ``log``."""
+    cmd = [sys.executable, "-m", "fp8rl", "operator", "--kubeconfig", str(kubeconfig), *extra_args]
+    with log.open("ab") as out:
+        full_env = {**os.environ, **(env or {})}
+        return subprocess.Popen(
+            cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout: float = 60.0, every: float = 0.1) -> Any:
+    """Poll ``check`` until it returns something truthy; fail saying ``what`` was awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)

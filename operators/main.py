@@ -26,6 +26,8 @@ def run(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if not verbose:  # kopf logs every timer tick at INFO
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     import kopf
 
     import operators.handlers  # noqa: F401  (registers the handlers)

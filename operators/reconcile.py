@@ -25,6 +25,7 @@ from service.store import JobNotFound
 log = logging.getLogger("fp8rl.operator")
 RAY = ("ray.io", "v1")
 SPEC_REFUSED = "SpecChangeRefused"
+RESUMED = "UserResumed"  # the reason the control plane's resume records (routes/jobs.py)
 
 
 def _condition(status: JobStatus, kind: str, on: bool, reason: str, message: str) -> JobStatus:
@@ -97,7 +98,7 @@ class Reconciler:
     def _set_status(self, rljob: dict[str, Any], change: Any) -> JobStatus | None:
         meta = rljob["metadata"]
         try:
-            return self.rljobs.update(meta["namespace"], meta["name"], change).status
+            return rl.status_of(self.rljobs.write_status(meta["namespace"], meta["name"], change))
         except JobNotFound:
             return None
 
@@ -195,16 +196,23 @@ class Reconciler:
                     "spec.job/spec.cluster changed while the job runs: refused (the RayJob keeps the spec "
                     "it started with). Suspend it (spec.suspend: true), change it, then resume."
                 )
-                was = next((c for c in status.conditions if c.type == SPEC_REFUSED and c.status), None)
-                self._set_status(rljob, lambda s: _condition(s, SPEC_REFUSED, True, "JobRunning", message))
-                if was is None:
+                newly: list[bool] = []
+
+                def refuse(s: JobStatus) -> JobStatus:
+                    was = any(c.type == SPEC_REFUSED and c.status for c in s.conditions)
+                    newly[:] = [not was]  # the write that wins decides: one event per refusal
+                    return _condition(s, SPEC_REFUSED, True, "JobRunning", message)
+
+                self._set_status(rljob, refuse)
+                if newly == [True]:
                     self.event(rljob, "Warning", SPEC_REFUSED, message)
                 return rayjob
             self._delete_rayjob(ns, name)  # not running: rebuild it from the new spec
             self._set_status(rljob, lambda s: _condition(s, SPEC_REFUSED, False, "Applied", "spec applied"))
             self.event(rljob, "Normal", "SpecApplied", "RayJob rebuilt from the changed spec")
             return self._create_rayjob(rljob, spec, "RayJobCreated")
-        if status.phase is Phase.PENDING and rayjob_status in ("Complete", "Failed") and not spec.suspend:
+        resumed = status.phase is Phase.PENDING and status.reason == RESUMED
+        if resumed and rayjob_status in ("Complete", "Failed") and not spec.suspend:
             # resumed after a failure: a finished RayJob does not run again, a new one does
             self._delete_rayjob(ns, name)
             return self._create_rayjob(rljob, spec, "RayJobRestarted")

@@ -27,7 +27,7 @@ def target_of(rayjob: dict[str, Any], suspend: bool) -> Target:
             f"RayJob {deployment or 'suspending'}; resume continues from the checkpoint",
         )
     if deployment in ("Suspending", "Suspended"):
-        return Phase.PENDING, "WaitingForAdmission", "the RayJob is suspended until its queue admits it"
+        return Phase.PENDING, "RayJobSuspended", "the RayJob is still suspended (resuming, or queued)"
     if deployment in ("", "Initializing", "Waiting"):
         return Phase.STARTING, "RayClusterStarting", message or "waiting for the Ray cluster"
     if deployment == "Retrying":
@@ -45,6 +45,11 @@ def target_of(rayjob: dict[str, Any], suspend: bool) -> Target:
     return Phase.STARTING, "Unknown", f"unknown RayJob jobDeploymentStatus {deployment!r}"
 
 
+# phases the operator may pass through on its way (never Suspended, Failed or a final phase:
+# those only as the target, since each means something to the user)
+_VIA = frozenset({Phase.PENDING, Phase.STARTING, Phase.RUNNING})
+
+
 def path(current: Phase, target: Phase) -> list[Phase] | None:
     """The shortest list of moves from ``current`` to ``target`` the state machine allows."""
     if current is target:
@@ -57,7 +62,7 @@ def path(current: Phase, target: Phase) -> list[Phase] | None:
                 continue
             if nxt is target:
                 return [*moves, nxt]
-            if nxt not in TERMINAL:
+            if nxt in _VIA:
                 seen.add(nxt)
                 queue.append((nxt, [*moves, nxt]))
     return None

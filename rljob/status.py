@@ -37,7 +37,10 @@ ALLOWED: dict[Phase, frozenset[Phase]] = {
     Phase.STARTING: frozenset(
         {Phase.RUNNING, Phase.SUSPENDED, Phase.FAILED, Phase.CANCELLED, Phase.SUCCEEDED}
     ),
-    Phase.RUNNING: frozenset({Phase.SUCCEEDED, Phase.SUSPENDED, Phase.FAILED, Phase.CANCELLED}),
+    # back to Starting when the Ray job restarts (KubeRay retrying, or its RayJob recreated)
+    Phase.RUNNING: frozenset(
+        {Phase.STARTING, Phase.SUCCEEDED, Phase.SUSPENDED, Phase.FAILED, Phase.CANCELLED}
+    ),
     Phase.SUSPENDED: frozenset({Phase.PENDING, Phase.CANCELLED}),
     Phase.FAILED: frozenset({Phase.PENDING, Phase.CANCELLED}),  # resume from the last checkpoint
     Phase.SUCCEEDED: frozenset(),

@@ -15,7 +15,7 @@ from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
 from service.routes import jobs, runs
 from service.settings import Settings
-from service.store import JobStore, SqlJobStore
+from service.store import InvalidRecord, JobStore, SqlJobStore
 
 
 class BodyLimit(BaseHTTPMiddleware):
@@ -57,6 +57,10 @@ def _kube_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _invalid_record(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": f"{exc}; fix it (kubectl edit) or delete it"}, status.HTTP_409_CONFLICT)
+
+
 def create_app(
     settings: Settings,
     store: JobStore | None = None,
@@ -79,6 +83,7 @@ def create_app(
     app.state.executor = executor
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError

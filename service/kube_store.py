@@ -13,14 +13,19 @@ in a pod, else ``KUBECONFIG`` / ``~/.kube/config``.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, cast
 
+from pydantic import ValidationError
+
 from rljob import resource as rl
-from rljob.spec import JobSpec
+from rljob.spec import JobSpec, describe_errors
 from rljob.status import ACTIVE, JobStatus, Phase
-from service.store import Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+
+log = logging.getLogger("fp8rl.service")
 
 CONFLICT_RETRIES = 8
 
@@ -50,14 +55,21 @@ class KubernetesJobStore:
         return (rl.GROUP, rl.VERSION, namespace, rl.PLURAL)
 
     def _job(self, obj: dict[str, Any]) -> Job:
+        """The record of an RLJob. One whose spec does not validate (written with kubectl past the
+        CRD schema) raises ``InvalidRecord``: listings skip it, GET says what is wrong."""
         meta = obj.get("metadata") or {}
+        try:
+            spec = rl.spec_of(obj).job
+        except ValidationError as err:
+            problems = "; ".join(describe_errors(err))
+            raise InvalidRecord(f"RLJob {meta.get('name')!r} has an invalid spec: {problems}") from None
         status = rl.status_of(obj)
         created = rl.created_of(obj)
         stamps = [c.last_transition for c in status.conditions]
         return Job(
             tenant=meta.get("namespace", ""),
             name=meta["name"],
-            spec=rl.spec_of(obj).job,
+            spec=spec,
             status=status,
             created=created,
             updated=max([created, *stamps]),
@@ -108,10 +120,19 @@ class KubernetesJobStore:
     def get(self, tenant: str, name: str) -> Job:
         return self._job(self._read(tenant, name))
 
+    def _valid(self, items: list[dict[str, Any]]) -> list[Job]:
+        jobs = []
+        for obj in items:
+            try:
+                jobs.append(self._job(obj))
+            except InvalidRecord as err:
+                log.warning("%s (skipped; the operator marks it Failed)", err)
+        return jobs
+
     def query(
         self, tenant: str | None, phase: Phase | None = None, limit: int = 50, offset: int = 0
     ) -> tuple[list[Job], int]:
-        jobs = [self._job(o) for o in self._list(tenant)]
+        jobs = self._valid(self._list(tenant))
         if phase is not None:
             jobs = [j for j in jobs if j.status.phase is phase]
         jobs.sort(key=lambda j: (j.created, j.name))
@@ -120,6 +141,13 @@ class KubernetesJobStore:
     def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job:
         """Read, apply ``change`` (which may raise IllegalTransition), write with the version read;
         on 409 Conflict read again and re-apply."""
+        return self._job(self.write_status(tenant, name, change))
+
+    def write_status(
+        self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]
+    ) -> dict[str, Any]:
+        """``update`` without reading the spec (the operator writes status of invalid RLJobs too);
+        returns the object as written."""
         from kubernetes.client.exceptions import ApiException
 
         for _ in range(CONFLICT_RETRIES):
@@ -137,7 +165,7 @@ class KubernetesJobStore:
                 if err.status == 404:
                     raise JobNotFound(name) from None
                 raise
-            return self._job(cast(dict[str, Any], written))
+            return cast(dict[str, Any], written)
         raise RuntimeError(f"RLJob {tenant}/{name}: status kept changing under us; try again")
 
     def set_suspend(self, tenant: str, name: str, suspend: bool) -> None:
@@ -164,7 +192,7 @@ class KubernetesJobStore:
             raise
 
     def usage(self, tenant: str) -> tuple[int, int]:
-        active = [self._job(o) for o in self._list(tenant)]
+        active = self._valid(self._list(tenant))
         active = [j for j in active if j.status.phase in ACTIVE]
         return len(active), sum(gpus_of(j.spec) for j in active)
 

@@ -26,6 +26,10 @@ class JobNotFound(Exception):
     pass
 
 
+class InvalidRecord(Exception):
+    """A stored job whose spec the models reject (an RLJob written with kubectl past the CRD)."""
+
+
 class TenantNamespaceMissing(Exception):
     """``--store kubernetes``: the tenant's namespace does not exist on the cluster."""
 

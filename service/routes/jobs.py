@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from rljob.status import ACTIONS, IllegalTransition, Phase
 from service.deps import SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
-from service.store import Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -93,11 +93,13 @@ def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
 def delete_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> None:
     """Cancel the job if it is active, then delete its record."""
     try:
-        job = store.get(tenant, name)
+        job: Job | None = store.get(tenant, name)
     except JobNotFound:
         raise _not_found(name) from None
+    except InvalidRecord:
+        job = None  # nothing runs an invalid job: just delete it
     executor = getattr(request.app.state, "executor", None)
-    if executor is not None:
+    if executor is not None and job is not None:
         executor.cancel(job)
     try:
         store.delete(tenant, name)

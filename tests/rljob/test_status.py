@@ -10,12 +10,14 @@ from rljob.status import ACTIONS, ALLOWED, IllegalTransition, JobStatus, Phase, 
 
 # The machine, written out by hand from the issue (independently of ALLOWED): a job runs
 # Pending -> Starting -> Running -> Succeeded; it can fail, be suspended or cancelled while active;
-# a suspended or failed job resumes to Pending; Succeeded and Cancelled are final.
+# a suspended or failed job resumes to Pending; a running job whose Ray job restarts (KubeRay
+# retrying, or its RayJob recreated) goes back to Starting; Succeeded and Cancelled are final.
 LEGAL = {
     ("Pending", "Starting"), ("Pending", "Suspended"), ("Pending", "Failed"), ("Pending", "Cancelled"),
     ("Starting", "Running"), ("Starting", "Suspended"), ("Starting", "Failed"), ("Starting", "Cancelled"),
     ("Starting", "Succeeded"),
     ("Running", "Succeeded"), ("Running", "Suspended"), ("Running", "Failed"), ("Running", "Cancelled"),
+    ("Running", "Starting"),
     ("Suspended", "Pending"), ("Suspended", "Cancelled"),
     ("Failed", "Pending"), ("Failed", "Cancelled"),
 }  # fmt: skip

@@ -1,0 +1,171 @@
+"""The pure builders: every manifest validates against KubeRay's CRD schemas (../shared/kuberay/crds)
+or the Kubernetes schemas, and carries what the issue asks for, checked field by field."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from operators import builders
+from operators.settings import OperatorSettings
+from rljob import resource as rl
+from rljob.crd import openapi_to_jsonschema
+
+KUBERAY = Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+K8S_VERSION = "1.33"
+
+
+def kuberay_schema(kind: str) -> dict[str, Any]:
+    crd = yaml.safe_load((KUBERAY / f"ray.io_{kind}.yaml").read_text())
+    [v1] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    out: dict[str, Any] = openapi_to_jsonschema(v1["schema"]["openAPIV3Schema"])
+    return out
+
+
+def rljob(path: str = "rljob-qwen-gpu.yaml", namespace: str = "team-a") -> dict[str, Any]:
+    obj: dict[str, Any] = yaml.safe_load((EXAMPLES / path).read_text())
+    obj["metadata"].update(namespace=namespace, uid="0b5c2f9e-5a0c-4c43-9d1a-1d2f3e4a5b6c")
+    return obj
+
+
+def build(obj: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    return builders.rayjob(obj, rl.spec_of(obj), OperatorSettings(**settings))
+
+
+def groups(rayjob: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
+
+
+@pytest.mark.parametrize("example", ["rljob-qwen-gpu.yaml", "rljob-arithmetic-cpu.yaml"])
+def test_rayjob_validates_against_kuberay_crd(example: str) -> None:
+    jsonschema.validate(build(rljob(example)), kuberay_schema("rayjobs"))
+
+
+@pytest.mark.parametrize("example", ["rljob-qwen-gpu.yaml", "rljob-arithmetic-cpu.yaml"])
+def test_pod_templates_and_configmap_validate_as_kubernetes_objects(example: str) -> None:
+    obj = rljob(example)
+    cluster = build(obj)["spec"]["rayClusterSpec"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for i, template in enumerate(templates):
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}"}, "template": template}
+        kubernetes_validate.validate(pod, desired_version=K8S_VERSION, strict=True)
+    cm = builders.spec_configmap(obj, rl.spec_of(obj))
+    kubernetes_validate.validate(cm, desired_version=K8S_VERSION, strict=True)
+    assert rl.spec_of({"spec": {"job": json.loads(cm["data"]["job.json"])}}).job == rl.spec_of(obj).job
+
+
+def test_rayjob_fields() -> None:
+    obj = rljob()
+    body = build(obj, image="registry.example/fp8rl-worker:1.2", ttl_seconds_after_finished=99)
+    spec = body["spec"]
+    assert body["apiVersion"] == "ray.io/v1" and body["kind"] == "RayJob"
+    assert body["metadata"]["name"] == "qwen-arith-fp8" and body["metadata"]["namespace"] == "team-a"
+    assert spec["submissionMode"] == "HTTPMode" and spec["shutdownAfterJobFinishes"] is True
+    assert spec["ttlSecondsAfterFinished"] == 99  # operator default (the example sets none)
+    assert spec["activeDeadlineSeconds"] == 172800 and spec["backoffLimit"] == 2  # from the RLJob
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[:4] == ["python", "-m", "workers.driver", "/etc/fp8rl/job.json"]
+    assert "--resume" in argv and argv[argv.index("--output") + 1] == "/runs/qwen-arith-fp8"
+    assert (
+        argv[argv.index("--job") + 1] == "qwen-arith-fp8" and argv[argv.index("--namespace") + 1] == "team-a"
+    )
+    cluster = spec["rayClusterSpec"]
+    assert cluster["enableInTreeAutoscaling"] is False
+    head = cluster["headGroupSpec"]
+    assert head["rayStartParams"]["no-monitor"] == "true" and head["rayStartParams"]["num-gpus"] == "0"
+    head_pod = head["template"]["spec"]
+    head_c = head_pod["containers"][0]
+    assert "nvidia.com/gpu" not in head_c["resources"]["limits"]  # a CPU head
+    assert {"name": "FP8RL_RAY_GROUPS", "value": "1"} in head_c["env"]
+    assert {"name": "job-spec", "mountPath": "/etc/fp8rl"} in head_c["volumeMounts"]
+    assert {"name": "job-spec", "configMap": {"name": "qwen-arith-fp8-spec"}} in head_pod["volumes"]
+    for name, group in groups(body).items():
+        pod = group["template"]["spec"]
+        c = pod["containers"][0]
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
+        assert (
+            c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        )
+        assert group["rayStartParams"]["num-gpus"] == "1"
+        custom = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        assert custom == {f"fp8rl_{name}": 1}
+        assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert pod["priorityClassName"] == "fp8rl-batch"
+        assert c["image"] == "registry.example/fp8rl-worker:1.2"
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        assert {"name": "runs", "mountPath": "/runs"} in c["volumeMounts"]
+        assert {"name": "NCCL_DEBUG", "value": "WARN"} in c["env"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+    # the queue: Kueue's label, and created suspended for Kueue to admit
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
+    assert spec["suspend"] is True
+    assert body["metadata"]["ownerReferences"] == [builders.owner_reference(obj)]
+    assert builders.owner_reference(obj)["uid"] == obj["metadata"]["uid"]
+
+
+def test_operator_defaults_fill_what_the_rljob_leaves_unset() -> None:
+    obj = rljob("rljob-arithmetic-cpu.yaml")
+    settings = {
+        "generation": {"nodeSelector": {"pool": "gen"}},
+        "training": {"nodeSelector": {"pool": "train"}},
+    }
+    body = build(obj, **settings)
+    for name, group in groups(body).items():
+        pod = group["template"]["spec"]
+        assert pod["nodeSelector"] == {"pool": "gen" if name == "generation" else "train"}
+        assert "nvidia.com/gpu" not in pod["containers"][0]["resources"]["limits"]  # a CPU job asks for none
+        assert "priorityClassName" not in pod
+    assert body["spec"]["suspend"] is False and "kueue.x-k8s.io/queue-name" not in body["metadata"]["labels"]
+    assert body["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == (
+        OperatorSettings().image
+    )
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "labels"),
+    [
+        ("volcano", {"ray.io/scheduler-name": "volcano", "volcano.sh/queue-name": "q1"}),
+        ("kai", {"ray.io/scheduler-name": "kai-scheduler", "kai.scheduler/queue": "q1"}),
+    ],
+)
+def test_queue_labels(scheduler: str, labels: dict[str, str]) -> None:
+    obj = rljob()
+    obj["spec"]["cluster"]["queue"] = {"scheduler": scheduler, "name": "q1"}
+    body = build(obj)
+    assert labels.items() <= body["metadata"]["labels"].items()
+    assert body["spec"]["suspend"] is False  # only Kueue admits by unsuspending
+    jsonschema.validate(body, kuberay_schema("rayjobs"))
+
+
+def test_spec_hash_changes_with_the_job_not_with_suspend() -> None:
+    obj = rljob()
+    base = builders.spec_hash(rl.spec_of(obj))
+    obj["spec"]["suspend"] = True
+    assert builders.spec_hash(rl.spec_of(obj)) == base
+    obj["spec"]["job"]["steps"] = 501
+    assert builders.spec_hash(rl.spec_of(obj)) != base
+
+
+def test_the_kuberay_schema_catches_mistakes() -> None:
+    """The validation above can fail: a group without its template, or a string where an int goes."""
+    schema = kuberay_schema("rayjobs")
+    body = build(rljob())
+    del body["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    with pytest.raises(jsonschema.ValidationError, match="template"):
+        jsonschema.validate(body, schema)
+    body = build(rljob())
+    body["spec"]["backoffLimit"] = "2"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(body, schema)
