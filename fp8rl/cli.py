@@ -120,6 +120,19 @@ def bench_api(
     typer.echo(bench.format_table(bench.run(levels, requests)))
 
 
+@bench_app.command("operator")
+def bench_operator(
+    jobs: Annotated[int, typer.Option(min=1, max=5000, help="RLJobs to create at once.")] = 100,
+) -> None:
+    """Time for N RLJobs to have their RayJobs on kmock, against the bare API calls as baseline."""
+    try:
+        from operators import bench
+    except ImportError as err:  # kmock is a development dependency
+        typer.echo(f"error: {err}; install the dev extras: pip install -e '.[dev]'", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(bench.run(jobs).table())
+
+
 @app.command("run")
 def run_cmd(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],

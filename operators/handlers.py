@@ -72,7 +72,7 @@ def on_rayjob(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         if getattr(err, "status", None) == 404:
             return  # its RLJob is gone: garbage collection and cleanup remove it
         raise
-    r.reconcile(rljob)
+    r.reconcile(rljob, dict(body))
 
 
 @kopf.on.delete(*RLJOB)

@@ -18,7 +18,7 @@ from operators.settings import OperatorSettings
 from operators.status import advance, progress_of, target_of
 from rljob import resource as rl
 from rljob.spec import describe_errors
-from rljob.status import ACTIVE, TERMINAL, Condition, JobStatus, Phase
+from rljob.status import TERMINAL, Condition, JobStatus, Phase
 from service.kube_store import KubernetesJobStore
 from service.store import JobNotFound
 
@@ -104,9 +104,9 @@ class Reconciler:
 
     # -- the steps ------------------------------------------------------------------------------
 
-    def reconcile(self, rljob: dict[str, Any]) -> None:
+    def reconcile(self, rljob: dict[str, Any], rayjob: dict[str, Any] | None = None) -> None:
         """Create or repair what the RLJob needs, then mirror status. Called on create, update,
-        resume (operator start), RayJob events and on a timer."""
+        resume (operator start) and a timer; and with the RayJob's body on each RayJob event."""
         meta = rljob["metadata"]
         if meta.get("deletionTimestamp"):
             return
@@ -119,8 +119,10 @@ class Reconciler:
         status = rl.status_of(rljob)
         if status.phase in TERMINAL:
             return
-        self._ensure_configmap(rljob, spec, status)
-        rayjob = self.read_rayjob(meta["namespace"], meta["name"])
+        if rayjob is None:
+            rayjob = self.read_rayjob(meta["namespace"], meta["name"])
+            if rayjob is None:
+                self._ensure_configmap(rljob, spec)
         rayjob = self._ensure_rayjob(rljob, spec, status, rayjob)
         if rayjob is not None:
             self._mirror(rljob, spec, rayjob)
@@ -137,7 +139,7 @@ class Reconciler:
         if after is not None and (after.phase, after.message) != (before.phase, before.message):
             self.event(rljob, "Warning", "InvalidSpec", f"spec refused: {problems}; fix it with kubectl edit")
 
-    def _ensure_configmap(self, rljob: dict[str, Any], spec: rl.RLJobSpec, status: JobStatus) -> None:
+    def _ensure_configmap(self, rljob: dict[str, Any], spec: rl.RLJobSpec, replace: bool = False) -> None:
         from kubernetes.client.exceptions import ApiException
 
         ns = rljob["metadata"]["namespace"]
@@ -147,7 +149,7 @@ class Reconciler:
         except ApiException as err:
             if err.status != 409:
                 raise
-            if status.phase not in ACTIVE or status.phase is Phase.PENDING:
+            if replace:
                 self.core.patch_namespaced_config_map(body["metadata"]["name"], ns, {"data": body["data"]})
 
     def _create_rayjob(self, rljob: dict[str, Any], spec: rl.RLJobSpec, why: str) -> dict[str, Any]:
@@ -208,6 +210,7 @@ class Reconciler:
                     self.event(rljob, "Warning", SPEC_REFUSED, message)
                 return rayjob
             self._delete_rayjob(ns, name)  # not running: rebuild it from the new spec
+            self._ensure_configmap(rljob, spec, replace=True)
             self._set_status(rljob, lambda s: _condition(s, SPEC_REFUSED, False, "Applied", "spec applied"))
             self.event(rljob, "Normal", "SpecApplied", "RayJob rebuilt from the changed spec")
             return self._create_rayjob(rljob, spec, "RayJobCreated")
