@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint bench run compare clean
+.PHONY: install test test-fast lint bench run compare crd clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ compare: $(STAMP)
 		$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $$r --output runs/arithmetic-$$r --resume $(RUN_ARGS) || exit 1; \
 	done
 	$(VENV)/bin/fp8rl report runs/arithmetic-bf16 runs/arithmetic-fp8-gen runs/arithmetic-fp8-e2e -o runs/arithmetic-report.png
+
+# Regenerate the RLJob CRD from rljob/ (a test fails when the committed copy drifts).
+crd: $(STAMP)
+	$(PY) -m rljob.crd > helm/fp8rl/crds/rljobs.fp8rl.io.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,6 @@
 """``fp8rl bench operator``: how long N RLJobs take to have their RayJobs, on kmock.
 
-One run measures, against the same in-memory API server:
+One run measures, each against a fresh in-memory API server:
 - baseline: the bare API work the operator cannot avoid, done by one client directly (per job:
   read the RLJob, create a ConfigMap and a RayJob from the builders, write the status);
 - operator: the same N RLJobs created at once, then the time until every one has its RayJob
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 NS = "bench"
-BASE_NS = "baseline"  # not watched by the operator (it runs with --namespace bench)
+BASE_NS = "baseline"
 
 
 @dataclass
@@ -96,8 +96,10 @@ def run(jobs: int = 100, workdir: Path | None = None, verbose: bool = False) -> 
 
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)
-        with KubeEmulator(root, namespaces=[NS, BASE_NS]) as kube:
+        (root / "baseline").mkdir(exist_ok=True)
+        with KubeEmulator(root / "baseline", namespaces=[BASE_NS]) as kube:  # an API of its own
             baseline = _baseline(kube, jobs)
+        with KubeEmulator(root, namespaces=[NS]) as kube:
             api = api_client(str(kube.kubeconfig))
             objects = client.CustomObjectsApi(api)
 

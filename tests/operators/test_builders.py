@@ -169,3 +169,17 @@ def test_the_kuberay_schema_catches_mistakes() -> None:
     body["spec"]["backoffLimit"] = "2"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(body, schema)
+
+
+def test_operator_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fp8rl.cli import app
+
+    bad = tmp_path / "defaults.yaml"
+    bad.write_text("metrics_port: 0\nimage: registry.example/w:1\n")
+    result = CliRunner().invoke(app, ["operator", "--config", str(bad)])
+    assert result.exit_code == 2 and "metrics_port" in result.output
+    bad.write_text("no_such_setting: 1\n")
+    result = CliRunner().invoke(app, ["operator", "--config", str(bad)])
+    assert result.exit_code == 2 and "no_such_setting" in result.output
