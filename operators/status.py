@@ -4,12 +4,12 @@ there through the state machine, and the progress read from the driver's Prometh
 from __future__ import annotations
 
 from collections import deque
-from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress
+from workers.metrics import PROMETHEUS
 
 Target = tuple[Phase, str, str]  # phase, reason, message
 
@@ -85,18 +85,12 @@ def advance(status: JobStatus, target: Target) -> tuple[JobStatus, list[Phase]]:
 
 
 def progress_of(exposition: str, total_steps: int) -> Progress | None:
-    """Progress from the driver's ``/metrics`` text (None before its first step)."""
-    values: dict[str, float] = {}
+    """Progress from the driver's ``/metrics`` text (None before its first step): each
+    ``fp8rl_*`` gauge is read back as its JSONL key (``workers.metrics.PROMETHEUS``)."""
+    keys = {m.name: m.key for m in PROMETHEUS if m.kind == "gauge"}
+    row: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            values.setdefault(sample.name, sample.value)
-    if "fp8rl_step" not in values:
-        return None
-    return Progress(
-        step=int(values["fp8rl_step"]),
-        total_steps=total_steps,
-        reward=values.get("fp8rl_reward_mean"),
-        generation_tokens_per_s=values.get("fp8rl_generation_tokens_per_second"),
-        token_mult_prob_error=values.get("fp8rl_token_mult_prob_error"),
-        updated=datetime.now(UTC),
-    )
+            if sample.name in keys:
+                row.setdefault(keys[sample.name], sample.value)
+    return Progress.from_row(row, total_steps) if "step" in row else None

@@ -183,3 +183,23 @@ def test_operator_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
     bad.write_text("no_such_setting: 1\n")
     result = CliRunner().invoke(app, ["operator", "--config", str(bad)])
     assert result.exit_code == 2 and "no_such_setting" in result.output
+
+
+def test_driver_actors_ask_for_what_their_group_advertises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder's rayStartParams and the driver's actor options must meet: same custom resource,
+    same GPUs per actor; outside a RayJob built by the operator the actors ask for no group."""
+    from workers.driver import actor_options
+
+    obj = rljob()
+    spec = rl.spec_of(obj)
+    body = build(obj)
+    head_env = body["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    for var in head_env:
+        monkeypatch.setenv(var["name"], var["value"])
+    for name, group in groups(body).items():
+        advertised = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        opts = actor_options(spec.job, name)
+        assert opts["resources"] == advertised
+        assert opts["num_gpus"] == int(group["rayStartParams"]["num-gpus"])
+    monkeypatch.delenv("FP8RL_RAY_GROUPS")
+    assert "resources" not in actor_options(spec.job, "training")
