@@ -66,13 +66,9 @@ def on_rayjob(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     if not owner or not namespace:
         return
     r = _reconciler(memo)
-    try:
-        rljob = r.objects.get_namespaced_custom_object(*RLJOB[:2], namespace, rl.PLURAL, owner)
-    except Exception as err:
-        if getattr(err, "status", None) == 404:
-            return  # its RLJob is gone: garbage collection and cleanup remove it
-        raise
-    r.reconcile(rljob, dict(body))
+    rljob = r.read_rljob(namespace, owner)
+    if rljob is not None:  # else its RLJob is gone: garbage collection and cleanup remove it
+        r.reconcile(rljob, dict(body))
 
 
 @kopf.on.delete(*RLJOB)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,6 +27,19 @@ log = logging.getLogger("fp8rl.operator")
 RAY = ("ray.io", "v1")
 SPEC_REFUSED = "SpecChangeRefused"
 RESUMED = "UserResumed"  # the reason the control plane's resume records (routes/jobs.py)
+
+
+def unless_missing(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, or None where the API server answers 404 (a read finds nothing; a delete
+    finds it already gone)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return call(*args)
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
 
 
 def _condition(status: JobStatus, kind: str, on: bool, reason: str, message: str) -> JobStatus:
@@ -52,19 +66,17 @@ class Reconciler:
 
     # -- small API helpers ----------------------------------------------------------------------
 
-    def _missing(self, err: Exception) -> bool:
-        return getattr(err, "status", None) == 404
-
     def read_rayjob(self, ns: str, name: str) -> dict[str, Any] | None:
-        from kubernetes.client.exceptions import ApiException
+        rayjob: dict[str, Any] | None = unless_missing(
+            self.objects.get_namespaced_custom_object, *RAY, ns, "rayjobs", name
+        )
+        return rayjob
 
-        try:
-            obj: dict[str, Any] = self.objects.get_namespaced_custom_object(*RAY, ns, "rayjobs", name)
-        except ApiException as err:
-            if self._missing(err):
-                return None
-            raise
-        return obj
+    def read_rljob(self, ns: str, name: str) -> dict[str, Any] | None:
+        rljob: dict[str, Any] | None = unless_missing(
+            self.objects.get_namespaced_custom_object, rl.GROUP, rl.VERSION, ns, rl.PLURAL, name
+        )
+        return rljob
 
     def event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
         """A core/v1 Event on the RLJob (what `kubectl describe rljob` shows)."""
@@ -172,13 +184,7 @@ class Reconciler:
         return created
 
     def _delete_rayjob(self, ns: str, name: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self.objects.delete_namespaced_custom_object(*RAY, ns, "rayjobs", name)
-        except ApiException as err:
-            if not self._missing(err):
-                raise
+        unless_missing(self.objects.delete_namespaced_custom_object, *RAY, ns, "rayjobs", name)
 
     def _ensure_rayjob(
         self, rljob: dict[str, Any], spec: rl.RLJobSpec, status: JobStatus, rayjob: dict[str, Any] | None
@@ -245,15 +251,11 @@ class Reconciler:
                 moved = moved.model_copy(update={"progress": progress})
             return moved
 
-        before = rl.status_of(rljob)
-        after = self._set_status(rljob, change)
-        if after is None:
+        if self._set_status(rljob, change) is None:
             return
         for phase in passed:
             kind = "Warning" if phase is Phase.FAILED else "Normal"
             self.event(rljob, kind, phase.value, f"{target[1]}: {target[2]}")
-        if after.progress.step != before.progress.step:
-            log.debug("%s progress step %d", rljob["metadata"]["name"], after.progress.step)
 
     def _scrape(self, rljob: dict[str, Any], spec: rl.RLJobSpec, rayjob: dict[str, Any]) -> Any:
         """The driver's progress from its Prometheus endpoint on the head pod (None if unreachable)."""
@@ -277,14 +279,8 @@ class Reconciler:
 
     def cleanup(self, rljob: dict[str, Any]) -> None:
         """On delete (behind the finalizer): remove the RayJob and the ConfigMap."""
-        from kubernetes.client.exceptions import ApiException
-
         meta = rljob["metadata"]
         ns, name = meta["namespace"], meta["name"]
         self._delete_rayjob(ns, name)
-        try:
-            self.core.delete_namespaced_config_map(builders.configmap_name(name), ns)
-        except ApiException as err:
-            if not self._missing(err):
-                raise
+        unless_missing(self.core.delete_namespaced_config_map, builders.configmap_name(name), ns)
         log.info("%s/%s deleted with its RayJob and ConfigMap", ns, name)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from pydantic import ValidationError
@@ -28,6 +29,19 @@ from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantName
 log = logging.getLogger("fp8rl.service")
 
 CONFLICT_RETRIES = 8
+
+
+@contextmanager
+def _job_not_found(name: str) -> Iterator[None]:
+    """A 404 from the API server as ``JobNotFound``."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        yield
+    except ApiException as err:
+        if err.status == 404:
+            raise JobNotFound(name) from None
+        raise
 
 
 def api_client(kubeconfig: str | None = None) -> Any:
@@ -76,15 +90,8 @@ class KubernetesJobStore:
         )
 
     def _read(self, tenant: str, name: str) -> dict[str, Any]:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            obj = cast(dict[str, Any], self._objects.get_namespaced_custom_object(*self._args(tenant), name))
-        except ApiException as err:
-            if err.status == 404:
-                raise JobNotFound(name) from None
-            raise
-        return obj
+        with _job_not_found(name):
+            return cast(dict[str, Any], self._objects.get_namespaced_custom_object(*self._args(tenant), name))
 
     def _list(self, tenant: str | None) -> list[dict[str, Any]]:
         if tenant is None:
@@ -170,26 +177,14 @@ class KubernetesJobStore:
 
     def set_suspend(self, tenant: str, name: str, suspend: bool) -> None:
         """Set ``spec.suspend`` (the operator suspends or resumes the RayJob)."""
-        from kubernetes.client.exceptions import ApiException
-
-        try:
+        with _job_not_found(name):
             self._objects.patch_namespaced_custom_object(
                 *self._args(tenant), name, {"spec": {"suspend": suspend}}
             )
-        except ApiException as err:
-            if err.status == 404:
-                raise JobNotFound(name) from None
-            raise
 
     def delete(self, tenant: str, name: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
+        with _job_not_found(name):
             self._objects.delete_namespaced_custom_object(*self._args(tenant), name)
-        except ApiException as err:
-            if err.status == 404:
-                raise JobNotFound(name) from None
-            raise
 
     def usage(self, tenant: str) -> tuple[int, int]:
         active = self._valid(self._list(tenant))
