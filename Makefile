@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint bench run compare crd clean
+.PHONY: install tools test test-fast lint bench run compare crd clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,10 +15,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# helm, kubectl, promtool and the Prometheus Operator schemas for the chart tests (.ci/tools)
+tools:
+	bash .ci/tools
+
+test: $(STAMP) tools
 	$(PY) -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) tools
 	$(PY) -m pytest -m "not slow" -x -q
 
 lint: $(STAMP)
@@ -49,4 +53,4 @@ crd: $(STAMP)
 	$(PY) -m rljob.crd > helm/fp8rl/crds/rljobs.fp8rl.io.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache

@@ -230,5 +230,24 @@ def rayjob(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> dict[
     return body
 
 
+def placement_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
+    """Asks no node of the default pools can meet: a pod wanting more GPUs than a node has would
+    stay Pending forever, so the operator fails the job at once, naming the field. A job that
+    picks its own pool (``spec.cluster.<group>.nodeSelector``) is not checked."""
+    res, out = spec.job.resources, []
+    checks = (
+        ("generation", "gpus_per_generator", res.gpus_per_generator, s.generation_max_gpus_per_pod),
+        ("training", "gpus_per_trainer", res.gpus_per_trainer, s.training_max_gpus_per_pod),
+    )
+    for group, field, asked, most in checks:
+        own_pool = getattr(spec.cluster, group).node_selector is not None
+        if most is not None and asked > most and not own_pool:
+            out.append(
+                f"spec.job.resources.{field}: {asked} GPUs in one pod, but nodes of the {group} pool have "
+                f"{most}; ask for at most {most}, or name a larger pool in spec.cluster.{group}.nodeSelector"
+            )
+    return out
+
+
 def _pick(own: int | None, default: int) -> int:
     return own if own is not None else default

@@ -1,8 +1,8 @@
 """The kopf handlers: thin edges that call ``Reconciler``. Imported by ``operators.main`` only.
 
 - create / update / resume (operator start) of an RLJob, and a timer per RLJob: ``reconcile``.
-- any event of a RayJob this operator made: reconcile its RLJob at once (status mirrors quickly,
-  and a RayJob deleted by someone else is recreated).
+- any event of a RayJob this operator made: reconcile its RLJob at once, by name (status mirrors
+  quickly, and a RayJob deleted by someone else is recreated).
 - delete of an RLJob: remove its RayJob and ConfigMap first (kopf holds the finalizer
   ``fp8rl.io/finalizer`` until this returns), not relying on garbage collection alone.
 """
@@ -39,6 +39,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's only on trouble
     settings.watching.server_timeout = 300
     settings.execution.max_workers = 16
+    # a delete waits for the RLJob's timer to stop; kopf re-checks a timer caught mid-tick only
+    # after this many seconds (default 60: a deletion would hang a minute)
+    settings.background.cancellation_polling = 1
     memo["reconciler"] = Reconciler(api_client(os.environ.get("KUBECONFIG")), SETTINGS)
 
 
@@ -50,13 +53,15 @@ def _reconciler(memo: kopf.Memo) -> Reconciler:
 @kopf.on.resume(*RLJOB)
 @kopf.on.create(*RLJOB)
 @kopf.on.update(*RLJOB)
-def on_rljob(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _reconciler(memo).reconcile(dict(body))
+def on_rljob(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if namespace:  # RLJobs are namespaced: always set
+        _reconciler(memo).reconcile(namespace, name)
 
 
 @kopf.timer(*RLJOB, interval=SETTINGS.poll_seconds, initial_delay=SETTINGS.poll_seconds)
-def on_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _reconciler(memo).reconcile(dict(body))
+def on_timer(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if namespace:  # RLJobs are namespaced: always set
+        _reconciler(memo).reconcile(namespace, name)
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels=MANAGED_BY)
@@ -65,10 +70,9 @@ def on_rayjob(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     namespace = body.get("metadata", {}).get("namespace")
     if not owner or not namespace:
         return
-    r = _reconciler(memo)
-    rljob = r.read_rljob(namespace, owner)
-    if rljob is not None:  # else its RLJob is gone: garbage collection and cleanup remove it
-        r.reconcile(rljob, dict(body))
+    # the body only says which RLJob to look at; reconcile reads both objects afresh (a gone
+    # RLJob is a no-op: garbage collection and its delete handler remove the RayJob)
+    _reconciler(memo).reconcile(namespace, owner)
 
 
 @kopf.on.delete(*RLJOB)

@@ -6,6 +6,7 @@ call into this; every step is idempotent, so a restarted operator creates no dup
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -63,6 +64,11 @@ class Reconciler:
         self.objects: Any = client.CustomObjectsApi(api)
         self.rljobs = KubernetesJobStore(api)
         self.http = httpx.Client(timeout=3.0)
+        # kopf runs handlers of an RLJob and of its RayJob concurrently (they are two objects): one
+        # lock per RLJob serializes them, and each reads both objects fresh inside it, so no
+        # reconcile acts on a body an event carried from before another's write
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
 
     # -- small API helpers ----------------------------------------------------------------------
 
@@ -116,9 +122,23 @@ class Reconciler:
 
     # -- the steps ------------------------------------------------------------------------------
 
-    def reconcile(self, rljob: dict[str, Any], rayjob: dict[str, Any] | None = None) -> None:
-        """Create or repair what the RLJob needs, then mirror status. Called on create, update,
-        resume (operator start) and a timer; and with the RayJob's body on each RayJob event."""
+    def _lock(self, ns: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((ns, name), threading.Lock())
+
+    def reconcile(self, ns: str, name: str) -> None:
+        """Create or repair what the RLJob ``ns/name`` needs, then mirror status. Called on create,
+        update, resume (operator start), a timer, and each event of its RayJob; the RLJob and the
+        RayJob are read afresh under the RLJob's lock (event bodies can be stale)."""
+        with self._lock(ns, name):
+            rljob = self.read_rljob(ns, name)
+            if rljob is None:
+                with self._locks_guard:
+                    self._locks.pop((ns, name), None)
+                return
+            self._reconcile(rljob)
+
+    def _reconcile(self, rljob: dict[str, Any]) -> None:
         meta = rljob["metadata"]
         if meta.get("deletionTimestamp"):
             return
@@ -128,16 +148,19 @@ class Reconciler:
             problems = "; ".join(describe_errors(err))
             self._fail_invalid(rljob, problems)
             return
+        unplaceable = builders.placement_problems(spec, self.settings)
+        if unplaceable:
+            self._fail_invalid(rljob, "; ".join(unplaceable))
+            return
         status = rl.status_of(rljob)
         if status.phase in TERMINAL:
             return
+        rayjob = self.read_rayjob(meta["namespace"], meta["name"])
         if rayjob is None:
-            rayjob = self.read_rayjob(meta["namespace"], meta["name"])
-            if rayjob is None:
-                self._ensure_configmap(rljob, spec)
+            self._ensure_configmap(rljob, spec)
         rayjob = self._ensure_rayjob(rljob, spec, status, rayjob)
         if rayjob is not None:
-            self._mirror(rljob, spec, rayjob)
+            self._mirror(rljob, spec, status, rayjob)
 
     def _fail_invalid(self, rljob: dict[str, Any], problems: str) -> None:
         def change(s: JobStatus) -> JobStatus:
@@ -237,7 +260,9 @@ class Reconciler:
             return patched
         return rayjob
 
-    def _mirror(self, rljob: dict[str, Any], spec: rl.RLJobSpec, rayjob: dict[str, Any]) -> None:
+    def _mirror(
+        self, rljob: dict[str, Any], spec: rl.RLJobSpec, read: JobStatus, rayjob: dict[str, Any]
+    ) -> None:
         target = target_of(rayjob, spec.suspend)
         progress = (
             self._scrape(rljob, spec, rayjob) if target[0] in (Phase.RUNNING, Phase.SUCCEEDED) else None
@@ -245,6 +270,11 @@ class Reconciler:
         passed: list[Phase] = []
 
         def change(s: JobStatus) -> JobStatus:
+            if (s.phase, s.reason) != (read.phase, read.reason):
+                # someone else (the control plane's resume or cancel) moved the job since this
+                # reconcile read it: what it decided no longer holds; the next one decides anew
+                passed[:] = []
+                return s
             moved, steps = advance(s, target)
             passed[:] = steps
             if progress is not None and progress.step >= moved.progress.step:
@@ -281,6 +311,7 @@ class Reconciler:
         """On delete (behind the finalizer): remove the RayJob and the ConfigMap."""
         meta = rljob["metadata"]
         ns, name = meta["namespace"], meta["name"]
-        self._delete_rayjob(ns, name)
-        unless_missing(self.core.delete_namespaced_config_map, builders.configmap_name(name), ns)
+        with self._lock(ns, name):
+            self._delete_rayjob(ns, name)
+            unless_missing(self.core.delete_namespaced_config_map, builders.configmap_name(name), ns)
         log.info("%s/%s deleted with its RayJob and ConfigMap", ns, name)

@@ -32,6 +32,12 @@ class OperatorSettings(BaseSettings):
         default_factory=lambda: Pool(tolerations=[GPU_TOLERATION]),
         description="Default node pool of the training group.",
     )
+    generation_max_gpus_per_pod: int | None = Field(
+        None, ge=1, le=64, description="GPUs per node of the default generation pool (None: unchecked)."
+    )
+    training_max_gpus_per_pod: int | None = Field(
+        None, ge=1, le=64, description="GPUs per node of the default training pool (None: unchecked)."
+    )
     head_cpu: str = Field("2", description="CPU of the head pod (it runs the driver, no GPU).")
     head_memory: str = Field("8Gi", description="Memory of the head pod.")
     worker_memory: str = Field("64Gi", description="Memory of each GPU worker pod.")

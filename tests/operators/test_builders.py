@@ -203,3 +203,20 @@ def test_driver_actors_ask_for_what_their_group_advertises(monkeypatch: pytest.M
         assert opts["num_gpus"] == int(group["rayStartParams"]["num-gpus"])
     monkeypatch.delenv("FP8RL_RAY_GROUPS")
     assert "resources" not in actor_options(spec.job, "training")
+
+
+def test_a_pod_asking_more_gpus_than_the_default_pool_has_is_refused() -> None:
+    settings = OperatorSettings(generation_max_gpus_per_pod=4, training_max_gpus_per_pod=8)
+    job = {"resources": {"generators": 2, "trainers": 1, "gpus_per_generator": 8, "gpus_per_trainer": 8}}
+    spec = rl.RLJobSpec.model_validate({"job": job})
+    [problem] = builders.placement_problems(spec, settings)
+    assert problem.startswith("spec.job.resources.gpus_per_generator: 8 GPUs in one pod")
+    assert "have 4" in problem and "spec.cluster.generation.nodeSelector" in problem
+    # its own pool: the operator does not know that pool's nodes, so it does not refuse
+    own = rl.RLJobSpec.model_validate({"job": job, "cluster": {"generation": {"nodeSelector": {"p": "big"}}}})
+    assert builders.placement_problems(own, settings) == []
+    # at the limit, and with no limit configured: fine
+    job["resources"]["gpus_per_generator"] = 4
+    assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), settings) == []
+    job["resources"]["gpus_per_trainer"] = 16
+    assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), OperatorSettings()) == []

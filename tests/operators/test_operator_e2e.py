@@ -218,3 +218,46 @@ def test_a_job_posted_to_the_service_is_picked_up(cluster: Cluster) -> None:
     wait_for(lambda: c.rayjobs()[0]["spec"]["suspend"] is True, "the RayJob suspended")
     assert api.delete("/v1/jobs/posted", headers=auth).status_code == 204
     wait_for(lambda: c.rayjobs() == [] and c.rljob("posted") is None, "everything gone")
+
+
+def test_a_resume_landing_mid_reconcile_is_not_undone(tmp_path: Path) -> None:
+    """The control plane's resume (Failed -> Pending) lands after a reconcile read the RLJob and
+    before it writes: the reconcile must not move the resumed job back to Failed from what it
+    read; the next reconcile restarts the RayJob."""
+    from operators.reconcile import Reconciler
+    from operators.settings import OperatorSettings
+
+    with KubeEmulator(tmp_path, namespaces=[NS]) as kube:
+        api = api_client(str(kube.kubeconfig))
+        objects = client.CustomObjectsApi(api)
+        objects.create_namespaced_custom_object(*RL, rl.manifest("j3", NS, JobSpec(steps=10)))
+        r = Reconciler(api, OperatorSettings())
+        r.reconcile(NS, "j3")
+        objects.patch_namespaced_custom_object_status(
+            *RAY, "j3", {"status": {"jobDeploymentStatus": "Failed"}}
+        )
+        r.reconcile(NS, "j3")
+        store = KubernetesJobStore(api)
+        assert store.get(NS, "j3").status.phase is Phase.FAILED
+        failed_uid = c_uid(objects)
+
+        read_rayjob = r.read_rayjob
+
+        def resume_then_read(ns: str, name: str) -> dict[str, Any] | None:
+            store.update(
+                NS, "j3", lambda s: s.moved(Phase.PENDING, "UserResumed", "resume requested", "resume")
+            )
+            r.read_rayjob = read_rayjob  # type: ignore[method-assign]
+            return read_rayjob(ns, name)
+
+        r.read_rayjob = resume_then_read  # type: ignore[method-assign]
+        r.reconcile(NS, "j3")  # read Failed; the resume lands; the RayJob still says Failed
+        assert store.get(NS, "j3").status.phase is Phase.PENDING
+        r.reconcile(NS, "j3")
+        assert c_uid(objects) != failed_uid
+        assert store.get(NS, "j3").status.phase is Phase.STARTING
+
+
+def c_uid(objects: Any) -> str:
+    """The uid of RayJob j3."""
+    return str(objects.get_namespaced_custom_object(*RAY, "j3")["metadata"]["uid"])

@@ -1,0 +1,332 @@
+"""The chart with the real helm: lint, render with default and GPU-cluster values, validate every
+object (kubernetes-validate for built-in kinds, the Prometheus Operator's schemas for monitors and
+rules, our CRD schema for RLJobs), each toggle, least-privilege RBAC, and agreement with what the
+code expects (the operator's config model, the control plane's settings, the head pods the
+operator builds, the tokens file format)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from operators import builders
+from operators.settings import OperatorSettings
+from rljob import resource as rl
+from rljob.crd import openapi_to_jsonschema
+from service.auth import load_tokens
+from service.settings import Settings
+from tests.helm.tools import CHART, ROOT, by_kind, render, render_error, run, tool, validate_monitoring
+
+K8S_VERSION = "1.33"
+GPU_VALUES = ROOT / "examples" / "helm-values-gpu.yaml"
+MONITORING = ("ServiceMonitor", "PodMonitor", "PrometheusRule")
+WITH_PROM = ("--api-versions", "monitoring.coreos.com/v1")
+
+
+def validate_all(objects: list[dict[str, Any]]) -> None:
+    """Every object valid: built-in kinds with kubernetes-validate (strict: unknown fields are
+    errors), monitoring.coreos.com kinds with the Prometheus Operator's schemas."""
+    problems = []
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {err.message} at {list(err.path)}")
+    problems += validate_monitoring(
+        [o for o in objects if o["apiVersion"].startswith("monitoring.coreos.com/")]
+    )
+    assert problems == []
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    [obj] = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def test_helm_lint_with_default_and_gpu_values() -> None:
+    for extra in ([], ["--values", str(GPU_VALUES)]):
+        done = run([tool("helm"), "lint", "--strict", str(CHART), *extra])
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_default_render_validates_and_has_the_parts() -> None:
+    objects = render()
+    validate_all(objects)
+    kinds = by_kind(objects)
+    assert not any(k in kinds for k in MONITORING)  # no monitoring.coreos.com API on this "cluster"
+    assert [d["metadata"]["name"] for d in kinds["Deployment"]] == ["fp8rl-api", "fp8rl-operator"]
+    assert {s["metadata"]["name"] for s in kinds["ServiceAccount"]} == {"fp8rl-api", "fp8rl-operator"}
+    assert [s["metadata"]["name"] for s in kinds["Secret"]] == ["fp8rl-tokens"]
+    assert "Ingress" not in kinds and "Namespace" not in kinds and "PersistentVolumeClaim" not in kinds
+    assert len(kinds["NetworkPolicy"]) == 2 and len(kinds["PodDisruptionBudget"]) == 1
+    assert len(kinds["ConfigMap"]) == 2  # the operator's config and the Grafana dashboard
+
+
+def test_gpu_cluster_values_render_valid_objects_that_the_code_accepts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    values = yaml.safe_load(GPU_VALUES.read_text())
+    objects = render("--values", str(GPU_VALUES))
+    validate_all(objects)
+    kinds = by_kind(objects)
+    assert set(MONITORING) <= set(kinds)  # monitoring.enabled: true, with or without the API
+    assert {n["metadata"]["name"] for n in kinds["Namespace"]} == {"team-a", "team-b"}
+    assert "Secret" not in kinds  # auth.existingSecret
+
+    # the operator's config file loads into the model the operator reads (extra="forbid")
+    config = named(objects, "ConfigMap", "fp8rl-operator")["data"]["config.yaml"]
+    (tmp_path / "config.yaml").write_text(config)
+    settings = OperatorSettings.load(tmp_path / "config.yaml")
+    assert settings.image == "ghcr.io/fp8rl/worker:0.1.0"
+    assert settings.generation.node_selector == values["gpuPools"]["generation"]["nodeSelector"]
+    assert settings.training.node_selector == values["gpuPools"]["training"]["nodeSelector"]
+    assert [t.key for t in settings.generation.tolerations or []] == ["nvidia.com/gpu"]
+    assert settings.generation_max_gpus_per_pod == 8 and settings.training_max_gpus_per_pod == 8
+    assert settings.worker_memory == "200Gi" and settings.shm_size == "64Gi" and settings.backoff_limit == 2
+    assert settings.nccl_env["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert settings.metrics_port == 9400 and settings.active_deadline_seconds == 259200
+
+    # the control plane's environment loads into its Settings, with the tenants' limits
+    api = named(objects, "Deployment", "fp8rl-api")
+    env = env_of(api)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s = Settings()
+    assert s.store == "kubernetes" and s.host == "0.0.0.0"
+    assert s.limits("team-a") == (8, 64) and s.limits("team-b") == (4, 16) and s.limits("other") == (4, 8)
+    volumes = {v["name"]: v for v in api["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tokens"]["secret"]["secretName"] == "fp8rl-tokens"
+
+    # the operator watches the two tenants through RoleBindings there, not cluster-wide
+    args = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    assert {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in kinds["RoleBinding"]} == {
+        ("team-a", "fp8rl-operator"),
+        ("team-b", "fp8rl-operator"),
+    }
+    assert [b["metadata"]["name"] for b in kinds["ClusterRoleBinding"]] == [
+        "fp8rl-api",
+        "fp8rl-operator-discovery",
+    ]
+
+    [ingress] = kinds["Ingress"]
+    assert ingress["spec"]["tls"] == [{"hosts": ["fp8rl.example.com"], "secretName": "fp8rl-tls"}]
+    dashboard = named(objects, "ConfigMap", "fp8rl-dashboard")
+    assert dashboard["metadata"]["namespace"] == "monitoring"
+    for monitor in kinds["ServiceMonitor"] + kinds["PodMonitor"] + kinds["PrometheusRule"]:
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_the_crd_validates_and_its_schema_accepts_the_example_rljobs() -> None:
+    objects = render("--include-crds")
+    [crd] = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+    schema = openapi_to_jsonschema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    examples = sorted((ROOT / "examples").glob("rljob-*.yaml"))
+    assert len(examples) >= 2
+    for path in examples:
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)
+    bad = yaml.safe_load(examples[0].read_text())
+    bad["spec"]["suspend"] = "yes"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+@pytest.mark.parametrize(
+    ("setting", "api", "rendered"),
+    [("auto", False, False), ("auto", True, True), ("false", True, False), ("true", False, True)],
+)
+def test_monitoring_renders_when_the_api_exists_or_forced(setting: str, api: bool, rendered: bool) -> None:
+    value: Any = {"auto": "auto", "false": False, "true": True}[setting]
+    objects = render(*(WITH_PROM if api else ()), values={"monitoring": {"enabled": value}})
+    kinds = by_kind(objects)
+    assert all((k in kinds) is rendered for k in MONITORING)
+    if rendered:
+        validate_all(objects)
+
+
+def test_a_bad_value_fails_naming_the_key() -> None:
+    assert "monitoring.enabled must be auto, true or false" in render_error(
+        values={"monitoring": {"enabled": "yes"}}
+    )
+    assert 'controlPlane.store must be "kubernetes" or "sql"' in render_error(
+        values={"controlPlane": {"store": "etcd"}}
+    )
+    sql_two = render_error(values={"controlPlane": {"store": "sql", "replicas": 2}})
+    assert "controlPlane.replicas must be 1 with controlPlane.store=sql" in sql_two
+    assert "is not a DNS label" in render_error(values={"tenants": [{"name": "Team_A"}]})
+    assert "shorter than 16 characters" in render_error(values={"auth": {"tokens": {"short": "default"}}})
+
+
+def test_ingress_toggle() -> None:
+    assert "Ingress" not in by_kind(render())
+    objects = render(values={"ingress": {"enabled": True, "host": "rl.example.org"}})
+    validate_all(objects)
+    [ingress] = by_kind(objects)["Ingress"]
+    assert ingress["spec"]["rules"][0]["host"] == "rl.example.org" and "tls" not in ingress["spec"]
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "fp8rl-api", "port": {"name": "http"}}
+
+
+def test_tokens_secret_generated_given_or_existing(tmp_path: Path) -> None:
+    tenants = [{"name": "team-a", "createNamespace": True}, {"name": "team-b"}]
+    # generated: one token per tenant, in the format the control plane loads
+    [secret] = by_kind(render(values={"tenants": tenants}))["Secret"]
+    import base64
+
+    (tmp_path / "tokens.yaml").write_bytes(base64.b64decode(secret["data"]["tokens.yaml"]))
+    tokens = load_tokens(tmp_path / "tokens.yaml")
+    assert sorted(tokens.values()) == ["team-a", "team-b"] and all(len(t) >= 16 for t in tokens)
+    # given
+    given = {"a-very-long-token-for-a": "team-a"}
+    [secret] = by_kind(render(values={"tenants": tenants, "auth": {"tokens": given}}))["Secret"]
+    assert yaml.safe_load(base64.b64decode(secret["data"]["tokens.yaml"])) == given
+    # an existing Secret: none rendered, the pod mounts that one
+    objects = render(values={"auth": {"existingSecret": "my-tokens"}})
+    assert "Secret" not in by_kind(objects)
+    volumes = named(objects, "Deployment", "fp8rl-api")["spec"]["template"]["spec"]["volumes"]
+    assert {
+        "name": "tokens",
+        "secret": {"secretName": "my-tokens", "items": [{"key": "tokens.yaml", "path": "tokens.yaml"}]},
+    } in volumes
+
+
+def test_sql_store_gets_one_replica_a_volume_and_no_kubernetes_rights() -> None:
+    objects = render(values={"controlPlane": {"store": "sql", "replicas": 1}})
+    validate_all(objects)
+    kinds = by_kind(objects)
+    api = named(objects, "Deployment", "fp8rl-api")
+    assert api["spec"]["strategy"] == {"type": "Recreate"}
+    assert api["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    [pvc] = kinds["PersistentVolumeClaim"]
+    volumes = {v["name"]: v for v in api["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["data"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert {r["metadata"]["name"] for r in kinds["ClusterRole"]} == {
+        "fp8rl-operator",
+        "fp8rl-operator-discovery",
+    }
+
+
+def test_pods_are_non_root_read_only_without_escalation() -> None:
+    for deployment in by_kind(render("--values", str(GPU_VALUES)))["Deployment"]:
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"] and sc["privileged"] is False
+            assert c["resources"]["requests"] and c["resources"]["limits"]
+            assert not c["image"].endswith(":latest") and ":" in c["image"]
+            assert {"mountPath": "/tmp", "name": "tmp"} in c["volumeMounts"]  # writable scratch
+
+
+def rules(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def test_rbac_is_least_privilege() -> None:
+    objects = render()
+    # what operators/reconcile.py and kopf call, verb by verb
+    operator = (
+        {("fp8rl.io", "rljobs", v) for v in ("get", "list", "watch", "patch")}
+        | {("fp8rl.io", "rljobs/status", v) for v in ("get", "patch")}
+        | {("ray.io", "rayjobs", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
+        | {("", "configmaps", v) for v in ("create", "patch", "delete")}
+        | {("", "pods", "list"), ("", "events", "create")}
+    )
+    assert rules(named(objects, "ClusterRole", "fp8rl-operator")) == operator
+    discovery = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    assert rules(named(objects, "ClusterRole", "fp8rl-operator-discovery")) == discovery
+    # what service/kube_store.py calls
+    api = {("fp8rl.io", "rljobs", v) for v in ("create", "get", "list", "patch", "delete")} | {
+        ("fp8rl.io", "rljobs/status", "patch")
+    }
+    assert rules(named(objects, "ClusterRole", "fp8rl-api")) == api
+    for role in by_kind(objects)["ClusterRole"]:
+        assert not any(
+            "*" in x for rule in role["rules"] for x in rule["apiGroups"] + rule["resources"] + rule["verbs"]
+        )
+
+
+def test_the_pod_monitor_selects_the_head_pods_the_operator_builds() -> None:
+    objects = render(*WITH_PROM)
+    [monitor] = by_kind(objects)["PodMonitor"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["default"]}  # the tenants
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["honorLabels"] is True  # our job/namespace labels, not exported_job
+    config = yaml.safe_load(named(objects, "ConfigMap", "fp8rl-operator")["data"]["config.yaml"])
+    settings = OperatorSettings(**config)
+    rljob = rl.manifest("j", "default", rl.RLJobSpec().job)
+    rljob["metadata"]["uid"] = "u-1"
+    rayjob = builders.rayjob(rljob, rl.spec_of(rljob), settings)
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    labels = head["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    assert all(e["key"] in labels for e in monitor["spec"]["selector"]["matchExpressions"])
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert ports[endpoint["port"]] == settings.metrics_port
+    worker = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
+    assert not all(worker.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+
+
+def test_service_monitor_and_network_policies_point_at_real_ports() -> None:
+    objects = render(*WITH_PROM)
+    service = named(objects, "Service", "fp8rl-api")
+    [monitor] = by_kind(objects)["ServiceMonitor"]
+    assert all(
+        service["metadata"]["labels"][k] == v for k, v in monitor["spec"]["selector"]["matchLabels"].items()
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    for policy in by_kind(objects)["NetworkPolicy"]:
+        selector = policy["spec"]["podSelector"]["matchLabels"]
+        [deployment] = [
+            d
+            for d in by_kind(objects)["Deployment"]
+            if all(d["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in selector.items())
+        ]
+        ports = {p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        assert {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]} <= ports
+
+
+def test_the_dashboard_config_map_carries_the_dashboard() -> None:
+    dashboard = named(render(), "ConfigMap", "fp8rl-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["annotations"]["grafana_folder"] == "fp8rl"
+    assert json.loads(dashboard["data"]["fp8rl.json"]) == json.loads(
+        (CHART / "dashboards" / "fp8rl.json").read_text()
+    )
+    assert "ConfigMap" in by_kind(
+        render(values={"grafana": {"dashboards": {"enabled": False}}})
+    )  # operator's only
+    assert len(by_kind(render(values={"grafana": {"dashboards": {"enabled": False}}}))["ConfigMap"]) == 1
+
+
+def test_the_validators_catch_mistakes() -> None:
+    objects = render(*WITH_PROM)
+    deployment = named(objects, "Deployment", "fp8rl-api")
+    deployment["spec"]["template"]["spec"]["containers"][0]["readOnlyRootFilesytem"] = True  # a typo
+    with pytest.raises(AssertionError, match="readOnlyRootFilesytem"):
+        validate_all([deployment])
+    [monitor] = by_kind(objects)["ServiceMonitor"]
+    monitor["spec"]["endpoints"][0]["interval"] = 15  # a number where a duration string goes
+    with pytest.raises(AssertionError, match="interval must be string"):
+        validate_all([monitor])
