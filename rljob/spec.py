@@ -107,6 +107,10 @@ class TaskSpec(_Strict):
             and "reasoning_gym" in self.model_fields_set
         ):
             raise ValueError("set only one of task.reasoning_gym and task.dataset")
+        if self.dataset is not None:
+            # the generator's default gives way to the dataset, in the object as in its dump, so
+            # a stored spec (model_dump) validates again (it would set both explicitly)
+            self.__dict__["reasoning_gym"] = None
         if self.reasoning_gym is None and self.dataset is None:
             raise ValueError("set task.reasoning_gym (a generator name) or task.dataset (a JSONL path)")
         if "{question}" not in self.prompt_template:

@@ -98,3 +98,17 @@ def test_examples_validate() -> None:
     assert specs, "examples/ should hold job specs"
     for path in specs:
         load_spec(path)
+
+
+def test_a_stored_spec_validates_again() -> None:
+    """What the stores keep (model_dump) must load back to the same spec: a dataset task once
+    dumped both the default generator and the dataset, which the next load refused."""
+    for raw in ({"task": {"dataset": "/data/qa.jsonl"}}, {"task": {"reasoning_gym": "chain_sum"}}, {}):
+        spec = JobSpec.model_validate(raw)
+        again = JobSpec.model_validate(spec.model_dump(mode="json"))
+        assert again == spec
+        assert JobSpec.model_validate_json(spec.model_dump_json()) == spec
+    spec = JobSpec.model_validate({"task": {"dataset": "/data/qa.jsonl"}})
+    assert spec.task.reasoning_gym is None and spec.task.generator is None
+    with pytest.raises(ValueError, match=r"set only one of task\.reasoning_gym and task\.dataset"):
+        JobSpec.model_validate({"task": {"dataset": "/data/qa.jsonl", "reasoning_gym": "chain_sum"}})
