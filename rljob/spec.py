@@ -90,8 +90,9 @@ class TaskSpec(_Strict):
 
     @property
     def generator(self) -> str | None:
-        """The reasoning-gym generator in use (None when a dataset file is used)."""
-        return None if self.dataset is not None else self.reasoning_gym
+        """The reasoning-gym generator in use (None when a dataset file is used: the validator
+        clears ``reasoning_gym`` then)."""
+        return self.reasoning_gym
 
     size: int = Field(10_000, ge=1, le=10_000_000, description="Number of distinct problems generated.")
     seed: int = Field(0, ge=0, description="Seed of the problem generator.")

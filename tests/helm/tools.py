@@ -37,22 +37,23 @@ def render(
 ) -> list[dict[str, Any]]:
     """``helm template`` of the chart (release "fp8rl") as a list of objects; ``args`` go to helm
     (``-f file``, ``--api-versions ...``), ``values`` as a values file. Fails on a helm error."""
-    cmd = [tool("helm"), "template", "fp8rl", str(CHART), "--namespace", namespace, *args]
-    if values is not None:
-        cmd += ["--values", "-"]
-    done = run(cmd, yaml.safe_dump(values) if values is not None else None)
+    done = _template(["--namespace", namespace, *args], values)
     assert done.returncode == 0, f"helm template {' '.join(args)} failed:\n{done.stderr}"
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def render_error(*args: str, values: dict[str, Any] | None = None) -> str:
     """The error helm prints for a rendering that must fail."""
-    cmd = [tool("helm"), "template", "fp8rl", str(CHART), *args]
-    if values is not None:
-        cmd += ["--values", "-"]
-    done = run(cmd, yaml.safe_dump(values) if values is not None else None)
+    done = _template(list(args), values)
     assert done.returncode != 0, f"helm template {' '.join(args)} should have failed"
     return done.stderr
+
+
+def _template(args: list[str], values: dict[str, Any] | None) -> subprocess.CompletedProcess[str]:
+    cmd = [tool("helm"), "template", "fp8rl", str(CHART), *args]
+    if values is None:
+        return run(cmd)
+    return run([*cmd, "--values", "-"], yaml.safe_dump(values))
 
 
 def validate_monitoring(objects: list[dict[str, Any]]) -> list[str]:

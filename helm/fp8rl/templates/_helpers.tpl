@@ -41,7 +41,7 @@ app.kubernetes.io/part-of: fp8rl
 
 {{/* Selector labels of one component: include "fp8rl.selector" (list . "api") */}}
 {{- define "fp8rl.selector" -}}
-{{- $ctx := index . 0 }}
+{{- $ctx := index . 0 -}}
 app.kubernetes.io/name: {{ include "fp8rl.name" $ctx }}
 app.kubernetes.io/instance: {{ $ctx.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
