@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install tools test test-fast lint bench run compare crd clean
+.PHONY: install tools test test-fast lint bench run compare crd clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ lint: $(STAMP)
 # The FP8 benchmark (README: "Benchmarks"); BENCH_ARGS="--shapes quick" for a short run.
 bench: $(STAMP)
 	$(VENV)/bin/fp8rl bench fp8 $(BENCH_ARGS)
+
+# The GPU checklist (README: "GPU checklist"): on a GPU machine, with that machine's own CUDA torch
+# (the worker image's Python; not the CPU-pinned .venv). Writes gpu-check.md.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) -m bench.gpu_check --out gpu-check.md $(GPU_CHECK_ARGS)
 
 # The main job on the embedded default: GRPO on arithmetic with a tiny model, about 10 minutes on
 # 2 CPU cores. Re-running continues (or just reports) the same run directory.

@@ -29,6 +29,7 @@ COPY rljob rljob
 COPY workers workers
 COPY service service
 COPY operators operators
+COPY bench bench
 # Not editable: the package is copied into the virtualenv and /src stays in this stage.
 RUN pip install --no-cache-dir -c constraints.txt .
 

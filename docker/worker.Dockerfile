@@ -118,6 +118,7 @@ COPY rljob rljob
 COPY workers workers
 COPY service service
 COPY operators operators
+COPY bench bench
 RUN pip install --no-cache-dir -c /opt/venv/constraints.txt .
 
 ENV PYTHONUNBUFFERED=1

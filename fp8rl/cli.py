@@ -4,6 +4,7 @@ does the work, imported lazily so that ``fp8rl --help`` starts fast and needs no
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -62,12 +63,22 @@ def bench_fp8(
     repeat: Annotated[int | None, typer.Option(help="timed runs per shape (median reported)")] = None,
     warmup: Annotated[int | None, typer.Option(help="untimed runs first")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Print which kernel each GEMM would use on this device profile (cpu, sm80, sm89, "
+            "sm90-cuda12.9, sm100, ...) and why, without running anything."
+        ),
+    ] = None,
 ) -> None:
     """FP8 linear vs BF16 linear at LLM shapes and 8192^3 (activation quantization included)."""
     from workers.fp8 import bench
 
     try:
         shape_list = bench.parse_shapes(shapes)
+        if profile is not None:
+            typer.echo(bench.plan_table(shape_list, profile))
+            return
         info, rows = bench.run(
             shape_list,
             device=device,
@@ -84,6 +95,65 @@ def bench_fp8(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(bench.to_json(info, rows))
         typer.echo(f"wrote {json_out}", err=True)
+
+
+def _echo_report(make: Callable[[], str]) -> None:
+    """Print a benchmark's table; a bad option (ValueError) exits 2 with the message."""
+    try:
+        table = make()
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(table)
+
+
+ModelOpt = Annotated[str, typer.Option(help="tiny (the CPU example's policy) | 100m | 1b (random init)")]
+DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    prompts: Annotated[int, typer.Option(help="sequences per generate call")] = 64,
+    new_tokens: Annotated[int, typer.Option(help="tokens generated per sequence")] = 32,
+    repeat: Annotated[int, typer.Option(help="timed calls per variant (median reported)")] = 3,
+) -> None:
+    """Generator tokens/s: BF16 vs FP8 weights, BF16 vs FP8 KV cache, same model/prompts/seeds."""
+    from bench import rollout
+
+    _echo_report(lambda: rollout.report(model, device, prompts=prompts, new_tokens=new_tokens, repeat=repeat))
+
+
+@bench_app.command("step")
+def bench_step(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    prompts: Annotated[int, typer.Option(help="prompts per step")] = 16,
+    group_size: Annotated[int, typer.Option(help="samples per prompt")] = 8,
+    new_tokens: Annotated[int, typer.Option(help="tokens generated per sample")] = 16,
+    steps: Annotated[int, typer.Option(help="timed steps per recipe after one warm-up (median)")] = 2,
+) -> None:
+    """One RL step of each recipe, split by phase (generation, reward, train, weight sync)."""
+    from bench import step
+
+    _echo_report(
+        lambda: step.report(
+            model, device, prompts=prompts, group_size=group_size, new_tokens=new_tokens, steps=steps
+        )
+    )
+
+
+@bench_app.command("sync")
+def bench_sync(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    repeat: Annotated[int, typer.Option(help="timed syncs per payload (median)")] = 3,
+) -> None:
+    """Weight sync: FP8 payload vs BF16 (bytes, seconds, GB/s) vs a raw broadcast of the same bytes."""
+    from bench import sync
+
+    _echo_report(lambda: sync.report(model, device, repeat=repeat))
 
 
 @bench_app.command("mismatch")

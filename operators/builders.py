@@ -235,6 +235,11 @@ def placement_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
     stay Pending forever, so the operator fails the job at once, naming the field. A job that
     picks its own pool (``spec.cluster.<group>.nodeSelector``) is not checked."""
     res, out = spec.job.resources, []
+    if res.share_gpu:
+        out.append(
+            "spec.job.resources.share_gpu: true puts every actor on one GPU of one machine (fp8rl run); "
+            "on a cluster each pod gets whole GPUs: set it to false"
+        )
     checks = (
         ("generation", "gpus_per_generator", res.gpus_per_generator, s.generation_max_gpus_per_pod),
         ("training", "gpus_per_trainer", res.gpus_per_trainer, s.training_max_gpus_per_pod),

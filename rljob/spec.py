@@ -219,6 +219,21 @@ class ResourcesSpec(_Strict):
     engine: Literal["native", "vllm", "megatron"] = Field(
         "native", description="native (torch, CPU/GPU); vllm/megatron need a GPU image."
     )
+    share_gpu: bool = Field(
+        False,
+        description="Every actor on one shared GPU (a one-GPU machine, `fp8rl run` only): each asks Ray "
+        "for 1/N of it, and weight sync and statistics go over gloo (NCCL cannot put two ranks on one "
+        "GPU). Needs gpus_per_generator = gpus_per_trainer = 1.",
+    )
+
+    @model_validator(mode="after")
+    def _shared(self) -> ResourcesSpec:
+        if self.share_gpu and (self.gpus_per_generator != 1 or self.gpus_per_trainer != 1):
+            raise ValueError(
+                "share_gpu needs gpus_per_generator: 1 and gpus_per_trainer: 1 (the one GPU they share), "
+                f"got {self.gpus_per_generator} and {self.gpus_per_trainer}"
+            )
+        return self
 
 
 class JobSpec(_Strict):

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.protocols import Rollouts
+from workers.engines.factory import build_generator, build_trainer
+from workers.engines.protocols import Generator, Rollouts, Trainer
 from workers.weight_sync import BroadcastWeightSync
 
 
@@ -28,7 +29,10 @@ def _threads(spec: JobSpec) -> None:
 
 
 def _device(gpus: int) -> str:
-    return "cuda" if gpus > 0 and torch.cuda.is_available() else "cpu"
+    if gpus > 0 and torch.cuda.is_available():
+        torch.cuda.set_device(0)  # Ray shows each actor its own GPUs, numbered from 0
+        return "cuda"
+    return "cpu"
 
 
 class _Member:
@@ -69,18 +73,13 @@ class TrainerWorker(_Member):
         self.vocab_size = vocab_size
 
     def setup(self, init_method: str, backend: str) -> dict[str, Any]:
-        from workers.engines.native_trainer import NativeTrainer
-
-        self._join(init_method, backend, self.spec.resources.trainers)
         device = _device(self.spec.resources.gpus_per_trainer)
-        self.engine = NativeTrainer(self.spec, self.vocab_size, device, self.dp_group)
-        self.sft_optimizer: torch.optim.Optimizer | None = None
+        self._join(init_method, backend, self.spec.resources.trainers)
+        self.engine: Trainer = build_trainer(self.spec, self.vocab_size, device, self.dp_group)
         return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
 
     def sft_step(self, batch: Rollouts) -> float:
-        if self.sft_optimizer is None:
-            self.sft_optimizer = torch.optim.AdamW(self.engine.model.parameters(), lr=self.spec.warmup.lr)
-        return self.engine.sft_step(batch, self.sft_optimizer)
+        return self.engine.sft_step(batch)
 
     def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         out = self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
@@ -110,18 +109,14 @@ class GeneratorWorker(_Member):
         self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
 
     def setup(self, init_method: str, backend: str) -> dict[str, Any]:
-        from workers.engines.native_generator import NativeGenerator
-
-        self._join(init_method, backend, self.spec.resources.trainers)
         device = _device(self.spec.resources.gpus_per_generator)
-        self.engine = NativeGenerator(self.spec, self.vocab_size, self.eos_id, self.pad_id, device)
+        self._join(init_method, backend, self.spec.resources.trainers)
+        self.engine: Generator = build_generator(self.spec, self.vocab_size, self.eos_id, self.pad_id, device)
         return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
 
     def fp8_weight_names(self) -> list[str]:
         """The weights this generator holds in FP8 (what the trainer must send as FP8)."""
-        from workers.fp8.export import fp8_weight_names
-
-        return fp8_weight_names(self.engine.model)
+        return self.engine.fp8_weight_names()
 
     def receive_weights(self) -> dict[str, float]:
         assert self.sync is not None
@@ -130,7 +125,8 @@ class GeneratorWorker(_Member):
         self.engine.load_weights(result.payload)
         return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
 
-    def generate(self, prompts: list[list[int]], seed: int) -> tuple[Rollouts, int]:
+    def generate(self, prompts: list[list[int]], seed: int) -> tuple[Rollouts, dict[str, int]]:
+        """Rollouts, and the bytes this generator holds: KV cache (at the end) and weights."""
         r = self.spec.rollout
         out = self.engine.generate(prompts, r.max_new_tokens, r.temperature, r.top_p, seed)
-        return out, self.engine.kv_cache_bytes
+        return out, {"kv_cache": self.engine.kv_cache_bytes, "weights": self.engine.weight_bytes}

@@ -28,6 +28,7 @@ from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
+from workers.engines.factory import check_engines
 from workers.engines.protocols import Rollouts, concat_rollouts, even_split, left_pad, split_rows
 from workers.metrics import MetricsLog, PromExporter
 from workers.tasks import Problem, Task
@@ -61,11 +62,21 @@ def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:
     """Ray options of a generator or trainer actor. In a RayJob built by the operator
     (``FP8RL_RAY_GROUPS=1``) each also asks for its worker group's custom resource."""
     res = spec.resources
-    gpus = res.gpus_per_generator if role == "generation" else res.gpus_per_trainer
+    gpus: float = res.gpus_per_generator if role == "generation" else res.gpus_per_trainer
+    if res.share_gpu:  # every actor on the one GPU
+        gpus = 1.0 / (res.trainers + res.generators)
     opts: dict[str, Any] = {"num_cpus": res.cpus_per_actor, "num_gpus": gpus}
     if os.environ.get(RAY_GROUPS_ENV) == "1":
         opts["resources"] = {RAY_GROUP_RESOURCES[role]: 1}
     return opts
+
+
+def collective_backend(spec: JobSpec) -> str:
+    """NCCL when every actor has GPUs of its own; gloo on CPUs and on a shared GPU (NCCL refuses
+    two ranks on one device). Collectives always run on the tensors' own device."""
+    res = spec.resources
+    own_gpus = res.gpus_per_trainer > 0 and res.gpus_per_generator > 0 and not res.share_gpu
+    return "nccl" if own_gpus else "gloo"
 
 
 class _Cluster:
@@ -86,7 +97,7 @@ class _Cluster:
         self.generators: list[Any] = [
             gen_cls.remote(spec_json, t + i, world, vocab_size, tok.eos_id, tok.pad_id) for i in range(g)
         ]
-        backend = "nccl" if res.gpus_per_trainer and res.gpus_per_generator else "gloo"
+        backend = collective_backend(spec)
         address = ray.get(self.trainers[0].free_address.remote())
         audits = ray.get([a.setup.remote(address, backend) for a in self.all()])
         self.trainer_audit, self.generator_audit = audits[0], audits[t]
@@ -170,6 +181,7 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
 
     opts = opts or RunOptions()
     out = Path(output_dir or spec.output_dir)
+    check_engines(spec)  # an engine that is not installed fails here, before Ray does any work
     task, tok = Task(spec.task), build_tokenizer(spec)  # bad task/tokenizer fail before Ray starts
     first_step, ckpt = _prepare_output(spec, out, opts.resume)
     _write_json(out / "spec.resolved.json", spec.model_dump(mode="json"))
@@ -238,8 +250,9 @@ def _warmup(
                     for t, b in zip(cluster.trainers, split_rows(batch, sizes), strict=True)
                 ]
             )
-            f.write(json.dumps({"sft_step": i, "loss": sum(losses)}) + "\n")
-    opts.log(f"supervised warm-up: {w.sft_steps} steps, final loss {sum(losses):.3f}")
+            # every trainer returns the loss of the whole batch (reduced over the trainers)
+            f.write(json.dumps({"sft_step": i, "loss": losses[0]}) + "\n")
+    opts.log(f"supervised warm-up: {w.sft_steps} steps, final loss {losses[0]:.3f}")
     _save(cluster, out, 0)
 
 
@@ -298,7 +311,8 @@ def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step:
         [t.train_step.remote(b, rw) for t, b, rw in zip(cluster.trainers, parts, rparts, strict=True)]
     )
     logp_old = torch.cat([x[0] for x in results])
-    stats = results[0][1]
+    stats = results[0][1]  # each trainer's stats already cover the whole batch (all-reduced)
+    stats.pop("train/tokens", None)  # tokens/trained below says it
     t3 = time.perf_counter()
 
     sync = _sync(cluster)
@@ -325,7 +339,8 @@ def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step:
         "timing/weight_sync_s": t4 - t3,
         "timing/step_s": t4 - t0,
         "weight_sync/bytes": float(sync.get("bytes", 0)),
-        "kv_cache/bytes": float(sum(o[1] for o in outs)),
+        "kv_cache/bytes": float(sum(o[1]["kv_cache"] for o in outs)),
+        "weights/bytes": float(sum(o[1]["weights"] for o in outs)),
         "time": time.time(),
     }
 

@@ -34,6 +34,8 @@ REQUIRED_KEYS = (
     "timing/train_s",
     "timing/weight_sync_s",
     "weight_sync/bytes",
+    "kv_cache/bytes",
+    "weights/bytes",
 )
 
 
@@ -68,7 +70,10 @@ PROMETHEUS: tuple[PromMetric, ...] = (
     PromMetric("tokens/trained", "fp8rl_train_tokens_total", "counter", "Trained tokens"),
     PromMetric("weight_sync/bytes", "fp8rl_weight_sync_bytes_total", "counter", "Bytes sent to generators"),
     PromMetric("timing/weight_sync_s", "fp8rl_weight_sync_seconds", "gauge", "Last weight sync, s"),
-    PromMetric("kv_cache/bytes", "fp8rl_kv_cache_bytes", "gauge", "KV-cache bytes of the last generation"),
+    PromMetric("kv_cache/bytes", "fp8rl_kv_cache_bytes", "gauge",
+               "KV-cache bytes allocated at the end of the last generation, all generators"),
+    PromMetric("weights/bytes", "fp8rl_weight_bytes", "gauge",
+               "Bytes the generators' weights hold (FP8 layers: data + scales), all generators"),
     PromMetric("train/loss", "fp8rl_train_loss", "gauge", "Policy loss"),
     PromMetric("train/grad_norm", "fp8rl_grad_norm", "gauge", "Gradient norm before clipping"),
     PromMetric("response_length/mean", "fp8rl_response_length_mean", "gauge", "Mean response tokens"),

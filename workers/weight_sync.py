@@ -9,6 +9,8 @@ Wire format of one sync, from the trainer (rank 0 of the sync group) to every ge
    float32 scales, or ``tensor``), dtype, shape, scale shape, block and format;
 2. the bytes, packed in order into uint8 buckets of at most ``bucket_bytes`` (a tensor larger than
    a bucket travels alone), one ``broadcast`` per bucket.
+Buckets live on the compute device (NCCL: the GPU, where the weights are; gloo: the CPU), and
+receivers unpack them there: no host round trip on a GPU.
 FP8 weights travel as the trainer's own data and scales; the generator wraps them back into
 :class:`~workers.fp8.quant.Fp8Tensor` and loads them without re-quantizing.
 """
@@ -135,30 +137,42 @@ def bucket_sizes(manifest: list[_Entry], bucket_bytes: int) -> list[int]:
     return [sum(e.nbytes() for e in group) for group in bucket_plan(manifest, bucket_bytes)]
 
 
-def unpack(buckets: list[torch.Tensor], manifest: list[_Entry]) -> Payload:
-    """Inverse of :func:`pack`."""
-    flat = torch.cat(buckets) if len(buckets) > 1 else buckets[0]
-    payload: Payload = {}
-    offset = 0
+def _take(
+    bucket: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, int]:
+    n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    return bucket[offset : offset + n].clone().view(dtype).reshape(shape), offset + n
 
-    def take(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nonlocal offset
-        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        t = flat[offset : offset + n].clone().view(dtype).reshape(shape)
-        offset += n
-        return t
 
-    for e in manifest:
-        if e.kind == "fp8":
-            data = take(e.shape, _dtype(e.dtype))
-            scale = take(e.scale_shape, torch.float32)
-            payload[e.name] = Fp8Tensor(data=data, scale=scale, block=e.block, fmt=get_format(e.fmt))
-        else:
-            payload[e.name] = take(e.shape, _dtype(e.dtype))
-    if offset != flat.numel():
+def unpack(
+    buckets: list[torch.Tensor], manifest: list[_Entry], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Payload:
+    """Inverse of :func:`pack`, on the buckets' device (no host round trip).
+
+    Entries never straddle buckets (:func:`bucket_plan`), so each is cut from its own bucket and
+    cloned: a fresh allocation, aligned for the dtype it is viewed as (and for FP8 GEMMs).
+    """
+    groups = bucket_plan(manifest, bucket_bytes)
+    if len(groups) != len(buckets):
         raise RuntimeError(
-            f"weight sync: {flat.numel() - offset} bytes left after unpacking; manifests differ"
+            f"weight sync: {len(buckets)} buckets received, the manifest plans {len(groups)}; "
+            "sender and receiver use different bucket sizes"
         )
+    payload: Payload = {}
+    for bucket, group in zip(buckets, groups, strict=True):
+        offset = 0
+        for e in group:
+            data, offset = _take(bucket, offset, e.shape, _dtype(e.dtype))
+            if e.kind == "fp8":
+                scale, offset = _take(bucket, offset, e.scale_shape, torch.float32)
+                payload[e.name] = Fp8Tensor(data=data, scale=scale, block=e.block, fmt=get_format(e.fmt))
+            else:
+                payload[e.name] = data
+        if offset != bucket.numel():
+            raise RuntimeError(
+                f"weight sync: {bucket.numel() - offset} bytes left after unpacking a bucket; "
+                "manifests differ"
+            )
     return payload
 
 
@@ -229,7 +243,9 @@ class BroadcastWeightSync:
         for b in buckets:
             dist.broadcast(b, src=self.src, group=self.group)
         self.version = version
-        received = None if sender else unpack([b.cpu() for b in buckets], manifest)
+        received = None if sender else unpack(buckets, manifest, self.bucket_bytes)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # once per sync: so that `seconds` means done
         nbytes = sum(b.numel() for b in buckets)
         return SyncResult(version, nbytes, time.perf_counter() - start, len(buckets), received)
 

@@ -220,3 +220,14 @@ def test_a_pod_asking_more_gpus_than_the_default_pool_has_is_refused() -> None:
     assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), settings) == []
     job["resources"]["gpus_per_trainer"] = 16
     assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), OperatorSettings()) == []
+
+
+def test_the_operator_refuses_share_gpu() -> None:
+    from operators.builders import placement_problems
+    from operators.settings import OperatorSettings
+    from rljob.resource import RLJobSpec
+
+    # one GPU shared by every actor is for `fp8rl run` on one machine; pods get whole GPUs
+    job = {"resources": {"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1}}
+    problems = placement_problems(RLJobSpec.model_validate({"job": job}), OperatorSettings())
+    assert problems and problems[0].startswith("spec.job.resources.share_gpu")

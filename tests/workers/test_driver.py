@@ -162,3 +162,32 @@ def test_entrypoint_runs_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main([str(spec), "--output", str(tmp_path / "out"), "--job", "j1"]) == 0
     printed = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [p["step"] for p in printed] == [1]
+
+
+def test_two_trainers_and_two_generators(tmp_path: Path) -> None:
+    """2x2 actors over gloo: data-parallel trainers (gradients and statistics all-reduced), the
+    weight sync from trainer 0 to both generators, per-generator memory summed."""
+    res = {"trainers": 2, "generators": 2, "cpus_per_actor": 0.5}
+    two = run(tiny_spec("fp8-e2e", steps=2, resources=res), tmp_path / "2x2", RunOptions(log=lambda m: None))
+    one = run(tiny_spec("fp8-e2e", steps=1), tmp_path / "1x1", RunOptions(log=lambda m: None))
+    assert [r["step"] for r in two.rows] == [1, 2]
+    for row in two.rows:
+        assert row["weight_sync/bytes"] == one.rows[0]["weight_sync/bytes"]  # the same model, once
+        assert row["weights/bytes"] == 2 * one.rows[0]["weights/bytes"]  # two generators
+        # rewards of a random tiny policy may tie within a group (zero advantage, zero gradient):
+        # the values themselves are checked against one trainer in test_data_parallel.py
+        assert row["train/grad_norm"] >= 0 and row["tokens/generated"] > 0 and "train/tokens" not in row
+
+
+def test_an_engine_that_is_not_installed_fails_before_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.engines.factory import EngineUnavailable
+
+    def no_ray(*args: Any) -> None:
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr("workers.driver._ray_init", no_ray)
+    spec = tiny_spec("bf16", resources={"engine": "vllm", "gpus_per_generator": 1})
+    with pytest.raises(EngineUnavailable, match=r"resources.engine=vllm: .*needs vllm.*worker image"):
+        run(spec, tmp_path, RunOptions(log=lambda m: None))

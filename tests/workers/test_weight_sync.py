@@ -53,7 +53,7 @@ def test_pack_unpack_round_trip(seed: int, bucket_bytes: int) -> None:
     assert sum(b.numel() for b in buckets) == expected
     if bucket_bytes == 1:
         assert len(buckets) == len(sent)  # each tensor alone
-    got = unpack(buckets, manifest)
+    got = unpack(buckets, manifest, bucket_bytes)
     assert list(got) == list(sent) and all(same(sent[k], got[k]) for k in sent)
 
 
@@ -105,3 +105,18 @@ def test_broadcast_between_two_processes_delivers_identical_tensors(seed: int, t
         assert stats["buckets"] > 1 and stats["bytes"] == sum(
             b.numel() for b in pack(sent, manifest_of(sent), 8192)
         )
+
+
+def test_unpack_stays_on_the_buckets_device_and_checks_the_plan(seed: int) -> None:
+    sent = payload(seed)
+    manifest = manifest_of(sent)
+    buckets = pack(sent, manifest, 4096)
+    got = unpack(buckets, manifest, 4096)
+    tensors = [v.data if hasattr(v, "data") and not isinstance(v, torch.Tensor) else v for v in got.values()]
+    assert all(t.device == buckets[0].device for t in tensors)
+    # each entry is its own allocation (aligned for its dtype), not a view into a bucket
+    assert all(
+        t.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() for t in tensors for b in buckets
+    )
+    with pytest.raises(RuntimeError, match="different bucket sizes"):
+        unpack(buckets, manifest, 1 << 30)

@@ -22,20 +22,32 @@ from workers.algo.losses import aggregate, clipped_policy_loss, kl_penalty
 
 
 class GrpoLoss(NamedTuple):
-    """``loss``: scalar to backpropagate; the rest are sums over the micro-batch's valid tokens."""
+    """``loss``: scalar to backpropagate; the rest are sums over the micro-batch's valid tokens.
+
+    Every field is a 0-d tensor on the loss's device: reading them is the caller's choice, so a
+    training step can add them up on the GPU and read them once.
+    """
 
     loss: torch.Tensor
-    clipped_tokens: float
-    is_weight_sum: float
-    is_weight_max: float
-    kl_sum: float
+    clipped_tokens: torch.Tensor
+    is_weight_sum: torch.Tensor
+    is_weight_max: torch.Tensor
+    kl_sum: torch.Tensor
 
 
 def loss_units(mask: torch.Tensor, mode: str) -> int:
-    """How many units ``aggregate`` averages over: tokens or non-empty sequences. ``mask [B, L]``."""
+    """How many units ``aggregate`` averages over: tokens or non-empty sequences. ``mask [B, L]``.
+
+    Reads the count back: call it on a host (CPU) mask, :func:`loss_units_tensor` on a device one.
+    """
+    return int(loss_units_tensor(mask, mode).item())
+
+
+def loss_units_tensor(mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """:func:`loss_units` as a float32 0-d tensor on ``mask``'s device (no host read)."""
     if mode == "token-mean":
-        return int(mask.sum().item())
-    return int((mask.sum(-1) > 0).sum().item())
+        return mask.sum().to(torch.float32)
+    return (mask.sum(-1) > 0).sum().to(torch.float32)
 
 
 def grpo_loss(
@@ -45,10 +57,13 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: AlgorithmSpec,
-    total_units: int,
+    total_units: int | torch.Tensor,
     logp_ref: torch.Tensor | None = None,
 ) -> GrpoLoss:
-    """GRPO loss of a micro-batch (shapes ``[B, L]``, ``advantages [B]``), see the module docstring."""
+    """GRPO loss of a micro-batch (shapes ``[B, L]``, ``advantages [B]``), see the module docstring.
+
+    ``total_units``: units of the whole (mini)batch over every trainer, an int or a 0-d tensor.
+    """
     terms = clipped_policy_loss(logp, logp_old, advantages, cfg.clip_low, cfg.clip_high)
     isc = importance_weights(
         logp_old,
@@ -59,19 +74,21 @@ def grpo_loss(
         cfg.importance_sampling.high,
     )
     per_token = terms.loss * isc.weights  # [B, L]
-    kl_sum = 0.0
+    valid = mask > 0
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    kl_sum = zero
     if cfg.kl.coef > 0 and logp_ref is not None:
         kl = kl_penalty(logp, logp_ref, cfg.kl.kind)  # [B, L]
         per_token = per_token + cfg.kl.coef * kl
-        kl_sum = float(torch.where(mask > 0, kl.detach(), torch.zeros_like(kl)).sum())
-    share = loss_units(mask, cfg.loss_aggregation) / max(total_units, 1)
+        kl_sum = torch.where(valid, kl.detach(), zero).sum()
+    total = total_units.clamp(min=1.0) if isinstance(total_units, torch.Tensor) else max(total_units, 1)
+    share = loss_units_tensor(mask, cfg.loss_aggregation).to(logp.dtype) / total
     loss = aggregate(per_token, mask, cfg.loss_aggregation) * share
-    valid = mask > 0
-    weights = torch.where(valid, isc.weights, torch.zeros_like(isc.weights))
+    weights = torch.where(valid, isc.weights, zero)  # IS weights are >= 0: max over none is 0
     return GrpoLoss(
         loss=loss,
-        clipped_tokens=float(torch.where(valid, terms.clipped, torch.zeros_like(terms.clipped)).sum()),
-        is_weight_sum=float(weights.sum()),
-        is_weight_max=float(weights.max()) if bool(valid.any()) else 0.0,
+        clipped_tokens=torch.where(valid, terms.clipped, zero).sum(),
+        is_weight_sum=weights.sum(),
+        is_weight_max=weights.max() if weights.numel() else zero,
         kl_sum=kl_sum,
     )

@@ -67,6 +67,36 @@ def build_policy(
     return moved.to(device).eval()
 
 
+def attention_mask_4d(
+    attn: torch.Tensor, q_len: int, dtype: torch.dtype, implementation: str
+) -> torch.Tensor:
+    """The attention mask of the last ``q_len`` positions of ``attn [B, T]`` (1 = a real token).
+
+    Query ``i`` (absolute position ``T - q_len + i``) sees the real keys at or before it, and
+    always itself, so a padding query never has an empty row (its output is never read). Built
+    here rather than by Hugging Face because HF's SDPA mask asks the host whether the mask is all
+    ones (``.all()`` read back), a GPU sync on every forward. Returns ``[B, 1, q_len, T]``: bool
+    for ``sdpa``; for ``eager`` additive in ``dtype`` (0 where seen, dtype min elsewhere), as HF
+    builds it, so both engines mask alike.
+    """
+    t = attn.shape[1]
+    q_pos = torch.arange(t - q_len, t, device=attn.device)[:, None]  # [q, 1]
+    k_pos = torch.arange(t, device=attn.device)[None, :]  # [1, T]
+    seen = (k_pos <= q_pos)[None, None] & attn.bool()[:, None, None, :]  # [B, 1, q, T]
+    seen = seen | (k_pos == q_pos)[None, None]
+    if implementation == "sdpa":
+        return seen
+    zero = torch.zeros((), dtype=dtype, device=attn.device)
+    return torch.where(seen, zero, torch.finfo(dtype).min)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without making the host wait: pinned + non-blocking on CUDA."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def fp8_config(precision: PrecisionSpec) -> Fp8LinearConfig:
     return Fp8LinearConfig(power_of_two_scales=precision.power_of_two_scales)
 
@@ -82,6 +112,7 @@ def apply_recipe(model: nn.Module, precision: PrecisionSpec, role: str) -> Fp8Au
         "fp8-e2e" if fp8 else "bf16",
         keep_bf16=tuple(precision.keep_bf16_layers),  # type: ignore[arg-type]
         config=fp8_config(precision),
+        gemms=("fprop", "dgrad", "wgrad") if role == "trainer" else ("fprop",),
     )
     # label the audit with the job's recipe, and say why a whole engine stays high precision
     audit.recipe = precision.recipe

@@ -1,16 +1,22 @@
 """The native generator: batched sampling with a KV cache on a Hugging Face Llama/Qwen2 in torch.
 
 Weights are BF16 (as vLLM serves them); under ``fp8-gen`` and ``fp8-e2e`` the decoder linears are
-:class:`~workers.fp8.linear.Fp8Linear` and take the FP8 weights the trainer sends, unchanged.
+:class:`~workers.fp8.linear.Fp8Linear` holding only the FP8 weights the trainer sends (data +
+scales; the high-precision copy is dropped), used unchanged.
 
-FP8 KV cache: keys and values are rounded to E4M3 with one scale per layer for K and one for V,
-calibrated on each batch's prefill (``p99.9(|x|) * 1.05 / 448``, :class:`KvScaleCalibrator`) and
-kept for the decode steps of that batch. This engine stores the rounded values dequantized, so it
-reproduces the *numerics* of an FP8 KV cache (what the mismatch metrics see) but not its memory
-saving; vLLM's ``kv_cache_dtype="fp8"`` gives both on GPU. ``kv_cache_bytes`` reports FP8 bytes.
+FP8 KV cache: keys and values are stored as E4M3 bytes with one scale per layer for K and one
+for V, calibrated on each batch's prefill (``p99.9(|x|) * 1.05 / 448``, :class:`KvScaleCalibrator`)
+and kept for the decode steps of that batch. Attention reads them dequantized (``data * scale``
+in float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
 Log-probs are those of the sampled token under the temperature-scaled distribution *before* top-p
 filtering, the convention of vLLM's ``logprobs`` and the one the trainer reproduces.
+
+The decode loop never waits for the GPU: sampling uses the exponential-race form of
+``torch.multinomial`` (which itself reads its input back to validate it), masks are built here
+(Hugging Face's SDPA mask reads the mask back), and "every row finished" is copied to pinned
+host memory asynchronously and read once its CUDA event has completed, so the loop may run a
+step or two past the end of the last sequence instead of stalling on every token.
 """
 
 from __future__ import annotations
@@ -21,48 +27,99 @@ import torch
 from transformers import DynamicCache
 
 from rljob.spec import JobSpec
-from workers.engines.models import apply_recipe, build_policy
+from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
 from workers.engines.protocols import Payload, Rollouts, left_pad, positions
-from workers.fp8.convert import Fp8Audit
-from workers.fp8.export import load_weights
+from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
+from workers.fp8.export import fp8_weight_names, load_weights
+from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
 
 
 class Fp8KvCache(DynamicCache):
-    """A ``DynamicCache`` whose new keys/values are rounded to E4M3 with per-layer scales."""
+    """A ``DynamicCache`` that stores keys and values as E4M3 with per-layer scales."""
 
     def __init__(self, num_layers: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.calibrator = KvScaleCalibrator(num_layers)
         self.k_scales: dict[int, torch.Tensor] = {}
         self.v_scales: dict[int, torch.Tensor] = {}
-        self.fp8_bytes = 0
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer_idx not in self.k_scales:  # first call for this layer = the prefill: calibrate
             self.calibrator.observe(layer_idx, key_states, value_states)
-            scales = self.calibrator.scales()
-            self.k_scales[layer_idx] = scales.k[layer_idx]
-            self.v_scales[layer_idx] = scales.v[layer_idx]
-        k_q = quantize_kv(key_states, self.k_scales[layer_idx])
-        v_q = quantize_kv(value_states, self.v_scales[layer_idx])
-        self.fp8_bytes += k_q.data.numel() + v_q.data.numel()
-        return super().update(
-            k_q.dequantize(key_states.dtype), v_q.dequantize(value_states.dtype), layer_idx, *args, **kwargs
+            self.k_scales[layer_idx], self.v_scales[layer_idx] = self.calibrator.layer_scales(layer_idx)
+        k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]
+        k_q = quantize_kv(key_states, k_scale)
+        v_q = quantize_kv(value_states, v_scale)
+        keys, values = super().update(k_q.data, v_q.data, layer_idx, *args, **kwargs)  # the whole cache, FP8
+        return _dequantize(keys, k_scale, key_states.dtype), _dequantize(values, v_scale, value_states.dtype)
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # the same arithmetic as Fp8Tensor.dequantize: float32 product, then the model's dtype
+    return (data.to(torch.float32) * scale).to(dtype)
+
+
+def kv_cache_bytes(cache: DynamicCache) -> int:
+    """Bytes the cache holds: its stored keys and values, plus per-layer scales if FP8."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    if isinstance(cache, Fp8KvCache):
+        total += sum(
+            s.numel() * s.element_size() for s in (*cache.k_scales.values(), *cache.v_scales.values())
         )
+    return total
 
 
-def sample_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator) -> torch.Tensor:
-    """One token per row from ``probs [B, V]`` restricted to the smallest set of mass >= top_p."""
+def sample_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``probs [B, V]`` restricted to the smallest set of mass >= top_p.
+
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` draws index i with probability p_i / sum(p): the same
+    draw as ``torch.multinomial(p, 1)`` for the same generator state, without its host read.
+    """
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
         sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
-        choice = torch.multinomial(sorted_p, 1, generator=gen)  # [B, 1] index into sorted
-        return order.gather(-1, choice).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # [B]
+        choice = _race(sorted_p, gen)  # [B] index into sorted
+        return order.gather(-1, choice[:, None]).squeeze(-1)
+    return _race(probs, gen)  # [B]
+
+
+def _race(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    exp = torch.empty_like(probs).exponential_(1, generator=gen)  # [B, V]
+    return (probs / exp).argmax(-1)
+
+
+class _AllFinished:
+    """Whether every row has finished, asked without making the host wait for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.value = False
+        if device.type == "cuda":
+            self.host = torch.zeros((), dtype=torch.bool).pin_memory()
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.pending = False
+
+    def post(self, finished: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            self.value = bool(finished.all())
+        elif self.device.type == "cuda" and not self.pending:
+            self.host.copy_(finished.all(), non_blocking=True)
+            self.event.record()
+            self.pending = True
+
+    def __bool__(self) -> bool:
+        if self.device.type == "cuda" and self.pending and self.event.query():  # type: ignore[no-untyped-call]
+            self.pending = False
+            self.value = bool(self.host)  # host memory, already written: no wait
+        return self.value
 
 
 class NativeGenerator:
@@ -73,65 +130,99 @@ class NativeGenerator:
         self.model = build_policy(spec, vocab_size, torch.bfloat16, self.device)
         self.model.requires_grad_(False)
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "generator")
+        drop_master_weights(self.model)  # FP8 layers keep their FP8 weight only
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold on their device (FP8 data + scales for FP8 layers)."""
+        return weight_bytes(self.model)
+
+    def fp8_weight_names(self) -> list[str]:
+        return fp8_weight_names(self.model)
 
     def load_weights(self, payload: Payload) -> None:
         load_weights(self.model, payload)
 
-    @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
     ) -> Rollouts:
-        gen = torch.Generator(device=self.device).manual_seed(seed)
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_id)  # [B, P]
-        ids, attn = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        ids, mask, logps = self.generate_on_device(
+            to_device(prompt_ids, self.device),
+            to_device(prompt_mask, self.device),
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+        )
+        return Rollouts(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=ids.cpu(),
+            response_mask=mask.cpu(),
+            logprobs=logps.cpu(),
+        )
+
+    @torch.no_grad()
+    def generate_on_device(
+        self,
+        ids: torch.Tensor,
+        attn: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample from left-padded ``ids``/``attn [B, P]`` on the model's device.
+
+        Returns ``(response_ids [B, L] int64, response_mask [B, L] float32, logprobs [B, L]
+        float32)`` on the device, without a host sync until the guard's one read at the end.
+        """
+        # on the meta device (a shape-only dry run: tests prove the loop never reads back) there
+        # is no generator to seed
+        gen = None if self.device.type == "meta" else torch.Generator(device=self.device).manual_seed(seed)
         b = ids.shape[0]
         cache: DynamicCache = (
             Fp8KvCache(self.num_layers) if self.spec.precision.fp8_kv_cache else DynamicCache()
         )
-        pos = positions(attn)  # [B, P]
-        out = self.model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, use_cache=True
-        )
-        next_pos = pos[:, -1] + 1  # [B]
-        tokens, logps, valid = [], [], []
-        finished = torch.zeros(b, dtype=torch.bool, device=self.device)
-        for _ in range(max_new_tokens):
-            logits = out.logits[:, -1, :].float() / temperature  # [B, V]
-            logp_all = torch.log_softmax(logits, dim=-1)
-            tok = sample_top_p(logp_all.exp(), top_p, gen)  # [B]
-            tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
-            valid.append(~finished)
-            logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))
-            tokens.append(tok)
-            finished = finished | (tok == self.eos_id)
-            if bool(finished.all()):
-                break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        impl = str(self.model.config._attn_implementation)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        with finite_guard():
+            pos = positions(attn)  # [B, P]
             out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=attn,
-                position_ids=next_pos[:, None],
+                input_ids=ids,
+                attention_mask=attention_mask_4d(attn, ids.shape[1], dtype, impl),
+                position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
             )
-            next_pos = next_pos + 1
+            next_pos = pos[:, -1] + 1  # [B]
+            tokens, logps, valid = [], [], []
+            finished = torch.zeros(b, dtype=torch.bool, device=self.device)
+            all_finished = _AllFinished(self.device)
+            for _ in range(max_new_tokens):
+                logits = out.logits[:, -1, :].float() / temperature  # [B, V]
+                logp_all = torch.log_softmax(logits, dim=-1)
+                tok = sample_top_p(logp_all.exp(), top_p, gen)  # [B]
+                tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
+                valid.append(~finished)
+                logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))
+                tokens.append(tok)
+                finished = finished | (tok == self.eos_id)
+                all_finished.post(finished)
+                if len(tokens) == max_new_tokens or all_finished:
+                    break
+                attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+                out = self.model(
+                    input_ids=tok[:, None],
+                    attention_mask=attention_mask_4d(attn, 1, dtype, impl),
+                    position_ids=next_pos[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                next_pos = next_pos + 1
         mask = torch.stack(valid, 1).float()  # [B, L]
-        self.kv_cache_bytes = cache.fp8_bytes if isinstance(cache, Fp8KvCache) else _cache_bytes(cache)
-        return Rollouts(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=torch.stack(tokens, 1).cpu(),
-            response_mask=mask.cpu(),
-            logprobs=(torch.stack(logps, 1) * mask).cpu(),
-        )
-
-
-def _cache_bytes(cache: DynamicCache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+        self.kv_cache_bytes = kv_cache_bytes(cache)
+        return torch.stack(tokens, 1), mask, torch.stack(logps, 1) * mask

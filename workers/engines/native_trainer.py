@@ -13,6 +13,7 @@ unit counts are summed over the trainers' process group.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
@@ -23,32 +24,55 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
-from workers.engines.models import DTYPES, apply_recipe, build_policy, fp8_config
+from workers.engines.models import (
+    DTYPES,
+    apply_recipe,
+    attention_mask_4d,
+    build_policy,
+    fp8_config,
+    to_device,
+)
 from workers.engines.protocols import Payload, Rollouts, TrainStats, positions
-from workers.fp8.convert import Fp8Audit
+from workers.fp8.convert import Fp8Audit, weight_bytes
 from workers.fp8.export import export_weights
+from workers.fp8.guard import finite_guard
 
 
 def sequence_logprobs(model: Any, batch: Rollouts, temperature: float) -> torch.Tensor:
-    """log p(response token) under ``model`` for every position: ``[B, L]`` float32 (0 where masked)."""
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)  # [B, P+L]
-    attn = torch.cat([batch.prompt_mask, batch.response_mask.long()], dim=1)  # [B, P+L]
-    length = batch.response_ids.shape[1]
+    """log p(response token) under ``model`` for every position: ``[B, L]`` float32 (0 where masked).
+
+    ``batch`` may be on the host or on the model's device; the result is on the model's device.
+    """
     device = next(model.parameters()).device
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    prompt_ids, prompt_mask, response_ids, response_mask = (to_device(t, device) for t in batch[:4])
+    ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, P+L]
+    attn = torch.cat([prompt_mask, response_mask.long()], dim=1)  # [B, P+L]
+    length = response_ids.shape[1]
+    impl = str(model.config._attn_implementation)
+    dtype = model.get_input_embeddings().weight.dtype
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if device.type in ("cpu", "cuda")
+        else contextlib.nullcontext()  # meta: shapes only
+    )
+    with autocast:
         out = model(
-            input_ids=ids.to(device),
-            attention_mask=attn.to(device),
-            position_ids=positions(attn).to(device),
+            input_ids=ids,
+            attention_mask=attention_mask_4d(attn, ids.shape[1], dtype, impl),
+            position_ids=positions(attn),
             logits_to_keep=length + 1,
         )
     logits = out.logits[:, :-1].float() / temperature  # [B, L, V]: position t predicts token t
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch.response_ids.to(device)[..., None]).squeeze(-1)
-    return logp * batch.response_mask.to(device)  # [B, L]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)
+    return logp * response_mask  # [B, L]
 
 
 def _rows(batch: Rollouts, start: int, stop: int) -> Rollouts:
     return Rollouts(*(t[start:stop] for t in batch))
+
+
+# Step statistics summed over the trainers (the last is a max); see NativeTrainer.train_step.
+_SUMS = ("loss", "clipped", "is_sum", "kl", "tokens", "adv_abs_sum", "sequences")
 
 
 class NativeTrainer:
@@ -62,31 +86,46 @@ class NativeTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
         )
+        self.sft_optimizer: torch.optim.Optimizer | None = None
         self.ref_model: Any = None
         if spec.algorithm.kl.coef > 0:  # the initial policy, frozen, for the KL penalty
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights (master weights and FP8 copies; not optimizer state)."""
+        return weight_bytes(self.model)
 
     # -- log-probs -------------------------------------------------------------------------------
 
     @torch.no_grad()
     def logprobs(self, batch: Rollouts, temperature: float, model: Any = None) -> torch.Tensor:
-        """``[B, L]`` trainer log-probs, in micro-batches, without gradients."""
+        """``[B, L]`` trainer log-probs on the host, in micro-batches, without gradients."""
+        return self._logprobs(batch, temperature, model).cpu()
+
+    @torch.no_grad()
+    def _logprobs(self, batch: Rollouts, temperature: float, model: Any = None) -> torch.Tensor:
         model = model or self.model
         mbs = self.spec.optimizer.micro_batch_size
         parts = [
-            sequence_logprobs(model, _rows(batch, i, i + mbs), temperature).cpu()
+            sequence_logprobs(model, _rows(batch, i, i + mbs), temperature)
             for i in range(0, batch.prompt_ids.shape[0], mbs)
         ]
-        return torch.cat(parts, 0)
+        return torch.cat(parts, 0)  # [B, L] on the device
 
     # -- updates ---------------------------------------------------------------------------------
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """Reduce ``t`` (on the compute device) over the trainers, in place."""
         if self.dp_group is not None:
-            dist.all_reduce(t, group=self.dp_group)
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.dp_group)
         return t
 
-    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> float:
+    def _scalar(self, value: float) -> torch.Tensor:
+        # a fill kernel, not a host-to-device copy (which would wait for the copy to finish)
+        return torch.full((), value, dtype=torch.float32, device=self.device)
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """Sum gradients over the trainers, clip, step, clear; returns the norm before clipping."""
         for p in self.model.parameters():
             if p.grad is not None and self.dp_group is not None:
@@ -94,72 +133,103 @@ class NativeTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optimizer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach().to(torch.float32)
 
     def train_step(self, batch: Rollouts, rewards: torch.Tensor, temperature: float) -> TrainStats:
-        """One RL step on ``batch`` (``[B, ...]``, groups consecutive) with ``rewards [B]``."""
+        """One RL step on ``batch`` (``[B, ...]``, groups consecutive) with ``rewards [B]``.
+
+        With several trainers, each passes its own rows; the statistics are those of the whole
+        batch (summed over the trainers on the device), the same on every trainer.
+        """
+        logp_old, totals = self.train_step_on_device(batch, rewards, temperature)
+        values = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True))  # one read
+        tokens = max(values["tokens"], 1.0)
+        stats = {
+            "train/loss": values["loss"],
+            "train/grad_norm": values["grad_norm"],
+            "train/clip_fraction": values["clipped"] / tokens,
+            "train/kl": values["kl"] / tokens,
+            "is/weight_mean": values["is_sum"] / tokens,
+            "is/weight_max": values["is_max"],
+            "train/advantage_abs_mean": values["adv_abs_sum"] / max(values["sequences"], 1.0),
+            "train/tokens": values["tokens"],
+        }
+        return TrainStats(logprobs_old=logp_old.cpu(), stats=stats)
+
+    def train_step_on_device(
+        self, batch: Rollouts, rewards: torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`train_step` without reading anything back: ``(logp_old [B, L], totals)`` on the
+        device, the totals (0-d tensors) already reduced over the trainers."""
         algo, mbs = self.spec.algorithm, self.spec.optimizer.micro_batch_size
         advantages = grpo_advantages(rewards, self.spec.rollout.group_size, algo.advantage_normalization)
         n = batch.prompt_ids.shape[0]
-        # One optimizer step: the training forward itself gives the "old" log-probs (same weights).
-        logp_old = None if algo.minibatches == 1 else self.logprobs(batch, temperature)
-        logp_ref = None if self.ref_model is None else self.logprobs(batch, temperature, self.ref_model)
-        seen = torch.zeros_like(batch.logprobs)  # [B, L] logp_old as used
-        totals = dict(loss=0.0, clipped=0.0, is_sum=0.0, is_max=0.0, kl=0.0, grad_norm=0.0)
-        per_mini = math.ceil(n / algo.minibatches)
-        for m0 in range(0, n, per_mini):
-            mini = _rows(batch, m0, m0 + per_mini)
-            units = self._all_reduce(
-                torch.tensor(float(loss_units(mini.response_mask, algo.loss_aggregation)))
-            )
-            for i in range(0, mini.prompt_ids.shape[0], mbs):
-                a, b = m0 + i, min(m0 + i + mbs, m0 + mini.prompt_ids.shape[0])
-                micro = _rows(batch, a, b)
-                logp = sequence_logprobs(self.model, micro, temperature)  # [b, L] with grad
-                old = logp.detach().cpu() if logp_old is None else logp_old[a:b]
-                seen[a:b] = old
-                out = grpo_loss(
-                    logp,
-                    old.to(logp.device),
-                    micro.logprobs.to(logp.device),
-                    advantages[a:b].to(logp.device),
-                    micro.response_mask.to(logp.device),
-                    algo,
-                    int(units.item()),
-                    None if logp_ref is None else logp_ref[a:b].to(logp.device),
+        with finite_guard():
+            # One optimizer step: the training forward itself gives the "old" log-probs (same weights).
+            logp_old = None if algo.minibatches == 1 else self._logprobs(batch, temperature)
+            logp_ref = None if self.ref_model is None else self._logprobs(batch, temperature, self.ref_model)
+            seen = torch.zeros(
+                batch.logprobs.shape, dtype=torch.float32, device=self.device
+            )  # logp_old as used
+            zero = self._scalar(0.0)
+            sums = dict.fromkeys(_SUMS, zero)
+            is_max, grad_norm = zero, zero
+            per_mini = math.ceil(n / algo.minibatches)
+            for m0 in range(0, n, per_mini):
+                mini = _rows(batch, m0, m0 + per_mini)
+                # the mask is on the host: counting it there costs the device nothing
+                units = self._all_reduce(
+                    self._scalar(float(loss_units(mini.response_mask, algo.loss_aggregation)))
                 )
-                torch.autograd.backward(out.loss)
-                totals["loss"] += float(out.loss.detach())
-                totals["clipped"] += out.clipped_tokens
-                totals["is_sum"] += out.is_weight_sum
-                totals["is_max"] = max(totals["is_max"], out.is_weight_max)
-                totals["kl"] += out.kl_sum
-            totals["grad_norm"] = max(totals["grad_norm"], self._optimizer_step(self.optimizer))
-        tokens = max(float(batch.response_mask.sum()), 1.0)
-        stats = {
-            "train/loss": totals["loss"],
-            "train/grad_norm": totals["grad_norm"],
-            "train/clip_fraction": totals["clipped"] / tokens,
-            "train/kl": totals["kl"] / tokens,
-            "is/weight_mean": totals["is_sum"] / tokens,
-            "is/weight_max": totals["is_max"],
-            "train/advantage_abs_mean": float(advantages.abs().mean()),
-        }
-        return TrainStats(logprobs_old=seen, stats=stats)
+                for i in range(0, mini.prompt_ids.shape[0], mbs):
+                    a, b = m0 + i, min(m0 + i + mbs, m0 + mini.prompt_ids.shape[0])
+                    micro = _rows(batch, a, b)
+                    logp = sequence_logprobs(self.model, micro, temperature)  # [b, L] with grad
+                    old = logp.detach() if logp_old is None else logp_old[a:b]
+                    seen[a:b] = old
+                    out = grpo_loss(
+                        logp,
+                        old,
+                        to_device(micro.logprobs, self.device),
+                        to_device(advantages[a:b], self.device),
+                        to_device(micro.response_mask, self.device),
+                        algo,
+                        units,
+                        None if logp_ref is None else logp_ref[a:b],
+                    )
+                    torch.autograd.backward(out.loss)
+                    sums["loss"] = sums["loss"] + out.loss.detach()
+                    sums["clipped"] = sums["clipped"] + out.clipped_tokens
+                    sums["is_sum"] = sums["is_sum"] + out.is_weight_sum
+                    sums["kl"] = sums["kl"] + out.kl_sum
+                    is_max = torch.maximum(is_max, out.is_weight_max)
+                grad_norm = torch.maximum(grad_norm, self._optimizer_step(self.optimizer))
+        sums["tokens"] = self._scalar(float(batch.response_mask.sum()))
+        sums["adv_abs_sum"] = self._scalar(float(advantages.abs().sum()))
+        sums["sequences"] = self._scalar(float(n))
+        summed = self._all_reduce(torch.stack([sums[k] for k in _SUMS]))
+        is_max = self._all_reduce(is_max.clone(), dist.ReduceOp.MAX)
+        totals = dict(zip(_SUMS, summed.unbind(), strict=True))
+        # every trainer clipped and stepped with the same summed gradient: the norm is the same
+        return seen, {**totals, "is_max": is_max, "grad_norm": grad_norm}
 
-    def sft_step(self, batch: Rollouts, optimizer: torch.optim.Optimizer) -> float:
-        """One supervised step: maximise log p(reference answer). Returns the mean token NLL."""
+    def sft_step(self, batch: Rollouts) -> float:
+        """One supervised step: maximise log p(reference answer). Returns the mean token NLL
+        (over every trainer's tokens). The warm-up's own AdamW (``warmup.lr``) is made on first use."""
+        if self.sft_optimizer is None:
+            self.sft_optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.spec.warmup.lr)
         mbs = self.spec.optimizer.micro_batch_size
-        tokens = self._all_reduce(torch.tensor(float(batch.response_mask.sum())))
-        total = 0.0
-        for i in range(0, batch.prompt_ids.shape[0], mbs):
-            micro = _rows(batch, i, i + mbs)
-            logp = sequence_logprobs(self.model, micro, 1.0)
-            loss = -logp.sum() / tokens.clamp(min=1.0)
-            torch.autograd.backward(loss)
-            total += float(loss.detach())
-        self._optimizer_step(optimizer)
-        return total
+        tokens = self._all_reduce(self._scalar(float(batch.response_mask.sum())))
+        total = self._scalar(0.0)
+        with finite_guard():
+            for i in range(0, batch.prompt_ids.shape[0], mbs):
+                micro = _rows(batch, i, i + mbs)
+                logp = sequence_logprobs(self.model, micro, 1.0)
+                loss = -logp.sum() / tokens.clamp(min=1.0)
+                torch.autograd.backward(loss)
+                total = total + loss.detach()
+            self._optimizer_step(self.sft_optimizer)
+        return float(self._all_reduce(total))
 
     # -- weights and state -----------------------------------------------------------------------
 

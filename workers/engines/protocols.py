@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from workers.fp8.convert import Fp8Audit
+
 Payload = dict[str, Any]  # name -> Fp8Tensor | Tensor (see workers.fp8.export)
 
 
@@ -40,19 +42,51 @@ class TrainStats(NamedTuple):
 
 
 class Generator(Protocol):
+    """What the generator actor calls. Built by :func:`workers.engines.factory.build_generator`."""
+
+    audit: Fp8Audit  # per-layer precision and GEMM kernels, printed at the start of a run
+    kv_cache_bytes: int  # bytes the KV cache held at the end of the last generate()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights hold on the device (FP8 layers: data + scales)."""
+        ...
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
     ) -> Rollouts: ...
 
     def load_weights(self, payload: Payload) -> None: ...
 
+    def fp8_weight_names(self) -> list[str]:
+        """The weights held in FP8: what the trainer must send as FP8 data + scales."""
+        ...
+
 
 class Trainer(Protocol):
+    """What the trainer actor calls. Built by :func:`workers.engines.factory.build_trainer`."""
+
+    audit: Fp8Audit
+    device: torch.device  # where the weights live (checkpoints load there)
+
+    @property
+    def weight_bytes(self) -> int: ...
+
     def logprobs(self, batch: Rollouts, temperature: float) -> torch.Tensor: ...
 
-    def train_step(self, batch: Rollouts, rewards: torch.Tensor, temperature: float) -> TrainStats: ...
+    def train_step(self, batch: Rollouts, rewards: torch.Tensor, temperature: float) -> TrainStats:
+        """One RL update; with several trainers the stats cover the whole batch."""
+        ...
 
-    def export_weights(self) -> Payload: ...
+    def sft_step(self, batch: Rollouts) -> float:
+        """One supervised warm-up step; the mean token NLL over every trainer."""
+        ...
+
+    def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

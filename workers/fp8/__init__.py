@@ -13,39 +13,50 @@ Usable on its own::
 """
 
 from workers.fp8.convert import RECIPES, AuditRow, Fp8Audit, convert_model
+from workers.fp8.dispatch import PROFILES, DeviceProfile, GemmPlan, parse_profile, plan_gemm, simulate
 from workers.fp8.export import export_weights, fp8_weight_names, load_weights, payload_bytes
 from workers.fp8.formats import E4M3, E5M2, Fp8Format, get_format
+from workers.fp8.guard import FiniteGuard, NonFiniteError, finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, abs_percentile, quantize_kv
 from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
-from workers.fp8.matmul import fp8_matmul, matmul_emulated, matmul_scaled_mm, resolve_backend
+from workers.fp8.matmul import fp8_matmul, matmul_emulated, matmul_scaled_mm, plan_for
 from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, TILE_1x128, cast_to_fp8, quantize
 
 __all__ = [
     "E4M3",
     "E5M2",
+    "PROFILES",
     "RECIPES",
     "AuditRow",
     "BLOCK_128x128",
+    "DeviceProfile",
+    "FiniteGuard",
     "Fp8Audit",
     "Fp8Format",
     "Fp8Linear",
     "Fp8LinearConfig",
     "Fp8Tensor",
+    "GemmPlan",
     "KvScaleCalibrator",
     "KvScales",
+    "NonFiniteError",
     "TILE_1x128",
     "abs_percentile",
     "cast_to_fp8",
     "convert_model",
     "export_weights",
+    "finite_guard",
     "fp8_matmul",
     "fp8_weight_names",
     "get_format",
     "load_weights",
     "matmul_emulated",
     "matmul_scaled_mm",
+    "parse_profile",
     "payload_bytes",
+    "plan_for",
+    "plan_gemm",
     "quantize",
     "quantize_kv",
-    "resolve_backend",
+    "simulate",
 ]

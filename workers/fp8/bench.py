@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from workers.fp8.dispatch import simulate
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.matmul import resolve_backend
+from workers.fp8.matmul import plan_for
 from workers.fp8.quant import quantize
 
 # LLM shapes (Llama-3-8B MLP): tokens x (hidden -> ffn) and (ffn -> hidden), then one square GEMM.
@@ -46,6 +47,7 @@ class BenchRow:
     mode: str
     bf16_ms: float
     fp8_ms: float
+    kernels: str = ""  # fprop[/dgrad/wgrad] kernels, e.g. "cublas_blockwise/scaled_mm_rowwise/..."
 
     @property
     def speedup(self) -> float:
@@ -135,7 +137,25 @@ def bench_shape(
 
     bf16_ms = _timer(device, step(bf16), warmup, repeat)
     fp8_ms = _timer(device, step(fp8), warmup, repeat)
-    return BenchRow(m, k, n, mode, bf16_ms, fp8_ms)
+    return BenchRow(m, k, n, mode, bf16_ms, fp8_ms, kernel_names(fp8, m, mode))
+
+
+def kernel_names(layer: Fp8Linear, tokens: int, mode: str) -> str:
+    plans = layer.gemm_plans(tokens)
+    gemms = ("fprop", "dgrad", "wgrad") if mode == "train" else ("fprop",)
+    return "/".join(plans[g].kernel for g in gemms)
+
+
+def plan_table(shapes: Sequence[tuple[int, int, int]], profile: str) -> str:
+    """Which kernel each GEMM of an FP8 linear would use on ``profile``, and why (no GPU needed)."""
+    with simulate(profile) as p:
+        lines = [f"device profile: {p.describe()} ({p.name})"]
+        lines.append(f"{'tokens':>7} {'in':>6} {'out':>6} {'gemm':<6} {'kernel':<21} why")
+        for m, k, n in shapes:
+            layer = Fp8Linear(k, n, bias=False, device="meta")
+            for gemm, plan in layer.gemm_plans(m).items():
+                lines.append(f"{m:>7} {k:>6} {n:>6} {gemm:<6} {plan.kernel:<21} {plan.reason}")
+    return "\n".join(lines)
 
 
 def device_info(device: torch.device) -> dict[str, str]:
@@ -149,7 +169,7 @@ def device_info(device: torch.device) -> dict[str, str]:
         ),
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
-        "fp8_backend": resolve_backend(probe_a, probe_b),
+        "fp8_backend": plan_for(probe_a, probe_b).kernel,
     }
     return info
 
@@ -185,12 +205,13 @@ def format_table(info: dict[str, str], rows: Sequence[BenchRow]) -> str:
         f"device: {info['device']}   torch {info['torch']}   cuda {info['cuda']}   "
         f"fp8 backend: {info['fp8_backend']}",
         f"{'tokens':>7} {'in':>6} {'out':>6} {'mode':>5} {'bf16 ms':>10} {'fp8 ms':>10} "
-        f"{'bf16 TFLOP/s':>13} {'fp8 TFLOP/s':>12} {'bf16/fp8':>9}",
+        f"{'bf16 TFLOP/s':>13} {'fp8 TFLOP/s':>12} {'bf16/fp8':>9}  fp8 kernels",
     ]
     for r in rows:
         lines.append(
             f"{r.tokens:>7} {r.in_features:>6} {r.out_features:>6} {r.mode:>5} {r.bf16_ms:>10.3f} "
-            f"{r.fp8_ms:>10.3f} {r.tflops_bf16:>13.3f} {r.tflops_fp8:>12.3f} {r.speedup:>8.2f}x"
+            f"{r.fp8_ms:>10.3f} {r.tflops_bf16:>13.3f} {r.tflops_fp8:>12.3f} {r.speedup:>8.2f}x  "
+            f"{r.kernels}"
         )
     return "\n".join(lines)
 

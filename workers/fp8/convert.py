@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from workers.fp8.dispatch import profile_of
 from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
 
 RECIPES: tuple[str, ...] = ("bf16", "fp8-gen", "fp8-e2e")
@@ -39,6 +40,8 @@ class AuditRow:
     shape: tuple[int, ...]
     bytes_before: int
     bytes_after: int
+    # FP8 layers: the kernel of each GEMM on the model's device ({"fprop": "cublas_blockwise", ...})
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +50,9 @@ class Fp8Audit:
 
     recipe: str
     rows: list[AuditRow] = field(default_factory=list)
+    device: str = "CPU"  # the device profile the kernels were planned for
+    # why each (gemm, kernel) was chosen, e.g. {"fprop: emulate": "CPU: ..."}
+    kernel_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def fp8_layers(self) -> list[str]:
@@ -73,22 +79,40 @@ class Fp8Audit:
         }
 
     def to_dict(self) -> dict[str, object]:
-        return {"summary": self.summary(), "layers": [asdict(r) for r in self.rows]}
+        return {
+            "summary": self.summary(),
+            "device": self.device,
+            "kernel_reasons": self.kernel_reasons,
+            "layers": [asdict(r) for r in self.rows],
+        }
 
     def format(self) -> str:
         """A fixed-width table, one row per module, then a summary line."""
-        header = f"{'layer':<48} {'kind':<9} {'precision':<9} {'shape':<14} reason"
+        header = f"{'layer':<48} {'kind':<9} {'precision':<9} {'shape':<14} {'kernels':<24} reason"
         lines = [header, "-" * len(header)]
         for r in self.rows:
             shape = "x".join(str(d) for d in r.shape)
-            lines.append(f"{r.name:<48} {r.kind:<9} {r.precision:<9} {shape:<14} {r.reason}")
+            kernels = "/".join(_SHORT.get(k, k) for k in r.kernels.values()) or "-"
+            lines.append(f"{r.name:<48} {r.kind:<9} {r.precision:<9} {shape:<14} {kernels:<24} {r.reason}")
         s = self.summary()
         lines.append(
             f"recipe {s['recipe']}: {s['fp8_layers']}/{s['linear_layers']} linear layers in FP8, "
             f"{float(s['fp8_param_fraction']):.1%} of parameters; weights "
             f"{_mib(int(s['bytes_before']))} -> {_mib(int(s['bytes_after']))}"
         )
+        if self.kernel_reasons:
+            gemms = "/".join(next(r.kernels for r in self.rows if r.kernels))
+            lines.append(f"FP8 GEMM kernels ({gemms}) on {self.device}:")
+            lines += [f"  {key}: {why}" for key, why in self.kernel_reasons.items()]
         return "\n".join(lines)
+
+
+_SHORT = {
+    "cublas_blockwise": "blockwise",
+    "scaled_mm_rowwise": "rowwise",
+    "scaled_mm_tensorwise": "tensorwise",
+    "emulate": "emulate",
+}
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -185,6 +209,7 @@ def convert_model(
     skip: Iterable[str] = (),
     config: Fp8LinearConfig | None = None,
     verbose: bool = False,
+    gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad"),
 ) -> Fp8Audit:
     """Swap the decoder's ``nn.Linear`` layers for :class:`Fp8Linear` in place; return the audit.
 
@@ -197,6 +222,7 @@ def convert_model(
         skip: ``fnmatch`` patterns of module names to keep in BF16.
         config: quantization settings for the new layers.
         verbose: print the audit table.
+        gemms: which GEMMs' kernels the audit shows (a generator only runs ``fprop``).
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} is not one of {RECIPES}")
@@ -231,14 +257,49 @@ def convert_model(
         else:
             reason = _fp8_decision(name, module, n_layers, keep, skip)
         if reason is None and isinstance(module, nn.Linear):
-            _replace(model, name, Fp8Linear.from_linear(module, cfg))
+            layer = Fp8Linear.from_linear(module, cfg, name=name)
+            _replace(model, name, layer)
             after = _fp8_bytes(module, cfg)
-            audit.rows.append(AuditRow(name, kind, "fp8", "decoder linear", shape, before, after))
+            plans = {g: p for g, p in layer.gemm_plans().items() if g in gemms}
+            audit.device = profile_of(module.weight.device).describe()
+            for g, p in plans.items():
+                audit.kernel_reasons.setdefault(f"{g}: {p.kernel}", p.reason)
+            kernels: dict[str, str] = {g: p.kernel for g, p in plans.items()}
+            audit.rows.append(AuditRow(name, kind, "fp8", "decoder linear", shape, before, after, kernels))
         else:
             audit.rows.append(AuditRow(name, kind, dtype, reason or "", shape, before, before))
     if verbose:
         print(audit.format())
     return audit
+
+
+def drop_master_weights(model: nn.Module) -> int:
+    """Make every :class:`Fp8Linear` of an inference-only model (a generator) hold its FP8 weight
+    alone; returns how many layers changed. See :meth:`Fp8Linear.drop_master_weight`."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.drop_master_weight()
+    return len(layers)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes ``model``'s weights hold in memory: parameters and buffers with storage (each storage
+    once), plus every :class:`Fp8Linear`'s FP8 copies (data, scales, and a CPU dequantization
+    cache where the emulated GEMM made one)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            total += m.fp8_allocated_bytes()
+    return total
 
 
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -22,21 +22,22 @@ from fractions import Fraction
 import torch
 
 from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.guard import check_input
 from workers.fp8.quant import Fp8Tensor, cast_to_fp8
 
 
-def abs_percentile(x: torch.Tensor, percentile: float) -> float:
-    """The ``percentile``-th percentile of ``|x|`` (nearest rank, exact)."""
+def abs_percentile(x: torch.Tensor, percentile: float, where: str = "KV calibration") -> torch.Tensor:
+    """The ``percentile``-th percentile of ``|x|`` (nearest rank, exact): a float32 0-d tensor on
+    ``x``'s device, computed there (no host sync; NaN/inf is checked as in ``quantize``)."""
     if not 0.0 < percentile <= 100.0:
         raise ValueError(f"percentile={percentile} must be in (0, 100]")
     flat = x.detach().reshape(-1).abs().to(torch.float32)
     if flat.numel() == 0:
         raise ValueError("abs_percentile of an empty tensor")
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError(f"KV calibration saw NaN/inf in a tensor of shape {tuple(x.shape)}")
+    check_input(x, flat.amax(), None, where)
     # nearest-rank definition, in exact rationals: 99.9 / 100 * 1000 is 999.0000000000001 in floats
     rank = max(1, math.ceil(Fraction(repr(float(percentile))) * flat.numel() / 100))
-    return float(torch.kthvalue(flat, rank).values)
+    return torch.kthvalue(flat, rank).values
 
 
 @dataclass
@@ -52,7 +53,10 @@ class KvScales:
 
 
 class KvScaleCalibrator:
-    """Collects per-layer K/V magnitudes and turns them into :class:`KvScales`."""
+    """Collects per-layer K/V magnitudes and turns them into :class:`KvScales`.
+
+    Everything stays on the device of the observed tensors: observing never waits for the GPU.
+    """
 
     def __init__(
         self,
@@ -74,27 +78,37 @@ class KvScaleCalibrator:
 
     def reset(self) -> None:
         """Forget what was observed (call when the weights change)."""
-        self._k = [0.0] * self.num_layers
-        self._v = [0.0] * self.num_layers
+        self._k: list[torch.Tensor | None] = [None] * self.num_layers
+        self._v: list[torch.Tensor | None] = [None] * self.num_layers
         self.observations = 0
 
     def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Record the K and V produced by ``layer`` for one batch (any shape)."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer} out of range [0, {self.num_layers})")
-        self._k[layer] = max(self._k[layer], abs_percentile(k, self.percentile))
-        self._v[layer] = max(self._v[layer], abs_percentile(v, self.percentile))
+        for seen, x, name in ((self._k, k, "K"), (self._v, v, "V")):
+            p = abs_percentile(x, self.percentile, f"KV calibration of layer {layer} ({name})")
+            prev = seen[layer]
+            seen[layer] = p if prev is None else torch.maximum(prev, p)
         self.observations += 1
 
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_scale, v_scale)`` of one layer: float32 0-d tensors on the observed device."""
+        return self._to_scale(self._k[layer]), self._to_scale(self._v[layer])
+
+    def _to_scale(self, pct: torch.Tensor | None) -> torch.Tensor:
+        if pct is None:
+            return torch.ones((), dtype=torch.float32)
+        t = pct * self.margin / self.fmt.max
+        return torch.where(t > 0, t, torch.ones_like(t))
+
     def scales(self) -> KvScales:
-        """Scales from what was observed; a layer never observed gets scale 1.0 (and a warning
-        in its value: callers should calibrate every layer)."""
-
-        def to_scale(vals: list[float]) -> torch.Tensor:
-            t = torch.tensor(vals, dtype=torch.float32) * self.margin / self.fmt.max
-            return torch.where(t > 0, t, torch.ones_like(t))
-
-        return KvScales(to_scale(self._k), to_scale(self._v), self.fmt)
+        """Scales from what was observed; a layer never observed (or all zeros) gets scale 1.0."""
+        pairs = [self.layer_scales(i) for i in range(self.num_layers)]
+        device = next((p.device for p in self._k if p is not None), torch.device("cpu"))
+        k = torch.stack([kp.to(device) for kp, _ in pairs])
+        v = torch.stack([vp.to(device) for _, vp in pairs])
+        return KvScales(k, v, self.fmt)
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float, fmt: str | Fp8Format = "e4m3") -> Fp8Tensor:

@@ -2,20 +2,28 @@
 
 For ``y = x @ W.T + b`` with ``x [M, K]`` (tokens x in), ``W [N, K]`` (out x in):
 
-    forward  y  = q(x; E4M3, 1x128)   @ q(W; E4M3, 128x128).T          fprop
-    backward dx = q(dy; E5M2, 1x128)  @ q(W; E4M3, 128x128)            dgrad: the same FP8 weight
-             dW = q(dy; E5M2, 128x1).T @ q(x; E4M3, 128x1)             wgrad: contraction over M
+    forward  y  = q(x; E4M3, 1x128)    @ q(W; E4M3, 128x128).T          fprop
+    backward dx = q(dy; E5M2, 1x128)   @ q(W; E4M3, 128x128)            dgrad: the same FP8 weight
+             dW = q(dy.T; E5M2, 1x128) @ q(x.T; E4M3, 1x128).T          wgrad: contraction over M
 
-The weight's 128x128 blocks are square, so one FP8 copy serves fprop (``W.T``) and dgrad (``W``)
-without re-quantizing. wgrad contracts over tokens, so its operands are tiled along M (128x1);
-``x`` is quantized that way in the forward pass and saved in FP8 (half the bytes of BF16), as
-Transformer Engine keeps a "columnwise" copy. All GEMMs accumulate in float32.
+The weight's 128x128 blocks are square, so one FP8 weight serves fprop (``W.T``) and dgrad (``W``)
+without re-quantizing. wgrad contracts over tokens, so its operands are tiled along M: ``x.T`` and
+``dy.T`` are quantized in 1x128 tiles of tokens, row-major, as Transformer Engine keeps a
+"columnwise" copy. ``x.T`` is made in the forward pass and saved in FP8 (half the bytes of BF16).
+All GEMMs accumulate in float32.
+
+Layouts, as CUDA's ``_scaled_mm`` wants them (first operand row-major, second column-major):
+fprop ``q(x) @ W_q.T`` (``W_q.T`` of a row-major weight is column-major), dgrad ``q(dy) @ W_q`` with
+a column-major copy of the FP8 weight (made once per weight update, trainers only, only where a
+CUDA kernel runs), wgrad ``q(dy.T) @ q(x.T).T``. Which kernel runs each GEMM on this device and why:
+:meth:`Fp8Linear.gemm_plans` (and the quantization audit).
 
 Master weights stay in their own dtype (float32 or BF16); the optimizer updates them. The FP8
 copy of the weight is made the first time it is needed after an update and reused until the next
 one: it is keyed on the parameter's in-place version counter, which every optimizer step bumps.
 A generator that receives the trainer's FP8 weights loads them with :meth:`Fp8Linear.load_fp8_weight`
-and uses them as they are, bit for bit.
+and uses them as they are, bit for bit; after :meth:`Fp8Linear.drop_master_weight` it holds the FP8
+weight alone (the high-precision one becomes a shape-only placeholder on the ``meta`` device).
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.fp8.dispatch import GemmPlan, OperandSpec, plan_gemm, profile_of
+from workers.fp8.formats import get_format
 from workers.fp8.matmul import Backend, fp8_matmul
-from workers.fp8.quant import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128, quantize
+from workers.fp8.quant import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128, quantize, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -42,25 +52,32 @@ class Fp8LinearConfig:
     power_of_two_scales: bool = False
     backend: Backend = "auto"
 
-    @property
-    def wgrad_block(self) -> Block:
-        """Tiles for the wgrad operands: the activation tile turned to run along tokens."""
-        blk = self.activation_block
-        return None if blk is None else (blk[1], blk[0])
+    def transposed(self, block: Block) -> Block:
+        """``block`` of a tensor seen through its transpose."""
+        return None if block is None else (block[1], block[0])
 
 
 def _fprop(
-    x2d: torch.Tensor, w_q: Fp8Tensor, bias: torch.Tensor | None, cfg: Fp8LinearConfig
+    x2d: torch.Tensor, w_q: Fp8Tensor, bias: torch.Tensor | None, cfg: Fp8LinearConfig, name: str
 ) -> torch.Tensor:
     """``q(x) @ q(W).T + b``, accumulated in float32, returned in ``x2d``'s dtype.
 
     ``x2d [M, K]``, ``w_q [N, K]`` -> ``[M, N]``.
     """
-    x_q = quantize(x2d, cfg.forward_fmt, cfg.activation_block, power_of_two=cfg.power_of_two_scales)
-    y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend)  # [M, N] float32
+    x_q = _quantize_rows(x2d, cfg.forward_fmt, cfg.activation_block, cfg, f"{name}: input")
+    # the kernel may write the activation dtype directly (cuBLAS blockwise writes BF16)
+    out = x2d.dtype if bias is None else torch.float32
+    y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend, out_dtype=out)[: x2d.shape[0]]  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2d.dtype)
+
+
+def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig, where: str) -> Fp8Tensor:
+    """A GEMM's first operand; on CUDA with rows padded to 16 in the quantizing pass itself."""
+    if block == TILE_1x128:
+        return quantize_rows(x, fmt, power_of_two=cfg.power_of_two_scales, where=where, rows_multiple=16)
+    return quantize(x, fmt, block, power_of_two=cfg.power_of_two_scales, where=where)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -70,16 +87,18 @@ class _Fp8LinearFn(torch.autograd.Function):
         x2d: torch.Tensor,  # [M, K]
         weight: torch.Tensor,  # [N, K] master weight (only for autograd bookkeeping)
         bias: torch.Tensor | None,  # [N]
-        w_q: Fp8Tensor,  # FP8 copy of weight, [N, K]
-        cfg: Fp8LinearConfig,
+        layer: Fp8Linear,
     ) -> torch.Tensor:
-        y = _fprop(x2d, w_q, bias, cfg)
+        cfg = layer.config
+        w_q = layer.fp8_weight()
+        y = _fprop(x2d, w_q, bias, cfg, layer.name)
         if weight.requires_grad:
-            # wgrad contracts over M: keep x tiled along tokens, in FP8
+            # wgrad contracts over M: keep x.T [K, M] tiled along tokens, in FP8, row-major
             p2 = cfg.power_of_two_scales
-            ctx.x_wgrad = quantize(x2d, cfg.forward_fmt, cfg.wgrad_block, power_of_two=p2)
+            where = f"{layer.name}: input (wgrad copy)"
+            ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
+        ctx.layer = layer
         ctx.w_q = w_q
-        ctx.cfg = cfg
         ctx.has_bias = bias is not None
         ctx.x_dtype = x2d.dtype
         ctx.w_dtype = weight.dtype
@@ -88,26 +107,31 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_y,) = grads  # [M, N]
-        cfg: Fp8LinearConfig = ctx.cfg
+        layer: Fp8Linear = ctx.layer
+        cfg = layer.config
         p2 = cfg.power_of_two_scales
         grad_x = grad_w = grad_b = None
+        where = f"{layer.name}: output gradient"
         if ctx.needs_input_grad[0]:
-            g_q = quantize(grad_y, cfg.grad_fmt, cfg.grad_block, power_of_two=p2)  # [M, N]
-            grad_x = fp8_matmul(g_q, ctx.w_q, backend=cfg.backend).to(ctx.x_dtype)  # [M, K]
+            g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
+            w_for_dgrad = layer.dgrad_weight(ctx.w_q, g_q)  # [N, K]
+            grad_x = fp8_matmul(g_q, w_for_dgrad, backend=cfg.backend, out_dtype=ctx.x_dtype)
+            grad_x = grad_x[: grad_y.shape[0]]  # [M, K]
         if ctx.needs_input_grad[1]:
-            g_col = quantize(grad_y, cfg.grad_fmt, cfg.wgrad_block, power_of_two=p2)  # [M, N]
-            grad_w = fp8_matmul(g_col.t(), ctx.x_wgrad, backend=cfg.backend)  # [N, K]
+            g_t = quantize(grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where)  # [N, M]
+            grad_w = fp8_matmul(g_t, ctx.x_t.t(), backend=cfg.backend)  # [N, K] float32
             grad_w = grad_w.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None
 
 
 class Fp8Linear(nn.Module):
     """``nn.Linear`` with FP8 GEMMs. Same parameters (``weight [out, in]``, ``bias [out]``).
 
     Build one directly, or swap an existing layer with :meth:`from_linear` (which shares its
-    parameters, so optimizers and state dicts keep working).
+    parameters, so optimizers and state dicts keep working). ``name`` (the module path) is what
+    NaN/inf errors and audits call the layer.
     """
 
     def __init__(
@@ -118,32 +142,39 @@ class Fp8Linear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         config: Fp8LinearConfig | None = None,
+        name: str = "Fp8Linear",
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.config = config or Fp8LinearConfig()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         )
         nn.Linear.reset_parameters(self)  # type: ignore[arg-type]
+        self._init_fp8(config, name)
+
+    def _init_fp8(self, config: Fp8LinearConfig | None, name: str) -> None:
+        self.config = config or Fp8LinearConfig()
+        self.name = name
         self._w_q: Fp8Tensor | None = None
         self._w_q_key: tuple[int, int, int] | None = None
+        self._w_q_cm: Fp8Tensor | None = None  # column-major copy for dgrad (trainers, CUDA kernels)
+        self.fp8_only = False  # True after drop_master_weight(): the FP8 weight is all there is
         self.fp8_weight_updates = 0  # how many times the FP8 copy was (re)made or loaded
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: Fp8LinearConfig | None = None) -> Fp8Linear:
+    def from_linear(
+        cls, linear: nn.Linear, config: Fp8LinearConfig | None = None, name: str = "Fp8Linear"
+    ) -> Fp8Linear:
         """An ``Fp8Linear`` that shares ``linear``'s weight and bias parameters."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.config = config or Fp8LinearConfig()
         # nn.Linear types its parameters as Tensor; they are Parameters, shared, not copied
         new.weight = linear.weight  # type: ignore[assignment]
         new.bias = linear.bias
-        new._w_q, new._w_q_key = None, None
-        new.fp8_weight_updates = 0
+        new._init_fp8(config, name)
         return new
 
     def _weight_key(self) -> tuple[int, int, int]:
@@ -152,6 +183,9 @@ class Fp8Linear(nn.Module):
 
     def fp8_weight(self) -> Fp8Tensor:
         """The FP8 copy of the weight; re-quantized only after the master weight changed."""
+        if self.fp8_only:
+            assert self._w_q is not None
+            return self._w_q
         key = self._weight_key()
         if self._w_q is None or self._w_q_key != key:
             cfg = self.config
@@ -160,33 +194,106 @@ class Fp8Linear(nn.Module):
                 cfg.forward_fmt,
                 cfg.weight_block,
                 power_of_two=cfg.power_of_two_scales,
+                where=f"{self.name}: weight",
             ).with_dequant_cache()
             self._w_q_key = key
+            self._w_q_cm = None
             self.fp8_weight_updates += 1
         return self._w_q
+
+    def dgrad_weight(self, w_q: Fp8Tensor, g_q: Fp8Tensor) -> Fp8Tensor:
+        """``w_q [N, K]`` as dgrad's second operand: column-major where a CUDA kernel runs (a copy
+        made once per weight update), itself where the GEMM is emulated."""
+        if self.gemm_plan(g_q, w_q).kernel == "emulate":
+            return w_q
+        if self._w_q_cm is None or self._w_q_cm.scale is not w_q.scale:
+            data = w_q.data.t().contiguous().t()  # same values, column-major
+            self._w_q_cm = Fp8Tensor(data, w_q.scale, w_q.block, w_q.fmt)
+        return self._w_q_cm
+
+    def gemm_plan(self, a: Fp8Tensor, b: Fp8Tensor) -> GemmPlan:
+        return plan_gemm(a, b, profile_of(a.device), self.config.backend)
 
     @torch.no_grad()
     def load_fp8_weight(self, w_q: Fp8Tensor) -> None:
         """Use ``w_q`` (e.g. the trainer's FP8 weight) as is, without re-quantizing.
 
-        The master weight is set to its dequantized value so that the module stays consistent
-        (state dicts, a later switch to BF16), and the FP8 copy is pinned until the next update.
+        With a master weight, it is set to the dequantized value so that the module stays
+        consistent (state dicts, a later switch to BF16), and the FP8 copy is pinned until the
+        next update. After :meth:`drop_master_weight`, ``w_q`` simply replaces the FP8 weight.
         """
         if tuple(w_q.shape) != tuple(self.weight.shape):
             raise ValueError(
-                f"load_fp8_weight: FP8 weight has shape {tuple(w_q.shape)}, layer expects "
-                f"{tuple(self.weight.shape)} (out_features, in_features)"
+                f"load_fp8_weight: {self.name}: FP8 weight has shape {tuple(w_q.shape)}, layer "
+                f"expects {tuple(self.weight.shape)} (out_features, in_features)"
             )
-        w_q = w_q.to(self.weight.device).with_dequant_cache()
-        self.weight.copy_(w_q.dequantize(self.weight.dtype))
-        self._w_q, self._w_q_key = w_q, self._weight_key()
+        device = self.bias.device if self.fp8_only and self.bias is not None else self._device()
+        w_q = w_q.to(device).with_dequant_cache()
+        if not self.fp8_only:
+            self.weight.copy_(w_q.dequantize(self.weight.dtype))
+            self._w_q_key = self._weight_key()
+        self._w_q, self._w_q_cm = w_q, None
         self.fp8_weight_updates += 1
+
+    def _device(self) -> torch.device:
+        if self.fp8_only:
+            assert self._w_q is not None
+            return self._w_q.device
+        return self.weight.device
+
+    @torch.no_grad()
+    def drop_master_weight(self) -> None:
+        """Keep the FP8 weight alone (inference: a generator). The weight parameter stays, with
+        its name and shape, on the ``meta`` device (no storage), so weight-sync payloads still
+        match by name; :meth:`load_fp8_weight` replaces the FP8 weight from then on."""
+        if self.fp8_only:
+            return
+        w_q = self.fp8_weight()
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"), requires_grad=False
+        )
+        self._w_q, self._w_q_key, self._w_q_cm = w_q, None, None
+        self.fp8_only = True
+
+    def fp8_allocated_bytes(self) -> int:
+        """Bytes of this layer's FP8 weight copies (data, scales, CPU dequantization cache)."""
+        copies = [c for c in (self._w_q, self._w_q_cm) if c is not None]
+        total = sum(c.allocated_bytes for c in copies)
+        if self._w_q is not None and self._w_q_cm is not None:
+            total -= self._w_q_cm.scale.numel() * 4  # shared with _w_q
+        return total
+
+    def gemm_plans(self, tokens: int = 256, out_dtype: torch.dtype = torch.bfloat16) -> dict[str, GemmPlan]:
+        """The kernel of each of the layer's GEMMs on its device (or a simulated one), and why."""
+        cfg = self.config
+        n, k = self.out_features, self.in_features
+        fwd, grad = get_format(cfg.forward_fmt), get_format(cfg.grad_fmt)
+        w = OperandSpec((n, k), cfg.weight_block, fwd)
+        w_t = OperandSpec((k, n), cfg.transposed(cfg.weight_block), fwd)
+        profile = profile_of(self._device())
+        backend = cfg.backend
+        return {
+            "fprop": plan_gemm(
+                OperandSpec((tokens, k), cfg.activation_block, fwd), w_t, profile, backend, out_dtype
+            ),
+            "dgrad": plan_gemm(
+                OperandSpec((tokens, n), cfg.grad_block, grad), w, profile, backend, out_dtype
+            ),
+            "wgrad": plan_gemm(
+                OperandSpec((n, tokens), cfg.grad_block, grad),
+                OperandSpec((tokens, k), cfg.transposed(cfg.activation_block), fwd),
+                profile,
+                backend,
+            ),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.autocast (a BF16 trainer's mixed precision) the emulated GEMM must still
         # accumulate in float32: autocast would silently turn it into a BF16 matmul.
-        with torch.autocast(x.device.type, enabled=False):
-            return self._forward(x)
+        if x.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return self._forward(x)
+        return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -194,11 +301,9 @@ class Fp8Linear(nn.Module):
         params_need_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
             # inference (generation): one quantization of x, no autograd state, no wgrad copy
-            y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config)
+            y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config, self.name)
         else:
-            y2d = _Fp8LinearFn.apply(  # type: ignore[no-untyped-call]
-                x2d, self.weight, self.bias, self.fp8_weight(), self.config
-            )
+            y2d = _Fp8LinearFn.apply(x2d, self.weight, self.bias, self)  # type: ignore[no-untyped-call]
         return y2d.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -207,4 +312,5 @@ class Fp8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight={c.forward_fmt}{c.weight_block}, "
             f"act={c.forward_fmt}{c.activation_block}, grad={c.grad_fmt}{c.grad_block}"
+            + (", fp8 weight only" if self.fp8_only else "")
         )

@@ -9,33 +9,25 @@ i.e. a sum over K-chunks of *rowwise*-scaled products (one scale per row of ``a`
 of ``b``). Every combination of tensorwise, 1x128, 128x1 and 128x128 operands decomposes the same
 way as long as the two operands' K-blocks nest (one divides the other).
 
-Backends (``backend=``):
-
-``emulate``   Dequantize both operands to float32 and run one float32 GEMM. Same mathematical value;
-              only float32 rounding differs. The CPU default: torch's CPU ``_scaled_mm`` is a
-              reference kernel (~0.07 GFLOP/s measured on 2 cores, about 600x slower than this).
-``scaled_mm`` ``torch._scaled_mm`` per K-chunk with rowwise scales (one call when both operands are
-              tensorwise). Works on CPU and on CUDA (SM89+).
-``auto``      CUDA: ``torch.nn.functional.scaled_mm`` with native 1x128 x 128x128 scaling on SM90 with
-              CUDA >= 12.9 (cuBLAS DeepSeek-style scaling), otherwise chunked ``scaled_mm``, otherwise
-              (dims not multiples of 16) ``emulate``. CPU: ``emulate``.
-
-``_scaled_mm`` wants its first operand row-major and its second column-major: ``b = W.t()`` of a
-contiguous weight ``W [N, K]`` already is.
+Which kernel computes it is decided by :func:`workers.fp8.dispatch.plan_gemm` from the device
+profile, the operands' scales and formats (``backend="auto"``; ``"emulate"`` and ``"scaled_mm"``
+force one). Before a CUDA kernel runs, :func:`lay_out` gives it what CUDA requires: ``a``
+row-major and ``b`` column-major, M a multiple of 16 and the contraction a multiple of 16 (128
+for blockwise), padding with zeros (which add nothing to the product) and copying only when the
+operands are not already so. Callers that keep their operands in those layouts (``Fp8Linear``
+does) never pay for a copy.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from typing import Literal
 
 import torch
 
+from workers.fp8.dispatch import Backend, GemmPlan, plan_gemm, profile_of
 from workers.fp8.quant import Fp8Tensor
 
-Backend = Literal["auto", "emulate", "scaled_mm"]
-BACKENDS: tuple[str, ...] = ("auto", "emulate", "scaled_mm")
+__all__ = ["Backend", "GemmPlan", "chunk_size", "fp8_matmul", "lay_out", "matmul_emulated", "plan_for"]
 
 
 def _k_block(x: Fp8Tensor, dim: int) -> int | None:
@@ -96,18 +88,55 @@ def matmul_emulated(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     return a.dequantize(torch.float32) @ b.dequantize(torch.float32)
 
 
-def _column_major(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(0) == 1 else x.t().contiguous().t()
+def is_row_major(x: torch.Tensor) -> bool:
+    """CUDA's test for the first operand (torch's meta kernel uses the same one)."""
+    return x.stride(1) == 1 and x.stride(0) > x.stride(1)
 
 
-def matmul_scaled_mm(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
-    """Sum over K-chunks of rowwise-scaled ``torch._scaled_mm`` products (float32 out)."""
-    _validate(a, b)
+def is_col_major(x: torch.Tensor) -> bool:
+    """CUDA's test for the second operand."""
+    return x.stride(0) == 1 and x.stride(1) > 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad_scale(t: Fp8Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t``'s scales for the tensor grown to ``[rows, cols]``: new blocks get scale 1."""
+    if t.block is None:
+        return t.scale
+    n_r, n_c = math.ceil(rows / t.block[0]), math.ceil(cols / t.block[1])
+    if (n_r, n_c) == tuple(t.scale.shape):
+        return t.scale
+    out = torch.ones(n_r, n_c, dtype=t.scale.dtype, device=t.scale.device)
+    out[: t.scale.shape[0], : t.scale.shape[1]] = t.scale
+    return out
+
+
+def _placed(t: Fp8Tensor, rows: int, cols: int, row_major: bool) -> Fp8Tensor:
+    """``t`` as ``[rows, cols]`` (zero-padded) in the given layout; ``t`` itself when it already is."""
+    laid_out = is_row_major(t.data) if row_major else is_col_major(t.data)
+    if tuple(t.shape) == (rows, cols) and laid_out:
+        return t
+    data = torch.zeros((rows, cols) if row_major else (cols, rows), dtype=t.data.dtype, device=t.data.device)
+    data = data if row_major else data.t()
+    data[: t.shape[0], : t.shape[1]] = t.data
+    return Fp8Tensor(data, _pad_scale(t, rows, cols), t.block, t.fmt)
+
+
+def lay_out(a: Fp8Tensor, b: Fp8Tensor, k_multiple: int = 16) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """``a`` row-major ``[M', K']`` and ``b`` column-major ``[K', N]``: M' a multiple of 16, K' of
+    ``k_multiple`` (see the module docstring). The product's first M rows are ``a @ b``."""
+    m, k = a.shape
+    mp, kp = _round_up(m, 16), _round_up(k, k_multiple)
+    return _placed(a, mp, kp, row_major=True), _placed(b, kp, b.shape[1], row_major=False)
+
+
+def _rowwise(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """Sum over K-chunks of rowwise-scaled ``torch._scaled_mm`` products (float32)."""
     k = a.shape[1]
     step = chunk_size(a, b)
-    b_data = _column_major(b.data)
-    if a.block is None and b.block is None:  # tensorwise x tensorwise: one call
-        return torch._scaled_mm(a.data, b_data, a.scale, b.scale, out_dtype=torch.float32)
     sa, sb = row_scales(a), col_scales(b)  # [M, nKa], [nKb, N]
     ka, kb = _k_block(a, 1), _k_block(b, 0)
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
@@ -117,7 +146,7 @@ def matmul_scaled_mm(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
         ib = 0 if kb is None else k0 // kb
         out += torch._scaled_mm(
             a.data[:, k0:k1],
-            _column_major(b_data[k0:k1, :]),
+            b.data[k0:k1, :],
             sa[:, ia : ia + 1].contiguous(),
             sb[ib : ib + 1, :].contiguous(),
             out_dtype=torch.float32,
@@ -125,65 +154,62 @@ def matmul_scaled_mm(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     return out
 
 
-def blockwise_scales_for_cublas(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale layouts cuBLAS wants for a 1x128 ``a [M, K]`` times a 128x128 ``b [K, N]``.
+def matmul_scaled_mm(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """``torch._scaled_mm`` (tensorwise: one call; else per K-chunk), laid out as CUDA wants."""
+    _validate(a, b)
+    m = a.shape[0]
+    a2, b2 = lay_out(a, b)
+    if a.block is None and b.block is None:
+        out = torch._scaled_mm(a2.data, b2.data, a2.scale, b2.scale, out_dtype=torch.float32)
+    else:
+        out = _rowwise(a2, b2)
+    return out[:m]
 
-    1x128 scales ``[M, K/128]`` must be outer-dim-major (stride 1 along M). 128x128 scales are given
-    as ``[K/128 padded to a multiple of 4, N/128]`` whose transpose is contiguous.
+
+def blockwise_scales_for_cublas(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale layouts cuBLAS wants for ``a [M, K]`` in 1x128 tiles times ``b [K, N]`` in 128x128
+    blocks or in 128x1 tiles (blocks along K). K must be a multiple of 128 (:func:`lay_out`).
+
+    1x128 scales of ``a`` ``[M, K/128]`` are outer-dim-major (stride 1 along M). 128x128 scales of
+    ``b`` are ``[K/128 padded to a multiple of 4, N/128]`` whose transpose is contiguous; 128x1
+    scales of ``b`` are ``[N, K/128]`` with stride 1 along N.
     """
     sa = a.scale.t().contiguous().t()  # [M, K/128], strides (1, M)
-    w_scale = b.scale.t()  # [N/128, K/128]: the weight's own block grid
-    n_kb = w_scale.shape[1]
-    padded = math.ceil(n_kb / 4) * 4
-    if padded != n_kb:
-        w_scale = torch.nn.functional.pad(w_scale, (0, padded - n_kb))
-    return sa, w_scale.contiguous().t()  # [L4, N/128]
+    if b.block == (128, 128):
+        w_scale = b.scale.t()  # [N/128, K/128]: the weight's own block grid
+        n_kb = w_scale.shape[1]
+        padded = math.ceil(n_kb / 4) * 4
+        if padded != n_kb:
+            w_scale = torch.nn.functional.pad(w_scale, (0, padded - n_kb))
+        return sa, w_scale.contiguous().t()  # [L4, N/128]
+    return sa, b.scale.contiguous().t()  # [N, K/128], strides (1, N)
 
 
-def _cublas_blockwise_ok(a: Fp8Tensor, b: Fp8Tensor) -> bool:
-    if os.environ.get("FP8RL_CUBLAS_BLOCKWISE", "1") == "0" or not a.data.is_cuda:
-        return False
-    if a.block != (1, 128) or b.block != (128, 128):
-        return False
-    m, k = a.shape
-    n = b.shape[1]
-    cuda_version = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-    return (
-        torch.cuda.get_device_capability(a.device) == (9, 0)
-        and cuda_version >= (12, 9)
-        and hasattr(torch.nn.functional, "scaled_mm")
-        and k % 128 == 0
-        and n % 128 == 0
-        and m % 16 == 0
-    )
-
-
-def _matmul_cublas_blockwise(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+def _blockwise(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     scaling = torch.nn.functional.ScalingType
-    sa, sb = blockwise_scales_for_cublas(a, b)
+    recipe = {(1, 128): scaling.BlockWise1x128, (128, 1): scaling.BlockWise1x128}
+    recipe[(128, 128)] = scaling.BlockWise128x128
+    assert a.block is not None and b.block is not None
+    # a weight's scale layout is made once per weight (kept with its FP8 copy), not per call
+    owner = b._transpose_of if b._transpose_of is not None else None
+    cached = owner._memo.get("cublas_scale_t") if owner is not None else None
+    if cached is not None:
+        sa = a.scale.t().contiguous().t()
+        sb = cached
+    else:
+        sa, sb = blockwise_scales_for_cublas(a, b)
+        if owner is not None:
+            owner._memo["cublas_scale_t"] = sb
     return torch.nn.functional.scaled_mm(
-        a.data,
-        _column_major(b.data),
-        sa,
-        scaling.BlockWise1x128,
-        sb,
-        scaling.BlockWise128x128,
-        output_dtype=torch.float32,
+        a.data, b.data, sa, recipe[a.block], sb, recipe[b.block], output_dtype=out_dtype
     )
 
 
-def resolve_backend(a: Fp8Tensor, b: Fp8Tensor, backend: str = "auto") -> str:
-    """The backend ``fp8_matmul`` will use for these operands (for audits and benchmarks)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if backend != "auto":
-        return backend
-    if not a.data.is_cuda:
-        return "emulate"
-    if _cublas_blockwise_ok(a, b):
-        return "cublas_blockwise"
-    dims_ok = a.shape[0] % 16 == 0 and b.shape[1] % 16 == 0 and chunk_size(a, b) % 16 == 0
-    return "scaled_mm" if dims_ok else "emulate"
+def plan_for(
+    a: Fp8Tensor, b: Fp8Tensor, backend: str = "auto", out_dtype: torch.dtype = torch.float32
+) -> GemmPlan:
+    """The plan :func:`fp8_matmul` follows for these operands on their device."""
+    return plan_gemm(a, b, profile_of(a.device), backend, out_dtype)
 
 
 def fp8_matmul(
@@ -199,11 +225,16 @@ def fp8_matmul(
     (see :func:`chunk_size`). Returns ``[M, N]`` in ``out_dtype``.
     """
     _validate(a, b)
-    chosen = resolve_backend(a, b, backend)
-    if chosen == "emulate":
-        out = matmul_emulated(a, b)
-    elif chosen == "cublas_blockwise":
-        out = _matmul_cublas_blockwise(a, b)
+    chunk_size(a, b)  # the same K-block rules for every kernel
+    plan = plan_for(a, b, backend, out_dtype)
+    m = a.shape[0]
+    if plan.kernel == "emulate":
+        return matmul_emulated(a, b).to(out_dtype)
+    a2, b2 = lay_out(a, b, plan.k_multiple)
+    if plan.kernel == "cublas_blockwise":
+        out = _blockwise(a2, b2, plan.out_dtype)
+    elif plan.kernel == "scaled_mm_tensorwise":
+        out = torch._scaled_mm(a2.data, b2.data, a2.scale, b2.scale, out_dtype=plan.out_dtype)
     else:
-        out = matmul_scaled_mm(a, b)
-    return out.to(out_dtype)
+        out = _rowwise(a2, b2)
+    return out[:m].to(out_dtype)

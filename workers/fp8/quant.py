@@ -24,13 +24,16 @@ along the contraction dimension.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.guard import check_input
 
 Block = tuple[int, int] | None
 
@@ -57,8 +60,10 @@ class Fp8Tensor:
     scale: torch.Tensor
     block: tuple[int, int] | None
     fmt: Fp8Format
-    # Weights set this: their float32 dequantization is kept for the emulated (CPU) GEMM, since
-    # the same FP8 weight is used for every call until the next optimizer step.
+    # Weights set this: on CPU their float32 dequantization is kept for the emulated GEMM, since
+    # the same FP8 weight is used for every call until the next optimizer step. Never on a GPU:
+    # there FP8 weights hold only their FP8 data and scales (4 bytes per parameter would defeat
+    # FP8's purpose), and a GPU without FP8 GEMMs dequantizes per call.
     cache_dequantized: bool = False
     _memo: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     _transpose_of: Fp8Tensor | None = field(default=None, repr=False, compare=False)
@@ -76,14 +81,20 @@ class Fp8Tensor:
         """Bytes of payload: one per element plus four per scale."""
         return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes this tensor holds in memory: :attr:`nbytes` plus a cached dequantization (CPU)."""
+        return self.nbytes + sum(t.numel() * t.element_size() for t in self._memo.values())
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale`` in ``dtype`` (computed in float32)."""
         if self._transpose_of is not None:  # a cached weight's transpose shares its memo
             return self._transpose_of.dequantize(dtype).t()
-        if self.cache_dequantized and "f32" in self._memo:
+        cache = self.cache_dequantized and self.data.device.type == "cpu"
+        if cache and "f32" in self._memo:
             return self._memo["f32"].to(dtype)
         out = _apply_block_scale(self.data.to(torch.float32), self.scale, self.block, divide=False)
-        if self.cache_dequantized:
+        if cache:
             self._memo["f32"] = out
         return out.to(dtype)
 
@@ -147,19 +158,6 @@ def _check_block(block: Block, x: torch.Tensor) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1]))
 
 
-def _raise_non_finite(x: torch.Tensor, where: str) -> None:
-    bad = ~torch.isfinite(x)
-    n_nan = int(torch.isnan(x).sum())
-    n_inf = int(bad.sum()) - n_nan
-    first = tuple(int(i) for i in bad.nonzero()[0].tolist())
-    raise ValueError(
-        f"{where}: input of shape {tuple(x.shape)} has {n_nan} NaN and {n_inf} inf values "
-        f"(first at index {first}: {x[first].item()}); FP8 scales computed from it would be "
-        "garbage. Find where the non-finite values come from (learning rate, loss, an overflowing "
-        "layer) rather than quantizing them."
-    )
-
-
 def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
     # frexp: scale = mantissa * 2**exponent with mantissa in [0.5, 1); exact powers of two have
     # mantissa 0.5 and stay, everything else rounds up so that no element saturates.
@@ -182,8 +180,58 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False) -> torch.Tensor:
     """Scale that maps ``amax`` onto ``fmt.max`` (float32; rounded up to 2^k if asked)."""
-    scale = (amax.to(torch.float32) / fmt.max).clamp(min=_MIN_SCALE)
+    # IEEE division on every device: CUDA turns a division by a Python number into a product with
+    # its float32 reciprocal, which is off by an ulp for some inputs (and from the Triton kernel)
+    fmt_max = torch.full((), fmt.max, dtype=torch.float32, device=amax.device)
+    scale = (amax.to(torch.float32) / fmt_max).clamp(min=_MIN_SCALE)
     return _round_up_pow2(scale) if power_of_two else scale
+
+
+def _use_triton() -> bool:
+    """The one-pass Triton quantizer serves 1x128 tiles on CUDA unless ``FP8RL_TRITON=0``."""
+    global _TRITON
+    if _TRITON is None:
+        _TRITON = (
+            os.environ.get("FP8RL_TRITON", "1") != "0" and importlib.util.find_spec("triton") is not None
+        )
+    return _TRITON
+
+
+_TRITON: bool | None = None
+
+
+def _quantize_triton(
+    x: torch.Tensor, f: Fp8Format, power_of_two: bool, check: bool, where: str, rows_out: int
+) -> Fp8Tensor:
+    from workers.fp8.guard import active_guard
+    from workers.fp8.triton_quant import quantize_1x128
+
+    guard = active_guard() if check else None
+    slot = guard.reserve(x.device, tuple(x.shape), TILE_1x128, where) if guard is not None else None
+    data, scale = quantize_1x128(x, f.name, f.max, f.dtype, power_of_two, slot, rows_out)
+    return Fp8Tensor(data, scale, TILE_1x128, f)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    fmt: str | Fp8Format,
+    *,
+    power_of_two: bool = False,
+    where: str = "quantize",
+    rows_multiple: int = 1,
+) -> Fp8Tensor:
+    """:func:`quantize` in 1x128 tiles of a 2-D ``x``, for a GEMM's first operand.
+
+    On CUDA (the Triton kernel) the result may have more rows than ``x``: up to a multiple of
+    ``rows_multiple``, zeros with scale 1, written in the same pass so that the GEMM needs no
+    padded copy (its extra output rows are dropped by the caller). The scales are laid out
+    M-major (stride 1 along rows), as cuBLAS's blockwise GEMM reads them.
+    """
+    f = get_format(fmt)
+    if x.is_cuda and x.dim() == 2 and _use_triton():
+        rows = -(-x.shape[0] // rows_multiple) * rows_multiple
+        return _quantize_triton(x.detach(), f, power_of_two, True, where, rows)
+    return quantize(x, f, TILE_1x128, power_of_two=power_of_two, where=where)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str | Fp8Format, block: Block = None) -> Fp8Tensor:
@@ -203,6 +251,7 @@ def quantize(
     *,
     power_of_two: bool = False,
     check_finite: bool = True,
+    where: str = "quantize",
 ) -> Fp8Tensor:
     """Quantize ``x`` to FP8 with one float32 scale per ``block`` (``None``: per tensor).
 
@@ -211,7 +260,11 @@ def quantize(
         fmt: ``"e4m3"`` (max 448) or ``"e5m2"`` (max 57344).
         block: ``None``, ``(1, 128)``, ``(128, 128)`` or any ``(rows, cols)``.
         power_of_two: round each scale up to a power of two.
-        check_finite: raise ``ValueError`` naming the first NaN/inf element (default on).
+        check_finite: check for NaN/inf (default on). Inside a :func:`~workers.fp8.guard.finite_guard`
+            the check is a device-side flag read once when the guard ends (no host sync here);
+            outside one, a CPU tensor is checked at once. Either way the error is a
+            :class:`~workers.fp8.guard.NonFiniteError` (a ``ValueError``) that says where.
+        where: what is being quantized, for that error (e.g. ``"layers.0.mlp.up_proj: input"``).
 
     Returns:
         An :class:`Fp8Tensor`; ``.dequantize()`` gives back ``x`` within the format's precision.
@@ -220,7 +273,9 @@ def quantize(
     if not torch.is_floating_point(x) or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"quantize needs a float32/bf16/fp16 tensor, got dtype {x.dtype}")
     blk = _check_block(block, x)
+    if blk == TILE_1x128 and x.dim() == 2 and x.is_cuda and _use_triton():
+        return _quantize_triton(x.detach(), f, power_of_two, check_finite, where, x.shape[0])
     amax = x.detach().abs().amax().to(torch.float32) if blk is None else block_amax(x.detach(), blk)
-    if check_finite and not bool(torch.isfinite(amax).all()):
-        _raise_non_finite(x, "quantize")
+    if check_finite:
+        check_input(x, amax, blk, where)
     return cast_to_fp8(x.detach(), amax_to_scale(amax, f, power_of_two), f, blk)

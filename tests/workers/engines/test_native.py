@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+from transformers import DynamicCache
 
 from rljob import JobSpec, parse_spec
 from tests.workers.fp8.reference import round_to_fp8
@@ -22,7 +24,9 @@ from workers.algo.mismatch import mismatch_metrics
 from workers.engines.native_generator import Fp8KvCache, NativeGenerator, sample_top_p
 from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import left_pad, positions
+from workers.fp8 import Fp8Linear
 from workers.fp8.export import fp8_weight_names
+from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -118,23 +122,94 @@ def test_top_p_keeps_the_smallest_nucleus_and_renormalises() -> None:
     assert int(sample_top_p(probs[:5], 1e-6, torch.Generator()).max()) == 0
 
 
-def test_fp8_kv_cache_stores_e4m3_values_with_per_layer_scales(seed: int) -> None:
+def test_fp8_kv_cache_stores_e4m3_bytes_with_per_layer_scales(seed: int) -> None:
     _, gen = engines(spec_for("bf16", seed, fp8_kv_cache=True))
     ids, mask = left_pad(PROMPTS, TOK.pad_id)
     cache = Fp8KvCache(gen.num_layers)
-    with torch.no_grad():
+    seen: dict[int, torch.Tensor] = {}
+    real_update = DynamicCache.update
+
+    def spy(self: Any, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *a: Any, **kw: Any) -> Any:
+        seen.setdefault(layer_idx, k)  # what the cache is asked to store (FP8 already)
+        return real_update(self, k, v, layer_idx, *a, **kw)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DynamicCache, "update", spy)
+        keys_in: dict[int, torch.Tensor] = {}
+        hooks = [
+            layer.self_attn.k_proj.register_forward_hook(lambda _m, _i, out, i=i: keys_in.setdefault(i, out))
+            for i, layer in enumerate(gen.model.model.layers)
+        ]
         gen.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
+        for h in hooks:
+            h.remove()
     assert sorted(cache.k_scales) == list(range(gen.num_layers))
     for layer in range(gen.num_layers):
         stored: Any = cache.layers[layer]
-        keys = stored.keys.double() / float(cache.k_scales[layer])
-        # every stored value, divided by its layer scale, is an E4M3 number (checked by hand rounding);
-        # BF16 storage of the dequantized value is exact for E4M3 x power-of-two scales only, so
-        # compare with a tolerance of BF16's unit roundoff
-        assert torch.allclose(keys, round_to_fp8(keys, "e4m3"), rtol=2**-8, atol=1e-6)
-        assert float(keys.abs().max()) <= 448 * (1 + 2**-8)
+        assert stored.keys.dtype == torch.float8_e4m3fn and stored.values.dtype == torch.float8_e4m3fn
+        assert stored.keys.element_size() == 1 and torch.equal(stored.keys, seen[layer])
+        # dequantized, the stored bytes are the keys rounded to E4M3 with the layer's scale, checked
+        # against a float64 rounding by hand of the pre-RoPE keys' magnitude bound
+        deq = stored.keys.double() * float(cache.k_scales[layer])
+        assert float(deq.abs().max()) <= 448 * float(cache.k_scales[layer]) * (1 + 1e-9)
+        assert torch.equal(round_to_fp8(stored.keys.double(), "e4m3"), stored.keys.double())
+        assert keys_in[layer].abs().max() > 0
     out = gen.generate(PROMPTS, 4, 1.0, 1.0, seed)
     assert gen.kv_cache_bytes > 0 and out.response_mask.sum() > 0
+
+
+class DequantizedFp8KvCache(DynamicCache):
+    """The previous FP8 KV cache, kept as the reference: values rounded to E4M3 with the same
+    per-layer scales, stored dequantized in BF16 (2 bytes per element)."""
+
+    def __init__(self, num_layers: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calibrator = KvScaleCalibrator(num_layers)
+        self.k_scales: dict[int, torch.Tensor] = {}
+        self.v_scales: dict[int, torch.Tensor] = {}
+
+    def update(  # type: ignore[override]
+        self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *a: Any, **kw: Any
+    ) -> Any:
+        if layer_idx not in self.k_scales:
+            self.calibrator.observe(layer_idx, k, v)
+            self.k_scales[layer_idx], self.v_scales[layer_idx] = self.calibrator.layer_scales(layer_idx)
+        ks, vs = self.k_scales[layer_idx], self.v_scales[layer_idx]
+        k_deq = quantize_kv(k, ks).dequantize(k.dtype)
+        v_deq = quantize_kv(v, vs).dequantize(v.dtype)
+        return super().update(k_deq, v_deq, layer_idx, *a, **kw)
+
+
+def test_fp8_kv_storage_gives_the_dequantized_caches_logprobs_bit_for_bit(seed: int) -> None:
+    _, gen = engines(spec_for("fp8-e2e", seed, fp8_kv_cache=True))
+    out = gen.generate(PROMPTS, 8, 1.0, 0.9, seed)
+    fp8_bytes = gen.kv_cache_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("workers.engines.native_generator.Fp8KvCache", DequantizedFp8KvCache)
+        ref = gen.generate(PROMPTS, 8, 1.0, 0.9, seed)
+    assert torch.equal(out.response_ids, ref.response_ids)
+    assert torch.equal(out.logprobs, ref.logprobs)  # same values, bit for bit
+    # and half the bytes: the reference cache holds BF16 (2 B/element); both have 2 float32
+    # scales a layer (the counter sees the reference class under the patched name)
+    scales = 2 * 4 * gen.num_layers
+    assert gen.kv_cache_bytes - scales == 2 * (fp8_bytes - scales)
+
+
+def test_fp8_kv_cache_is_half_the_bytes_of_bf16_for_the_same_batch(seed: int) -> None:
+    _, gen = engines(spec_for("bf16", seed))
+    b, p = len(PROMPTS), max(len(q) for q in PROMPTS)
+    gen.spec.precision.fp8_kv_cache = False
+    out_bf16 = gen.generate(PROMPTS, 6, 1e-3, 1.0, seed)  # near-greedy: the same lengths
+    bf16_bytes = gen.kv_cache_bytes
+    gen.spec.precision.fp8_kv_cache = True
+    out_fp8 = gen.generate(PROMPTS, 6, 1e-3, 1.0, seed)
+    assert out_bf16.response_ids.shape == out_fp8.response_ids.shape
+    t = p + out_fp8.response_ids.shape[1] - 1  # tokens in the cache: the last one is never fed back
+    cfg = gen.model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    elements = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * t * head_dim  # K and V
+    assert bf16_bytes == 2 * elements  # by hand: BF16 is 2 bytes an element
+    assert gen.kv_cache_bytes == elements + 2 * 4 * cfg.num_hidden_layers  # 1 byte + 2 scales a layer
 
 
 def test_trainer_step_moves_logprobs_towards_rewarded_samples(seed: int) -> None:
@@ -151,3 +226,29 @@ def test_trainer_step_moves_logprobs_towards_rewarded_samples(seed: int) -> None
     assert stats["train/grad_norm"] > 0 and abs(stats["is/weight_mean"] - 1.0) < 0.1
     fp8 = [m for m in trainer.model.modules() if type(m).__name__ == "Fp8Linear"]
     assert fp8 and all(m.fp8_weight_updates >= 1 for m in fp8)
+
+
+def test_an_fp8_generator_holds_its_fp8_weights_only(seed: int) -> None:
+    """The generator's FP8 layers keep FP8 data + scales (their high-precision weight is a
+    shape-only placeholder on meta); counted by hand. On the CPU the emulated GEMM adds a float32
+    dequantization per FP8 weight once it has run (on a GPU it never exists)."""
+    trainer, gen = engines(spec_for("fp8-e2e", seed))
+    layers = [m for m in gen.model.modules() if isinstance(m, Fp8Linear)]
+    assert layers and all(m.fp8_only and m.weight.device.type == "meta" for m in layers)
+    fp8_ids = {id(m.weight) for m in layers}
+    blocks = sum((-(-m.weight.shape[0] // 128)) * (-(-m.weight.shape[1] // 128)) for m in layers)
+    fp8 = sum(m.weight.numel() for m in layers) + 4 * blocks  # 1 B/weight + a float32 per block
+    rest = sum(2 * p.numel() for p in gen.model.parameters() if id(p) not in fp8_ids)  # BF16
+    buffers = sum(b.numel() * b.element_size() for b in gen.model.buffers())
+    assert gen.weight_bytes == fp8 + rest + buffers
+    gen.generate(PROMPTS[:2], 2, 1.0, 1.0, seed)
+    emulation_cache = sum(4 * m.weight.numel() for m in layers)
+    assert gen.weight_bytes == fp8 + rest + buffers + emulation_cache
+    # and what the trainer sends still loads (FP8 entries replace the FP8 weights)
+    before = [m.fp8_weight_updates for m in layers]
+    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
+    assert [m.fp8_weight_updates for m in layers] == [b + 1 for b in before]
+    assert all(
+        torch.equal(m.fp8_weight().data.view(torch.uint8), t.fp8_weight().data.view(torch.uint8))
+        for m, t in zip(layers, [x for x in trainer.model.modules() if isinstance(x, Fp8Linear)], strict=True)
+    )

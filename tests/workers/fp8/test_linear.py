@@ -137,25 +137,27 @@ def test_nan_input_raises() -> None:
 
 
 def test_inference_quantizes_activations_once(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Under no_grad (generation) only the 1x128 activation copy is made: no 128x1 wgrad copy.
+    # Under no_grad (generation) only the 1x128 activation copy is made: no wgrad copy of x.T.
     from workers.fp8 import quantize as real
 
-    calls: list[tuple[int, int] | None] = []
+    calls: list[tuple[tuple[int, ...], tuple[int, int] | None]] = []
 
     def counting(x: torch.Tensor, fmt: str = "e4m3", block: object = None, **kw: object) -> object:
-        calls.append(block)  # type: ignore[arg-type]
+        calls.append((tuple(x.shape), block))  # type: ignore[arg-type]
         return real(x, fmt, block, **kw)  # type: ignore[arg-type]
 
     layer = Fp8Linear(128, 16)
     layer.fp8_weight()
     monkeypatch.setattr("workers.fp8.linear.quantize", counting)
+    monkeypatch.setattr("workers.fp8.quant.quantize", counting)  # quantize_rows' CPU path
     with torch.no_grad():
         y = layer(torch.randn(3, 128))
-    assert calls == [(1, 128)] and y.requires_grad is False
+    assert calls == [((3, 128), (1, 128))] and y.requires_grad is False
     calls.clear()
     x = torch.randn(3, 128, requires_grad=True)
-    layer(x).sum().backward()  # training: fprop and wgrad copies of x; dgrad and wgrad copies of dy
-    assert calls == [(1, 128), (128, 1), (1, 128), (128, 1)]
+    layer(x).sum().backward()  # training: x and x.T (wgrad) in the forward; dy and dy.T after
+    tile = (1, 128)  # x.T and dy.T are tiled along tokens by quantizing the transposes in 1x128
+    assert calls == [((3, 128), tile), ((128, 3), tile), ((3, 16), tile), ((16, 3), tile)]
 
 
 def test_autocast_does_not_turn_the_fp8_gemm_into_bf16(seed: int) -> None:

@@ -1,0 +1,80 @@
+"""What the data-plane benchmarks share: model presets, a device, a timer that waits for the GPU."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from rljob.spec import JobSpec, parse_spec
+
+T = TypeVar("T")
+
+# Models by size (random init, byte tokenizer: no download). "tiny" is the CPU example's policy;
+# "1b" has ~1.0B parameters (16 layers, hidden 2048, MLP 8192, GQA 16/8 heads).
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+    },
+    "100m": {
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_layers": 8,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_layers": 16,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+    },
+}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def bench_spec(model: str, recipe: str, device: torch.device, **extra: Any) -> JobSpec:
+    """A job spec for benchmarking: the preset model, the recipe, one GPU per engine on CUDA."""
+    if model not in MODELS:
+        raise ValueError(f"--model {model!r}: choose one of {sorted(MODELS)}")
+    gpus = 1 if device.type == "cuda" else 0
+    data: dict[str, Any] = {
+        "model": {"tiny": {**MODELS[model], "max_position_embeddings": 1024}},
+        "precision": {"recipe": recipe, **extra.pop("precision", {})},
+        "resources": {"gpus_per_generator": gpus, "gpus_per_trainer": gpus},
+        **extra,
+    }
+    return parse_spec(data)
+
+
+def timed(device: torch.device, fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and its seconds, waiting for the GPU at both ends (a benchmark, not a hot loop)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"CPU, {torch.get_num_threads()} threads (torch {torch.__version__})"

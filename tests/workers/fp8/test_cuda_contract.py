@@ -1,0 +1,149 @@
+"""Every FP8 kernel call fp8rl makes is one CUDA accepts, on every device profile; no host syncs.
+
+For each profile in ``PROFILES`` an :class:`Fp8Linear` runs forward, backward and inference on the
+CPU with the dispatch planning for that GPU (``simulate``). The kernel calls are recorded (and
+computed on the CPU as CUDA would read their arguments), then replayed with ``meta`` tensors of
+the same shapes, strides and dtypes through torch's own kernels, whose meta implementations
+apply CUDA's preconditions. Capability rules the meta kernels do not check come from
+``cuda_contract.device_problem``. Which scalings a profile *should* use is written out below by
+hand from the rules in ``workers/fp8/dispatch.py``'s docstring, so a dispatch that quietly
+emulated everywhere would fail too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.fp8.cuda_contract import Recorder, device_problem, recording
+from tests.workers.fp8.test_matmul import gamma
+from workers.fp8 import PROFILES, Fp8Linear, Fp8LinearConfig, finite_guard, quantize, simulate
+from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
+
+CONFIGS = {
+    "blockwise": Fp8LinearConfig(),  # 1x128 activations/gradients, 128x128 weights, E5M2 gradients
+    "blockwise-e4m3": Fp8LinearConfig(grad_fmt="e4m3"),  # E4M3 gradients: blockwise on all three
+    "tensorwise": Fp8LinearConfig(weight_block=None, activation_block=None, grad_block=None),
+}
+# (tokens, in, out): odd K and tokens (padding), partial blocks, all-128 dims, a single token
+SHAPES = [(7, 200, 48), (130, 256, 160), (200, 256, 384), (1, 128, 256)]
+# the benchmark's LLM shapes (Llama-3-8B MLP) at small token counts: calls recorded, not computed
+LLM_SHAPES = [(1, 4096, 14336), (16, 14336, 4096)]
+
+SM90_NEW = ("sm90-cuda12.9", "sm90-cuda13.0")
+
+
+def expected_scalings(profile: str, config: str) -> set[str]:
+    """What should run, by hand: blockwise and rowwise FP8 GEMMs on SM90 with CUDA >= 12.9,
+    tensorwise wherever FP8 GEMMs exist, and nothing on CPU/SM80 or where only BF16-output
+    rowwise kernels exist for block scales."""
+    if profile in ("cpu", "sm80-cuda12.8"):
+        return set()
+    if config == "tensorwise":
+        return {"tensorwise"}
+    # SM90 with CUDA >= 12.9: blockwise where both operands are E4M3 and N is a multiple of 128,
+    # rowwise for the other SHAPES (N = 48, 160) and for E5M2 gradients
+    return {"blockwise", "rowwise"} if profile in SM90_NEW else set()
+
+
+def run_layer(layer: Fp8Linear, m: int, seed: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    x = torch.randn(m, layer.in_features, requires_grad=True)
+    y = layer(x)
+    y.backward(torch.randn_like(y) * 1e-3)
+    with torch.no_grad():
+        y_inf = layer(x.detach())
+    assert x.grad is not None and layer.weight.grad is not None
+    out = (y.detach(), x.grad.clone(), layer.weight.grad.clone(), y_inf)
+    x.grad, layer.weight.grad = None, None
+    return out
+
+
+def assert_replays(rec: Recorder, profile: str) -> None:
+    for call in rec.calls:
+        problem = device_problem(call, PROFILES[profile])
+        assert problem is None, f"{profile} would refuse {call}: {problem}"
+        call.replay_on_meta()  # raises what CUDA's checks raise
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_kernel_calls_are_accepted_and_compute_the_fp8_product(
+    seed: int, profile: str, config: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: set[str] = set()
+    for m, k, n in SHAPES:
+        torch.manual_seed(seed)
+        layer = Fp8Linear(k, n, bias=False, config=CONFIGS[config])
+        reference = run_layer(layer, m, seed)  # CPU profile: the emulated GEMMs
+        with simulate(profile), recording(monkeypatch) as rec:
+            simulated = run_layer(layer, m, seed)
+        assert_replays(rec, profile)
+        seen |= {c.scaling() for c in rec.calls}
+        # same FP8 operands, other kernels: float32 summation order, and BF16 output where the
+        # blockwise kernel writes BF16 (half an ulp of BF16, 2^-9, relative)
+        bf16 = any(c.out_dtype == torch.bfloat16 for c in rec.calls)
+        for got, want in zip(simulated, reference, strict=True):
+            tol = 2 * gamma(max(k, m) + 4) * want.abs().max() + (2**-8 if bf16 else 0.0) * want.abs()
+            assert bool(((got.double() - want.double()).abs() <= tol.double() + 1e-30).all())
+    assert seen == expected_scalings(profile, config)
+
+
+@pytest.mark.parametrize("profile", sorted(p for p in PROFILES if p not in ("cpu", "sm80-cuda12.8")))
+def test_llm_shapes_calls_are_accepted(profile: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = "blockwise" if profile in SM90_NEW else "tensorwise"
+    for m, k, n in LLM_SHAPES:
+        layer = Fp8Linear(k, n, bias=False, config=CONFIGS[config])
+        with simulate(profile), recording(monkeypatch, compute=False) as rec:
+            x = torch.randn(m, k, requires_grad=True)
+            layer(x).sum().backward()
+            with torch.no_grad():
+                layer(x.detach())
+        assert rec.calls, "no kernel call recorded: the plan emulated"
+        assert_replays(rec, profile)
+
+
+def test_the_harness_catches_what_cuda_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the old wgrad: a column-major first operand (dy tiled 128x1, transposed as a view)
+    from workers.fp8.matmul import _rowwise
+
+    g = quantize(torch.randn(256, 64), "e5m2", (128, 1)).t()  # [64, 256] column-major
+    x = quantize(torch.randn(256, 128), "e4m3", (128, 1))  # [256, 128] row-major
+    with recording(monkeypatch) as rec:
+        _rowwise(g, x)
+    with pytest.raises(RuntimeError, match="row_major"):
+        rec.calls[0].replay_on_meta()
+    assert device_problem(rec.calls[0], PROFILES["sm89-cuda12.8"]) is not None  # float32 out
+
+
+# -- no host sync: these must run on meta tensors ------------------------------------------------
+
+
+def test_quantize_runs_on_meta_inside_and_outside_a_guard() -> None:
+    x = torch.empty(300, 260, device="meta")
+    for block in (None, (1, 128), (128, 128)):
+        q = quantize(x, "e4m3", block)
+        assert q.data.device.type == "meta" and q.data.dtype == torch.float8_e4m3fn
+        with finite_guard() as guard:
+            quantize(x, "e5m2", block)
+        assert guard.calls == 1
+
+
+@pytest.mark.parametrize("profile", ["cpu", "sm90-cuda12.9", "sm89-cuda12.8"])
+def test_fp8_linear_inference_runs_on_meta(profile: str) -> None:
+    # on meta, torch's real kernels run their meta implementations: CUDA's checks, no data
+    layer = Fp8Linear(256, 384, device="meta", dtype=torch.bfloat16)
+    layer.requires_grad_(False)
+    with simulate(profile), finite_guard():
+        y = layer(torch.empty(5, 3, 256, device="meta", dtype=torch.bfloat16))
+    assert y.shape == (5, 3, 384) and y.dtype == torch.bfloat16 and y.device.type == "meta"
+
+
+def test_kv_cache_quantizer_runs_on_meta() -> None:
+    cal = KvScaleCalibrator(num_layers=2)
+    k = torch.empty(4, 2, 17, 64, device="meta", dtype=torch.bfloat16)
+    with finite_guard():
+        cal.observe(1, k, k)
+        k_scale, _ = cal.layer_scales(1)
+        q = quantize_kv(k, k_scale)
+    assert q.data.dtype == torch.float8_e4m3fn and q.data.device.type == "meta"

@@ -1,0 +1,127 @@
+"""1x128 quantization in one GPU pass (Triton): the activation and gradient quantizer of ``Fp8Linear``.
+
+:func:`workers.fp8.quant.quantize` in torch makes several passes over the tensor (a float32 copy,
+``abs``, the block ``amax``, the division, the clamp, the cast) and, inside a finite guard, a few
+more small kernels for the NaN/inf check. On a GPU that is memory traffic and launches per FP8
+linear per decoded token. This kernel reads each 128-wide tile once and writes its FP8 bytes and
+its scale, computing bit for bit what the torch code computes:
+
+    amax  = max |x| over the tile (NaN if the tile holds one)      exact: max is order-free
+    scale = max(amax / fmt.max, 2^-126)   (rounded up to 2^k if asked; IEEE division, div_rn)
+    data  = cast(clamp(x / scale, -fmt.max, fmt.max))               (IEEE division, round to nearest)
+
+and, inside a finite guard, folds ``call * 2^32 + tile`` of a non-finite tile into the guard's
+device buffer with an atomic min (see :mod:`workers.fp8.guard`). ``tests/workers/test_gpu_data_plane.py``
+checks the bytes and scales against the torch path on the GPU. Imported only on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+_TILE = 128
+
+
+@triton.jit
+def _quantize_1x128(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    code_ptr,
+    rows,
+    rows_out,
+    cols,
+    stride_r,
+    stride_c,
+    n_tiles_c,
+    call_code,
+    FMT_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    POW2: tl.constexpr,
+    CHECK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    TILE: tl.constexpr,
+) -> None:
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    c = pid_c * TILE + tl.arange(0, TILE)  # [TILE]
+    inside = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * stride_r + c[None, :] * stride_c, mask=inside, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_R]
+    nans = tl.sum((x != x).to(tl.int32), axis=1)
+    amax = tl.where(nans > 0, float("nan"), amax)  # max() may drop NaN; torch's amax keeps it
+    scale = tl.math.div_rn(amax, FMT_MAX)
+    scale = tl.where(scale < 1.1754943508222875e-38, 1.1754943508222875e-38, scale)  # NaN stays NaN
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        up = (bits & 0x7F800000) + 0x00800000  # next power of two
+        bits = tl.where((bits & 0x007FFFFF) == 0, bits, up)
+        scale = bits.to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
+    if E4M3:  # noqa: SIM108 - a constexpr branch, compiled away
+        q8 = q.to(tl.float8e4nv)
+    else:
+        q8 = q.to(tl.float8e5)
+    # rows in [rows, rows_out) are padding: x loaded as 0 gives data 0; their scale is 1
+    scale = tl.where(r < rows, scale, 1.0)
+    written = (r[:, None] < rows_out) & (c[None, :] < cols)
+    tl.store(data_ptr + r[:, None] * cols + c[None, :], q8, mask=written)
+    tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)  # M-major: [n_tiles, rows_out].T
+    if CHECK:
+        bad = (amax != amax) | (amax == float("inf"))
+        tile = r.to(tl.int64) * n_tiles_c + pid_c
+        code = tl.where(bad & (r < rows), call_code + tile, 9223372036854775807)
+        tl.atomic_min(code_ptr, tl.min(code, axis=0))
+
+
+def quantize_1x128(
+    x: torch.Tensor,
+    fmt_name: str,
+    fmt_max: float,
+    fp8_dtype: torch.dtype,
+    power_of_two: bool,
+    check: tuple[torch.Tensor, int] | None,
+    rows_out: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data [R', C], scale [R', ceil(C/128)])`` of a 2-D CUDA tensor ``x [R, C]`` in 1x128 tiles.
+
+    ``rows_out = R' >= R``: rows past ``R`` are zeros with scale 1 (padding for the GEMM). The
+    scale is M-major (strides ``(1, R')``). ``check``: ``(guard code buffer, call number)`` to
+    fold non-finite tiles into, or None.
+    """
+    rows, cols = x.shape
+    n_tiles = triton.cdiv(cols, _TILE)
+    data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((n_tiles, rows_out), dtype=torch.float32, device=x.device).t()
+    if rows_out == 0 or cols == 0:
+        return data, scale
+    block_r = 16 if rows_out <= 16 else 32
+    code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
+    grid: Any = (triton.cdiv(rows_out, block_r), n_tiles)
+    _quantize_1x128[grid](
+        x,
+        data,
+        scale,
+        code_buf,
+        rows,
+        rows_out,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        n_tiles,
+        call * 2**32,
+        FMT_MAX=fmt_max,
+        E4M3=fmt_name == "e4m3",
+        POW2=power_of_two,
+        CHECK=check is not None,
+        BLOCK_R=block_r,
+        TILE=_TILE,
+    )
+    return data, scale
