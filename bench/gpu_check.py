@@ -230,11 +230,30 @@ def _pieces(m: int, k: int, n: int) -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
-def _module_section(module: str, quick: bool) -> str:
-    import importlib
+def data_plane_benches(quick: bool) -> dict[str, Callable[[], str]]:
+    """``bench rollout``, ``step`` and ``sync`` at GPU sizes: a ~1B model (``--quick``: ~100M)."""
+    from bench import rollout, step, sync
 
-    mod = importlib.import_module(module)
-    return "```\n" + str(mod.gpu_check(quick)) + "\n```"
+    model = "100m" if quick else "1b"
+    tokens = 32 if quick else 64
+
+    def rollouts() -> str:
+        tables = [
+            f"{n} sequences\n" + rollout.report(model, "cuda", prompts=n, new_tokens=tokens, repeat=3)
+            for n in (256, 1024)
+        ]
+        return "\n\n".join(tables)
+
+    sections = {
+        "bench-rollout": rollouts,
+        "bench-step": lambda: step.report(model, "cuda", prompts=64, group_size=8, new_tokens=32, steps=2),
+        "bench-sync": lambda: sync.report(model, "cuda", repeat=3),
+    }
+
+    def fenced(run: Callable[[], str]) -> Callable[[], str]:
+        return lambda: "```\n" + run() + "\n```"
+
+    return {name: fenced(run) for name, run in sections.items()}
 
 
 def run_recipes(quick: bool) -> str:
@@ -299,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "pytest": run_pytest,
         "bench-fp8": lambda: bench_fp8(args.quick),
         "overhead": overhead,
-        "bench-rollout": lambda: _module_section("bench.rollout", args.quick),
-        "bench-step": lambda: _module_section("bench.step", args.quick),
-        "bench-sync": lambda: _module_section("bench.sync", args.quick),
+        **data_plane_benches(args.quick),
         "run": lambda: run_recipes(args.quick),
     }
     report = [f"# fp8rl GPU checklist ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]

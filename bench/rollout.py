@@ -106,12 +106,3 @@ def report(model: str = "tiny", device: str = "auto", **options: Any) -> str:
     """``run`` and ``format_table``: what ``fp8rl bench`` prints."""
     device_, rows = run(model, device, **options)
     return format_table(device_, rows, model)
-
-
-def gpu_check(quick: bool) -> str:
-    model = "100m" if quick else "1b"
-    tables = []
-    for prompts in (256, 1024):
-        device, rows = run(model, "cuda", prompts=prompts, new_tokens=32 if quick else 64, repeat=3)
-        tables.append(f"{prompts} sequences\n" + format_table(device, rows, model))
-    return "\n\n".join(tables)

@@ -121,9 +121,3 @@ def report(model: str = "tiny", device: str = "auto", **options: Any) -> str:
     """``run`` and ``format_table``: what ``fp8rl bench`` prints."""
     device_, rows = run(model, device, **options)
     return format_table(device_, rows, model)
-
-
-def gpu_check(quick: bool) -> str:
-    model = "100m" if quick else "1b"
-    device, rows = run(model, "cuda", prompts=64, group_size=8, new_tokens=32, steps=2)
-    return format_table(device, rows, model)

@@ -129,9 +129,3 @@ def report(model: str = "tiny", device: str = "auto", **options: Any) -> str:
     """``run`` and ``format_table``: what ``fp8rl bench`` prints."""
     note, rows = run(model, device, **options)
     return format_table(note, rows, model)
-
-
-def gpu_check(quick: bool) -> str:
-    model = "100m" if quick else "1b"
-    note, rows = run(model, "cuda", repeat=3)
-    return format_table(note, rows, model)

@@ -1,0 +1,166 @@
+"""``fp8rl bench``: the performance benchmarks. Each prints ratios against a baseline measured in
+the same run (README: "Benchmarks"). Thin, like ``fp8rl.cli``: options in, tables out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(
+    help="Performance benchmarks; each prints ratios measured in one run.", no_args_is_help=True
+)
+
+
+@bench_app.command("fp8")
+def bench_fp8(
+    shapes: Annotated[
+        str,
+        typer.Option(help="llm | square | all | quick | TOKENSxINxOUT[,...]"),
+    ] = "all",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    mode: Annotated[str, typer.Option(help="fwd (forward) | train (forward + backward)")] = "fwd",
+    repeat: Annotated[int | None, typer.Option(help="timed runs per shape (median reported)")] = None,
+    warmup: Annotated[int | None, typer.Option(help="untimed runs first")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
+    profile: Annotated[
+        str | None,
+        typer.Option(
+            help="Print which kernel each GEMM would use on this device profile (cpu, sm80, sm89, "
+            "sm90-cuda12.9, sm100, ...) and why, without running anything."
+        ),
+    ] = None,
+) -> None:
+    """FP8 linear vs BF16 linear at LLM shapes and 8192^3 (activation quantization included)."""
+    from workers.fp8 import bench
+
+    try:
+        shape_list = bench.parse_shapes(shapes)
+        if profile is not None:
+            typer.echo(bench.plan_table(shape_list, profile))
+            return
+        info, rows = bench.run(
+            shape_list,
+            device=device,
+            mode=mode,
+            warmup=warmup,
+            repeat=repeat,
+            progress=lambda msg: typer.echo(msg, err=True),
+        )
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(bench.format_table(info, rows))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(bench.to_json(info, rows))
+        typer.echo(f"wrote {json_out}", err=True)
+
+
+def _echo_report(make: Callable[[], str]) -> None:
+    """Print a benchmark's table; a bad option (ValueError) exits 2 with the message."""
+    try:
+        table = make()
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(table)
+
+
+ModelOpt = Annotated[str, typer.Option(help="tiny (the CPU example's policy) | 100m | 1b (random init)")]
+DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    prompts: Annotated[int, typer.Option(help="sequences per generate call")] = 64,
+    new_tokens: Annotated[int, typer.Option(help="tokens generated per sequence")] = 32,
+    repeat: Annotated[int, typer.Option(help="timed calls per variant (median reported)")] = 3,
+) -> None:
+    """Generator tokens/s: BF16 vs FP8 weights, BF16 vs FP8 KV cache, same model/prompts/seeds."""
+    from bench import rollout
+
+    _echo_report(lambda: rollout.report(model, device, prompts=prompts, new_tokens=new_tokens, repeat=repeat))
+
+
+@bench_app.command("step")
+def bench_step(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    prompts: Annotated[int, typer.Option(help="prompts per step")] = 16,
+    group_size: Annotated[int, typer.Option(help="samples per prompt")] = 8,
+    new_tokens: Annotated[int, typer.Option(help="tokens generated per sample")] = 16,
+    steps: Annotated[int, typer.Option(help="timed steps per recipe after one warm-up (median)")] = 2,
+) -> None:
+    """One RL step of each recipe, split by phase (generation, reward, train, weight sync)."""
+    from bench import step
+
+    _echo_report(
+        lambda: step.report(
+            model, device, prompts=prompts, group_size=group_size, new_tokens=new_tokens, steps=steps
+        )
+    )
+
+
+@bench_app.command("sync")
+def bench_sync(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    repeat: Annotated[int, typer.Option(help="timed syncs per payload (median)")] = 3,
+) -> None:
+    """Weight sync: FP8 payload vs BF16 (bytes, seconds, GB/s) vs a raw broadcast of the same bytes."""
+    from bench import sync
+
+    _echo_report(lambda: sync.report(model, device, repeat=repeat))
+
+
+@bench_app.command("mismatch")
+def bench_mismatch(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (model, task, rollout).")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
+    ] = None,
+    batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
+) -> None:
+    """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
+    from fp8rl.cli import load_spec_or_exit
+    from workers.mismatch_probe import probe
+
+    spec = load_spec_or_exit(spec_path)
+    for recipe, value in probe(spec, checkpoint, batches).items():
+        typer.echo(f"{recipe:<8} token_mult_prob_error {value:.5f}")
+
+
+@bench_app.command("api")
+def bench_api(
+    clients: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,10,50",
+    requests: Annotated[int, typer.Option(help="Requests per client per operation.")] = 20,
+) -> None:
+    """p50/p99 latency of POST and GET /v1/jobs on the embedded default (SQLite)."""
+    from service import bench
+
+    try:
+        levels = tuple(int(x) for x in clients.split(","))
+        if not levels or min(levels) < 1 or requests < 1:
+            raise ValueError
+    except ValueError as err:
+        typer.echo("error: --clients takes positive integers like 1,10,50; --requests >= 1", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(bench.format_table(bench.run(levels, requests)))
+
+
+@bench_app.command("operator")
+def bench_operator(
+    jobs: Annotated[int, typer.Option(min=1, max=5000, help="RLJobs to create at once.")] = 100,
+) -> None:
+    """Time for N RLJobs to have their RayJobs on kmock, against the bare API calls as baseline."""
+    try:
+        from operators import bench
+    except ImportError as err:  # kmock is a development dependency
+        typer.echo(f"error: {err}; install the dev extras: pip install -e '.[dev]'", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(bench.run(jobs).table())
