@@ -164,6 +164,9 @@ class NativeTrainer:
         algo, mbs = self.spec.algorithm, self.spec.optimizer.micro_batch_size
         advantages = grpo_advantages(rewards, self.spec.rollout.group_size, algo.advantage_normalization)
         n = batch.prompt_ids.shape[0]
+        host = batch  # counts are read from the host copy; the device copy is moved once
+        batch = Rollouts(*(to_device(t, self.device) for t in batch))
+        advantages = to_device(advantages, self.device)
         with finite_guard():
             # One optimizer step: the training forward itself gives the "old" log-probs (same weights).
             logp_old = None if algo.minibatches == 1 else self._logprobs(batch, temperature)
@@ -176,13 +179,12 @@ class NativeTrainer:
             is_max, grad_norm = zero, zero
             per_mini = math.ceil(n / algo.minibatches)
             for m0 in range(0, n, per_mini):
-                mini = _rows(batch, m0, m0 + per_mini)
-                # the mask is on the host: counting it there costs the device nothing
-                units = self._all_reduce(
-                    self._scalar(float(loss_units(mini.response_mask, algo.loss_aggregation)))
-                )
-                for i in range(0, mini.prompt_ids.shape[0], mbs):
-                    a, b = m0 + i, min(m0 + i + mbs, m0 + mini.prompt_ids.shape[0])
+                # the host's mask: counting it there costs the device nothing
+                host_mask = host.response_mask[m0 : m0 + per_mini]
+                units = self._all_reduce(self._scalar(float(loss_units(host_mask, algo.loss_aggregation))))
+                mini_rows = host_mask.shape[0]
+                for i in range(0, mini_rows, mbs):
+                    a, b = m0 + i, min(m0 + i + mbs, m0 + mini_rows)
                     micro = _rows(batch, a, b)
                     logp = sequence_logprobs(self.model, micro, temperature)  # [b, L] with grad
                     old = logp.detach() if logp_old is None else logp_old[a:b]
@@ -190,9 +192,9 @@ class NativeTrainer:
                     out = grpo_loss(
                         logp,
                         old,
-                        to_device(micro.logprobs, self.device),
-                        to_device(advantages[a:b], self.device),
-                        to_device(micro.response_mask, self.device),
+                        micro.logprobs,
+                        advantages[a:b],
+                        micro.response_mask,
                         algo,
                         units,
                         None if logp_ref is None else logp_ref[a:b],
@@ -204,8 +206,8 @@ class NativeTrainer:
                     sums["kl"] = sums["kl"] + out.kl_sum
                     is_max = torch.maximum(is_max, out.is_weight_max)
                 grad_norm = torch.maximum(grad_norm, self._optimizer_step(self.optimizer))
-        sums["tokens"] = self._scalar(float(batch.response_mask.sum()))
-        sums["adv_abs_sum"] = self._scalar(float(advantages.abs().sum()))
+        sums["tokens"] = self._scalar(float(host.response_mask.sum()))
+        sums["adv_abs_sum"] = advantages.abs().sum().to(torch.float32)
         sums["sequences"] = self._scalar(float(n))
         summed = self._all_reduce(torch.stack([sums[k] for k in _SUMS]))
         is_max = self._all_reduce(is_max.clone(), dist.ReduceOp.MAX)

@@ -227,8 +227,7 @@ class Fp8Linear(nn.Module):
                 f"load_fp8_weight: {self.name}: FP8 weight has shape {tuple(w_q.shape)}, layer "
                 f"expects {tuple(self.weight.shape)} (out_features, in_features)"
             )
-        device = self.bias.device if self.fp8_only and self.bias is not None else self._device()
-        w_q = w_q.to(device).with_dequant_cache()
+        w_q = w_q.to(self._device()).with_dequant_cache()
         if not self.fp8_only:
             self.weight.copy_(w_q.dequantize(self.weight.dtype))
             self._w_q_key = self._weight_key()

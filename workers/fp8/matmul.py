@@ -157,13 +157,8 @@ def _rowwise(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
 def matmul_scaled_mm(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     """``torch._scaled_mm`` (tensorwise: one call; else per K-chunk), laid out as CUDA wants."""
     _validate(a, b)
-    m = a.shape[0]
-    a2, b2 = lay_out(a, b)
-    if a.block is None and b.block is None:
-        out = torch._scaled_mm(a2.data, b2.data, a2.scale, b2.scale, out_dtype=torch.float32)
-    else:
-        out = _rowwise(a2, b2)
-    return out[:m]
+    kernel = "scaled_mm_tensorwise" if a.block is None and b.block is None else "scaled_mm_rowwise"
+    return _run(kernel, *lay_out(a, b), torch.float32)[: a.shape[0]]
 
 
 def blockwise_scales_for_cublas(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,15 +169,18 @@ def blockwise_scales_for_cublas(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tenso
     ``b`` are ``[K/128 padded to a multiple of 4, N/128]`` whose transpose is contiguous; 128x1
     scales of ``b`` are ``[N, K/128]`` with stride 1 along N.
     """
-    sa = a.scale.t().contiguous().t()  # [M, K/128], strides (1, M)
+    return a.scale.t().contiguous().t(), _cublas_b_scale(b)  # a: [M, K/128], strides (1, M)
+
+
+def _cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:
     if b.block == (128, 128):
         w_scale = b.scale.t()  # [N/128, K/128]: the weight's own block grid
         n_kb = w_scale.shape[1]
         padded = math.ceil(n_kb / 4) * 4
         if padded != n_kb:
             w_scale = torch.nn.functional.pad(w_scale, (0, padded - n_kb))
-        return sa, w_scale.contiguous().t()  # [L4, N/128]
-    return sa, b.scale.contiguous().t()  # [N, K/128], strides (1, N)
+        return w_scale.contiguous().t()  # [L4, N/128]
+    return b.scale.contiguous().t()  # [N, K/128], strides (1, N)
 
 
 def _blockwise(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -190,14 +188,12 @@ def _blockwise(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tens
     recipe = {(1, 128): scaling.BlockWise1x128, (128, 1): scaling.BlockWise1x128}
     recipe[(128, 128)] = scaling.BlockWise128x128
     assert a.block is not None and b.block is not None
+    sa = a.scale.t().contiguous().t()  # [M, K/128], strides (1, M): free when already so
     # a weight's scale layout is made once per weight (kept with its FP8 copy), not per call
-    owner = b._transpose_of if b._transpose_of is not None else None
-    cached = owner._memo.get("cublas_scale_t") if owner is not None else None
-    if cached is not None:
-        sa = a.scale.t().contiguous().t()
-        sb = cached
-    else:
-        sa, sb = blockwise_scales_for_cublas(a, b)
+    owner = b._transpose_of
+    sb = owner._memo.get("cublas_scale_t") if owner is not None else None
+    if sb is None:
+        sb = _cublas_b_scale(b)
         if owner is not None:
             owner._memo["cublas_scale_t"] = sb
     return torch.nn.functional.scaled_mm(
@@ -230,11 +226,14 @@ def fp8_matmul(
     m = a.shape[0]
     if plan.kernel == "emulate":
         return matmul_emulated(a, b).to(out_dtype)
-    a2, b2 = lay_out(a, b, plan.k_multiple)
-    if plan.kernel == "cublas_blockwise":
-        out = _blockwise(a2, b2, plan.out_dtype)
-    elif plan.kernel == "scaled_mm_tensorwise":
-        out = torch._scaled_mm(a2.data, b2.data, a2.scale, b2.scale, out_dtype=plan.out_dtype)
-    else:
-        out = _rowwise(a2, b2)
+    out = _run(plan.kernel, *lay_out(a, b, plan.k_multiple), plan.out_dtype)
     return out[:m].to(out_dtype)
+
+
+def _run(kernel: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """One CUDA-side kernel on operands already laid out (:func:`lay_out`)."""
+    if kernel == "cublas_blockwise":
+        return _blockwise(a, b, out_dtype)
+    if kernel == "scaled_mm_tensorwise":
+        return torch._scaled_mm(a.data, b.data, a.scale, b.scale, out_dtype=out_dtype)
+    return _rowwise(a, b)
