@@ -48,12 +48,20 @@ RUN_ARGS ?=
 run: $(STAMP)
 	$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $(RECIPE) --output runs/arithmetic-$(RECIPE) --resume $(RUN_ARGS)
 
-# The three recipes on the same seed, then the comparison table and plot (README: "Results").
-compare: $(STAMP)
-	for r in bf16 fp8-gen fp8-e2e; do \
-		$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $$r --output runs/arithmetic-$$r --resume $(RUN_ARGS) || exit 1; \
-	done
-	$(VENV)/bin/fp8rl report runs/arithmetic-bf16 runs/arithmetic-fp8-gen runs/arithmetic-fp8-e2e -o runs/arithmetic-report.png
+# The three recipes on each seed (rollout.seed: prompt order, sampling, warm-up batches), then
+# the comparison table (mean and spread over the seeds) and plot (README: "Results"). Each run
+# resumes, so an interrupted compare continues; `make -j3 compare` runs three at a time.
+SEEDS ?= 0 1 2
+RECIPES := bf16 fp8-gen fp8-e2e
+COMPARE_RUNS := $(foreach s,$(SEEDS),$(foreach r,$(RECIPES),runs/arithmetic-$(r)-seed$(s)))
+.PHONY: $(COMPARE_RUNS)
+compare: $(COMPARE_RUNS)
+	$(VENV)/bin/fp8rl report $(COMPARE_RUNS) -o runs/arithmetic-report.png
+
+$(COMPARE_RUNS): runs/arithmetic-%: $(STAMP)
+	mkdir -p runs; name=$*; $(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $${name%-seed*} \
+		--seed $${name##*-seed} --output $@ --resume --no-progress $(RUN_ARGS) > $@.log 2>&1 \
+		|| { tail -20 $@.log; exit 1; }
 
 # Regenerate the RLJob CRD from rljob/ (a test fails when the committed copy drifts).
 crd: $(STAMP)

@@ -128,11 +128,61 @@ def bench_mismatch(
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
     from fp8rl.cli import load_spec_or_exit
-    from workers.mismatch_probe import probe
+    from workers.mismatch_probe import probe, summary
 
     spec = load_spec_or_exit(spec_path)
-    for recipe, value in probe(spec, checkpoint, batches).items():
-        typer.echo(f"{recipe:<8} token_mult_prob_error {value:.5f}")
+    typer.echo(summary(probe(spec, checkpoint, batches)))
+
+
+@bench_app.command("gradients")
+def bench_gradients(
+    spec_path: Annotated[
+        Path, typer.Argument(metavar="SPEC", help="Job spec (model, task, rollout, algorithm).")
+    ],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
+    ] = None,
+    variants: Annotated[
+        str, typer.Option(help="Comma-separated: bf16, e4m3, hybrid (float32: the reference itself).")
+    ] = "bf16,e4m3,hybrid",
+    keep_bf16_layers: Annotated[
+        str,
+        typer.Option(
+            metavar="FIRST,LAST",
+            help="Decoder layers the FP8 variants keep in BF16 at each end (default 0,0: all FP8; "
+            "the spec's own setting is not used).",
+        ),
+    ] = "0,0",
+    batches: Annotated[int, typer.Option(help="RL steps' prompts concatenated into the one batch.")] = 1,
+    device: DeviceOpt = "auto",
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the results as JSON.")] = Path(
+        "gradients.json"
+    ),
+) -> None:
+    """Per-layer cosine and relative error of BF16 and FP8 weight gradients against float32."""
+    from bench.common import pick_device
+    from fp8rl.cli import load_spec_or_exit
+    from workers import grad_audit
+
+    spec = load_spec_or_exit(spec_path)
+    try:
+        names = grad_audit.parse_variants(variants)
+        keep = grad_audit.parse_keep_layers(keep_bf16_layers)
+        result = grad_audit.audit(spec, checkpoint, names, batches, keep, str(pick_device(device)))
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    spec_keep = ",".join(str(n) for n in result.spec_keep_bf16_layers)
+    typer.echo(
+        f"gradient fidelity against {grad_audit.REFERENCE}\n"
+        f"spec {spec_path}, checkpoint {checkpoint or '(initial weights)'}; batch: {result.sequences} "
+        f"sequences, {result.tokens} response tokens, mean reward {result.reward_mean:.3f}\n"
+        f"FP8 variants keep {keep[0]},{keep[1]} decoder layers in BF16 (first,last; the spec says "
+        f"{spec_keep}; --keep-bf16-layers to change)\n"
+    )
+    typer.echo(result.format_table())
+    result.write_json(json_out, str(spec_path))
+    typer.echo(f"wrote {json_out}", err=True)
 
 
 @bench_app.command("api")

@@ -277,23 +277,43 @@ def report_cmd(
     output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")] = Path("report.png"),
     window: Annotated[int, typer.Option(help="Moving-average window, steps.")] = 5,
 ) -> None:
-    """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table."""
-    from workers.report import report, summary
+    """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table
+    (with the last validation accuracy when a run has validation)."""
+    from workers.report import by_recipe, report, summary
 
     try:
         path = report(run_dirs, output, window)
         rows = summary(run_dirs)
+        recipes = by_recipe(run_dirs)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
+    val = any(r["val_accuracy"] is not None for r in rows)  # the column only when a run validated
     typer.echo(
         f"{'run':<32} {'steps':>6} {'first reward':>13} {'final reward':>13} {'token_mult_prob_error':>22}"
+        + (f" {'val accuracy':>13}" if val else "")
     )
     for r in rows:
+        acc = "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.3f}"
         typer.echo(
             f"{r['run']:<32} {r['steps']:>6} {r['first_reward']:>13.3f} {r['final_reward']:>13.3f} "
-            f"{r['token_mult_prob_error']:>22.5f}"
+            f"{r['token_mult_prob_error']:>22.5f}" + (f" {acc:>13}" if val else "")
         )
+    if any(r["runs"] > 1 for r in recipes):  # several runs (seeds) of a recipe: mean +- std
+        typer.echo(
+            f"\n{'recipe':<10} {'runs':>5} {'final reward':>17} {'token_mult_prob_error':>22}"
+            + (f" {'val accuracy':>17}" if val else "")
+        )
+        for r in recipes:
+            cells = [
+                "-" if r[k] is None else f"{r[k][0]:.{p}f} +- {r[k][1]:.{p}f}"
+                for k, p in (("final_reward", 3), ("token_mult_prob_error", 5), ("val_accuracy", 3))
+            ]
+            typer.echo(
+                f"{r['recipe']:<10} {r['runs']:>5} {cells[0]:>17} {cells[1]:>22}"
+                + (f" {cells[2]:>17}" if val else "")
+            )
+        typer.echo("(mean +- sample standard deviation over the runs of each recipe)")
     typer.echo(f"wrote {path}")
 
 

@@ -33,6 +33,7 @@ def _format_row(row: dict[str, Any]) -> str:
         f"gen {row['throughput/generation_tokens_per_s']:.0f} tok/s  "
         f"train {row['throughput/train_tokens_per_s']:.0f} tok/s  "
         f"step {row['timing/step_s']:.2f}s"
+        + (f"  val accuracy {row['val/accuracy']:.3f}" if "val/accuracy" in row else "")
     )
 
 

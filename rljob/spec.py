@@ -184,10 +184,40 @@ class WarmupSpec(_Strict):
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="Supervised learning rate.")
 
 
+class ValidationSpec(_Strict):
+    """Accuracy on held-out problems of the task, which training never sees (NeMo RL's validation).
+    Off by default: holding problems out of a dataset file shrinks its training set."""
+
+    interval: int = Field(
+        0,
+        ge=0,
+        le=10_000_000,
+        description="RL steps between evaluations (and at the last step); 0 disables validation.",
+    )
+    size: int = Field(
+        128,
+        ge=1,
+        le=100_000,
+        description="Held-out problems: reasoning-gym items after task.size whose question is not a "
+        "training question; for a dataset file, its last `size` rows (removed from training).",
+    )
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="Sampling temperature of the evaluation; 0 = greedy (argmax), one response per problem.",
+    )
+
+
 class PrecisionSpec(_Strict):
     """Where FP8 is used (see README: precision recipes)."""
 
     recipe: Recipe = Field("fp8-e2e", description="bf16 | fp8-gen | fp8-e2e.")
+    fp8_format: Literal["e4m3", "hybrid"] = Field(
+        "e4m3",
+        description="FP8 training GEMMs: `e4m3` = E4M3 with blockwise scales on fprop, dgrad and wgrad "
+        "(Transformer Engine's Float8BlockScaling, NeMo RL, DeepSeek-V3); `hybrid` = E5M2 gradients.",
+    )
     fp8_kv_cache: bool = Field(False, description="Store the generator's KV cache in FP8 (E4M3).")
     keep_bf16_layers: tuple[int, int] = Field(
         (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
@@ -246,6 +276,7 @@ class JobSpec(_Strict):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     warmup: WarmupSpec = Field(default_factory=WarmupSpec)
+    validation: ValidationSpec = Field(default_factory=ValidationSpec)
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     steps: int = Field(20, ge=1, le=10_000_000, description="RL steps.")

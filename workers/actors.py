@@ -125,8 +125,13 @@ class GeneratorWorker(_Member):
         self.engine.load_weights(result.payload)
         return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
 
-    def generate(self, prompts: list[list[int]], seed: int) -> tuple[Rollouts, dict[str, int]]:
-        """Rollouts, and the bytes this generator holds: KV cache (at the end) and weights."""
+    def generate(
+        self, prompts: list[list[int]], seed: int, temperature: float | None = None
+    ) -> tuple[Rollouts, dict[str, int]]:
+        """Rollouts, and the bytes this generator holds: KV cache (at the end) and weights.
+
+        ``temperature`` overrides ``rollout.temperature`` (validation; 0 = greedy)."""
         r = self.spec.rollout
-        out = self.engine.generate(prompts, r.max_new_tokens, r.temperature, r.top_p, seed)
+        temp = r.temperature if temperature is None else temperature
+        out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return out, {"kv_cache": self.engine.kv_cache_bytes, "weights": self.engine.weight_bytes}

@@ -2,7 +2,9 @@
 
 Each step:  prompts -> generators (sample + logprobs) -> rewards -> trainers (logprobs with the
 weights that generated, GRPO advantages, IS-corrected update) -> trainer quantizes -> broadcast to
-generators. Metrics go to ``metrics.jsonl`` (one line per step), Prometheus and the progress bar.
+generators. Every ``validation.interval`` steps (and at the last) the generators then answer the
+task's held-out problems, and the step's line gets ``val/accuracy`` and ``val/reward_mean``.
+Metrics go to ``metrics.jsonl`` (one line per step), Prometheus and the progress bar.
 
 Nothing is lost on a stop or crash: checkpoints are atomic (``workers.checkpoint``), and
 ``resume=True`` restarts from the newest one, dropping metric lines of steps after it, so every
@@ -175,6 +177,44 @@ def _step_seed(spec: JobSpec, step: int, generator: int) -> int:
     return (spec.rollout.seed * 1_000_003 + step * 1009 + generator) % 2**63
 
 
+def validation_due(spec: JobSpec, step: int) -> bool:
+    """Whether ``step`` ends with a validation: every ``validation.interval`` steps and the last."""
+    interval = spec.validation.interval
+    return interval > 0 and (step % interval == 0 or step == spec.steps)
+
+
+def _validate(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step: int) -> dict[str, float]:
+    """``val/*`` of the held-out problems: one response each, shared out between the generators
+    like rollouts, at ``validation.temperature`` (0: greedy) with a seed fixed per step."""
+    import ray
+
+    t0 = time.perf_counter()
+    problems = task.validation_problems()
+    prompts = [tok.encode(task.prompt(p)) for p in problems]
+    chunks, start = [], 0
+    for n in even_split(len(prompts), 1, len(cluster.generators)):
+        chunks.append(prompts[start : start + n])
+        start += n
+    temperature = spec.validation.temperature
+    outs = ray.get(
+        [  # negative steps: seeds no rollout uses
+            g.generate.remote(c, _step_seed(spec, -step, i), temperature)
+            for i, (g, c) in enumerate(zip(cluster.generators, chunks, strict=True))
+            if c
+        ]
+    )
+    batch = concat_rollouts([o[0] for o in outs], tok.pad_id)
+    rewards = [
+        task.score(tok.decode(row[: int(m.sum())].tolist()), p)
+        for row, m, p in zip(batch.response_ids, batch.response_mask, problems, strict=True)
+    ]
+    return {
+        "val/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "val/reward_mean": sum(rewards) / len(rewards),
+        "timing/validation_s": time.perf_counter() - t0,
+    }
+
+
 def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | None = None) -> RunResult:
     """Run ``spec`` to its last step (or until ``opts.stop`` is set); see the module docstring."""
     import ray
@@ -182,7 +222,8 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     opts = opts or RunOptions()
     out = Path(output_dir or spec.output_dir)
     check_engines(spec)  # an engine that is not installed fails here, before Ray does any work
-    task, tok = Task(spec.task), build_tokenizer(spec)  # bad task/tokenizer fail before Ray starts
+    # a bad task, held-out split (validation.size) or tokenizer fails here, before Ray starts
+    task, tok = Task.for_job(spec), build_tokenizer(spec)
     first_step, ckpt = _prepare_output(spec, out, opts.resume)
     _write_json(out / "spec.resolved.json", spec.model_dump(mode="json"))
     log = MetricsLog(out / "metrics.jsonl")
@@ -212,6 +253,8 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         _sync(cluster)  # generators start from the trainer's weights
         for step in range(first_step, spec.steps + 1):
             row = _rl_step(spec, task, tok, cluster, step)
+            if validation_due(spec, step):  # after the step's weight sync: the updated policy
+                row.update(_validate(spec, task, tok, cluster, step))
             due = step % spec.checkpoint_interval == 0 or step == spec.steps
             if due:  # before the metrics line: a line never refers to weights that were not saved
                 _save(cluster, out, step)
@@ -319,7 +362,7 @@ def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step:
     t4 = time.perf_counter()
 
     isc = spec.algorithm.importance_sampling
-    mismatch = mismatch_metrics(logp_old, batch.logprobs, batch.response_mask, isc.low, isc.high)
+    mismatch = mismatch_metrics(logp_old, batch.logprobs, batch.response_mask, isc.low, isc.high, isc.mode)
     gen_tokens = float(batch.response_mask.sum())
     train_tokens = gen_tokens + float(batch.prompt_mask.sum())
     return {

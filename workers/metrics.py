@@ -2,7 +2,9 @@
 
 ``PROMETHEUS`` is the single table from JSONL keys to Prometheus names; the Grafana dashboard and
 the alert rules use only names from it. Every series carries the labels ``job``, ``namespace``
-and ``recipe``.
+and ``recipe``. Keys only some steps have (``val/*``: validation every N steps) are exported from
+the first step that has them and then keep their last value, so a job without validation shows
+no validation series instead of a misleading 0.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class PromMetric:
     name: str  # Prometheus name
     kind: str  # gauge | counter (a counter is incremented by the step's value)
     help: str
+    every_step: bool = True  # False: only some steps have it; exported from the first that does
 
 
 PROMETHEUS: tuple[PromMetric, ...] = (
@@ -77,9 +80,16 @@ PROMETHEUS: tuple[PromMetric, ...] = (
     PromMetric("train/loss", "fp8rl_train_loss", "gauge", "Policy loss"),
     PromMetric("train/grad_norm", "fp8rl_grad_norm", "gauge", "Gradient norm before clipping"),
     PromMetric("response_length/mean", "fp8rl_response_length_mean", "gauge", "Mean response tokens"),
+    PromMetric("val/accuracy", "fp8rl_val_accuracy", "gauge",
+               "Fraction of held-out problems answered fully correctly (reward 1) at the last validation",
+               every_step=False),
+    PromMetric("val/reward_mean", "fp8rl_val_reward_mean", "gauge",
+               "Mean reward on the held-out problems at the last validation", every_step=False),
 )  # fmt: skip
 
-PHASES = ("generation", "reward", "train", "weight_sync")  # fp8rl_step_duration_seconds{phase}
+# fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
+# once a step has validated)
+PHASES = ("generation", "reward", "train", "weight_sync", "validation")
 
 
 class PromExporter:
@@ -88,17 +98,21 @@ class PromExporter:
     def __init__(self, job: str, namespace: str, recipe: str) -> None:
         self.registry = CollectorRegistry()
         self.labels = {"job": job, "namespace": namespace, "recipe": recipe}
-        self._metrics: dict[str, Any] = {}
+        self._families: dict[str, Any] = {}
+        self._metrics: dict[str, Any] = {}  # the job's series, created when first exported
         for m in PROMETHEUS:
             cls = Counter if m.kind == "counter" else Gauge
             name = m.name.removesuffix("_total") if m.kind == "counter" else m.name
-            self._metrics[m.key] = cls(name, m.help, LABELS, registry=self.registry).labels(**self.labels)
+            self._families[m.key] = cls(name, m.help, LABELS, registry=self.registry)
+            if m.every_step:
+                self._metrics[m.key] = self._families[m.key].labels(**self.labels)
         self._phase = Gauge(
             "fp8rl_step_duration_seconds",
             "Seconds spent in each phase of the last step",
             (*LABELS, "phase"),
             registry=self.registry,
         )
+        self._phases_seen: set[str] = set()
         self.port: int | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -117,6 +131,8 @@ class PromExporter:
     def observe(self, row: dict[str, Any]) -> None:
         for m in PROMETHEUS:
             if m.key in row and row[m.key] is not None:
+                if m.key not in self._metrics:
+                    self._metrics[m.key] = self._families[m.key].labels(**self.labels)
                 metric = self._metrics[m.key]
                 if m.kind == "counter":
                     metric.inc(max(float(row[m.key]), 0.0))
@@ -125,7 +141,9 @@ class PromExporter:
         for phase in PHASES:
             key = f"timing/{phase}_s"
             if key in row:
-                self._phase.labels(**self.labels, phase=phase).set(float(row[key]))
+                self._phases_seen.add(phase)
+            if phase in self._phases_seen:  # a phase this step skipped took 0 s of it
+                self._phase.labels(**self.labels, phase=phase).set(float(row.get(key, 0.0)))
 
 
 class MetricsLog:

@@ -23,15 +23,16 @@ from workers.tokenizer import build_tokenizer
 RECIPES = ("bf16", "fp8-gen", "fp8-e2e")
 
 
-def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str, float]:
-    """Mean ``token_mult_prob_error`` per recipe over ``batches`` rollout batches of the spec."""
+def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str, list[float]]:
+    """``token_mult_prob_error`` per recipe, one value per rollout batch of the spec (batch ``b``
+    samples step ``b``'s prompts with seed ``b``: the same for every recipe)."""
     tok, task = build_tokenizer(spec), Task(spec.task)
     state = None
     if checkpoint is not None:
         path = checkpoint / "trainer.pt" if checkpoint.is_dir() else checkpoint
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     r = spec.rollout
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
     for recipe in RECIPES:
         s = spec.model_copy(deep=True)
         s.precision.recipe = recipe  # type: ignore[assignment]
@@ -48,5 +49,15 @@ def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str,
             )
             m = mismatch_metrics(trainer.logprobs(batch, r.temperature), batch.logprobs, batch.response_mask)
             values.append(m["mismatch/token_mult_prob_error"])
-        out[recipe] = sum(values) / len(values)
+        out[recipe] = values
     return out
+
+
+def summary(values: dict[str, list[float]]) -> str:
+    """One line per recipe: the mean over batches, their spread (sample std) and range."""
+    lines = [f"{'recipe':<8} {'token_mult_prob_error':>22} {'std over batches':>17} {'min':>9} {'max':>9}"]
+    for recipe, v in values.items():
+        mean = sum(v) / len(v)
+        std = (sum((x - mean) ** 2 for x in v) / max(len(v) - 1, 1)) ** 0.5
+        lines.append(f"{recipe:<8} {mean:>22.5f} {std:>17.5f} {min(v):>9.5f} {max(v):>9.5f}")
+    return "\n".join(lines)

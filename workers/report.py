@@ -1,4 +1,8 @@
-"""``fp8rl report``: reward, throughput and mismatch curves of one or several runs, as one PNG."""
+"""``fp8rl report``: reward, throughput and mismatch curves of one or several runs, as one PNG.
+
+Validation accuracy (``val/accuracy``, on the steps that validated) is drawn on the reward panel
+as markers in the run's colour, unsmoothed.
+"""
 
 from __future__ import annotations
 
@@ -56,7 +60,12 @@ def report(run_dirs: list[Path], output: Path, window: int = 5) -> Path:
         for label, rows in runs:
             steps = [int(r["step"]) for r in rows]
             values = [float(r.get(key, math.nan)) for r in rows]
-            ax.plot(steps, smooth(values, window), label=label)
+            (curve,) = ax.plot(steps, smooth(values, window), label=label)
+            val = validation_points(rows) if key == "reward/mean" else []
+            if val:
+                ax.plot(
+                    *zip(*val, strict=True), "o--", color=curve.get_color(), label=f"{label} val accuracy"
+                )
         if line is not None:
             ax.axhline(line, color="red", linestyle="--", linewidth=0.8)
         ax.set_title(title)
@@ -71,13 +80,20 @@ def report(run_dirs: list[Path], output: Path, window: int = 5) -> Path:
     return output
 
 
+def validation_points(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """``(step, val/accuracy)`` of the steps that validated."""
+    return [(int(r["step"]), float(r["val/accuracy"])) for r in rows if r.get("val/accuracy") is not None]
+
+
 def summary(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
-    """Per run: final reward (mean of the last ``last`` steps) and mean token_mult_prob_error."""
+    """Per run: final reward (mean of the last ``last`` steps), mean token_mult_prob_error, and
+    the last validation accuracy (None without validation)."""
     out = []
     for d in run_dirs:
         label, rows = load_run(d)
         tail = rows[-last:]
         tmpe = [float(r["mismatch/token_mult_prob_error"]) for r in rows]
+        val = validation_points(rows)
         out.append(
             {
                 "run": label,
@@ -85,6 +101,35 @@ def summary(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
                 "first_reward": sum(float(r["reward/mean"]) for r in rows[:last]) / len(rows[:last]),
                 "final_reward": sum(float(r["reward/mean"]) for r in tail) / len(tail),
                 "token_mult_prob_error": sum(tmpe) / len(tmpe),
+                "val_accuracy": val[-1][1] if val else None,
             }
         )
     return out
+
+
+def by_recipe(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
+    """Runs grouped by their recipe (``spec.resolved.json``): per recipe, the mean and spread
+    (sample standard deviation; 0 for one run) over its runs (e.g. seeds) of the final reward,
+    the run-mean token_mult_prob_error and the last validation accuracy."""
+    import json
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for d, row in zip(run_dirs, summary(run_dirs, last), strict=True):
+        spec = d / "spec.resolved.json"
+        recipe = json.loads(spec.read_text())["precision"]["recipe"] if spec.exists() else row["run"]
+        groups.setdefault(recipe, []).append(row)
+    out = []
+    for recipe, rows in groups.items():
+        entry: dict[str, Any] = {"recipe": recipe, "runs": len(rows)}
+        for key in ("final_reward", "token_mult_prob_error", "val_accuracy"):
+            values = [float(r[key]) for r in rows if r[key] is not None]
+            entry[key] = _mean_std(values) if values else None
+        out.append(entry)
+    return out
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fp8rl.cli import app
@@ -127,6 +128,38 @@ def test_report_draws_a_png_and_prints_final_reward_and_mismatch(tmp_path: Path)
     assert bad.exit_code == 2 and "no metrics.jsonl" in bad.output
 
 
+def test_report_prints_the_last_validation_accuracy(tmp_path: Path) -> None:
+    a = _fake_run(tmp_path / "a", "bf16", [0.1] * 6, [1.0] * 6)
+    rows = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    rows[2].update({"val/accuracy": 0.25, "val/reward_mean": 0.3})  # validated at steps 3 and 6
+    rows[5].update({"val/accuracy": 0.5, "val/reward_mean": 0.6})
+    (a / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    b = _fake_run(tmp_path / "b", "fp8-e2e", [0.2] * 6, [1.01] * 6)  # no validation
+    result = runner.invoke(app, ["report", str(a), str(b), "-o", str(tmp_path / "r.png")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[-2:] == ["val", "accuracy"]
+    assert next(x for x in lines if x.startswith("a (bf16)")).split()[-1] == "0.500"
+    assert next(x for x in lines if x.startswith("b (fp8-e2e)")).split()[-1] == "-"
+
+
+def test_report_gives_mean_and_spread_over_seeds_per_recipe(tmp_path: Path) -> None:
+    # bf16 seeds: final rewards 0.2 and 0.4 -> mean 0.3, sample std sqrt(2 * 0.1^2 / 1) = 0.1414;
+    # token_mult_prob_error 1.0 and 1.02 -> 1.01 +- 0.01414. fp8-e2e: one run, std 0.
+    runs = [
+        _fake_run(tmp_path / "bf16-seed0", "bf16", [0.2] * 10, [1.0] * 10),
+        _fake_run(tmp_path / "bf16-seed1", "bf16", [0.4] * 10, [1.02] * 10),
+        _fake_run(tmp_path / "e2e-seed0", "fp8-e2e", [0.3] * 10, [1.01] * 10),
+    ]
+    result = runner.invoke(app, ["report", *map(str, runs), "-o", str(tmp_path / "r.png")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    bf16 = next(x for x in lines if x.startswith("bf16 ")).split()
+    assert bf16[:8] == ["bf16", "2", "0.300", "+-", "0.141", "1.01000", "+-", "0.01414"]
+    e2e = next(x for x in lines if x.startswith("fp8-e2e ")).split()
+    assert e2e[:5] == ["fp8-e2e", "1", "0.300", "+-", "0.000"]
+
+
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (Ray's workers included)."""
     import os
@@ -176,8 +209,48 @@ def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> 
     )
     result = runner.invoke(app, ["bench", "mismatch", str(spec), "--batches", "2"])
     assert result.exit_code == 0, result.output
-    values = {line.split()[0]: float(line.split()[-1]) for line in result.output.splitlines()}
+    rows = [line.split() for line in result.output.splitlines()[1:]]
+    values = {row[0]: float(row[1]) for row in rows}  # recipe: mean over the batches
     assert set(values) == {"bf16", "fp8-gen", "fp8-e2e"}
+    assert all(float(r[3]) <= float(r[1]) <= float(r[4]) for r in rows)  # min <= mean <= max
     # BF16 on both sides differs only by rounding; FP8 generation against a BF16 trainer adds the
     # weights' and activations' quantization error
     assert 1.0 <= values["bf16"] < values["fp8-gen"]
+
+
+def test_bench_gradients_prints_table_and_writes_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers.tasks import Task
+
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(
+        "model: {tiny: {hidden_size: 64, intermediate_size: 128, num_layers: 2}}\n"
+        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
+        "rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 3}\n"
+    )
+    # bad options fail before any model is built, naming the option
+    bad = runner.invoke(app, ["bench", "gradients", str(spec), "--variants", "fp16"])
+    assert bad.exit_code == 2 and "--variants 'fp16'" in bad.output
+    bad = runner.invoke(app, ["bench", "gradients", str(spec), "--checkpoint", str(tmp_path / "nope")])
+    assert bad.exit_code == 2 and "--checkpoint" in bad.output and "step_N" in bad.output
+    # a random policy never answers right: score by the response's bytes so groups have a signal
+    monkeypatch.setattr(Task, "score", lambda self, text, problem: float(sum(text.encode()) % 2))
+    out = tmp_path / "g.json"
+    args = ["--variants", "bf16,hybrid", "--keep-bf16-layers", "1,0", "--device", "cpu", "--json", str(out)]
+    result = runner.invoke(app, ["bench", "gradients", str(spec), *args])
+    assert result.exit_code == 0, result.output
+    assert "keep 1,0 decoder layers in BF16" in result.output
+    rows = {
+        line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith("layers.")
+    }
+    assert rows["layers.0.mlp.up_proj.weight"][2] == "-" and rows["layers.1.mlp.up_proj.weight"][2] == "yes"
+    data = json.loads(out.read_text())
+    assert data["spec"] == str(spec) and data["checkpoint"] is None and data["batch"]["sequences"] == 16
+    assert set(data["variants"]) == {"bf16", "hybrid"}
+    layers = data["variants"]["hybrid"]["layers"]
+    assert (
+        layers["model.layers.1.mlp.up_proj.weight"]["fp8"]
+        and not layers["model.layers.0.mlp.up_proj.weight"]["fp8"]
+    )
+    assert all(0.9 < layer["cos"] <= 1.0 for layer in layers.values())

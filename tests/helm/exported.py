@@ -1,8 +1,9 @@
 """The Prometheus metrics the project really exports, read from the expositions of real runs.
 
 :func:`exported` runs the job driver for one step on a tiny model (recipe ``fp8-e2e``, so the
-importance-sampling and mismatch metrics carry values) and scrapes its ``/metrics`` over HTTP while
-the run is live, and asks a real control plane (SQLite store, one Pending job) for its ``/metrics``.
+importance-sampling and mismatch metrics carry values; validation on, so its gauges exist) and
+scrapes its ``/metrics`` over HTTP while the run is live, and asks a real control plane (SQLite
+store, one Pending job) for its ``/metrics``.
 :func:`unknown_metrics` checks PromQL expressions (dashboard panels, variable queries, alert rules)
 against that: every metric they select must be exported, with the labels they match on.
 """
@@ -37,7 +38,8 @@ def parse_exposition(text: str) -> dict[str, set[str]]:
 
 
 def driver_exposition() -> str:
-    """``/metrics`` of the job driver, scraped over HTTP after step 1 of a real ``fp8-e2e`` run.
+    """``/metrics`` of the job driver, scraped over HTTP after step 1 of a real ``fp8-e2e`` run
+    that validates on 4 held-out problems.
 
     ``workers.driver.run`` starts a local Ray and shuts it down at the end (when it started it)."""
     # imported here, not at module level: the test module is then collected (and its asserts
@@ -59,7 +61,8 @@ def driver_exposition() -> str:
 
     with tempfile.TemporaryDirectory() as tmp:
         opts = RunOptions(metrics_port=0, job="dash", on_step=scrape, log=log)
-        result = run(tiny_spec("fp8-e2e", steps=1), Path(tmp) / "run", opts)
+        spec = tiny_spec("fp8-e2e", steps=1, validation={"interval": 1, "size": 4})
+        result = run(spec, Path(tmp) / "run", opts)
     if result.last_step != 1 or len(scraped) != 1:
         raise RuntimeError(f"the driver ran to step {result.last_step} and was scraped {len(scraped)} times")
     return scraped[0]

@@ -137,6 +137,24 @@ def test_mismatch_panel_draws_a_red_line_at_1_05() -> None:
             assert "1.05" in p["description"] and "1.0" in p["description"]
 
 
+def test_validation_panels_show_accuracy_and_reward_per_job_and_recipe() -> None:
+    by_title = {p["title"]: p for p in panels(load())}
+    for title, metric, unit in (
+        ("Validation accuracy", "fp8rl_val_accuracy", "percentunit"),
+        ("Validation reward mean", "fp8rl_val_reward_mean", "short"),
+    ):
+        p = by_title[title]
+        [target] = p["targets"]
+        assert selectors(target["expr"]) == [(metric, FILTER)], title
+        assert {"job", "recipe"} <= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target["legendFormat"]))
+        defaults = p["fieldConfig"]["defaults"]
+        assert (p["type"], defaults["unit"], defaults["min"], defaults["max"]) == ("timeseries", unit, 0, 1)
+        assert "held-out" in p["description"], title
+    # in a row of their own, right below the training reward
+    rows = [p["title"] for p in load()["panels"] if p["type"] == "row"]
+    assert rows[rows.index("Progress and reward") + 1] == "Validation (held-out problems)"
+
+
 # --- against the real expositions ----------------------------------------------------------------
 
 

@@ -59,11 +59,27 @@ def test_every_problem_is_listed_at_once() -> None:
         ({"task": {"prompt_template": "no placeholder"}}, "task", "{question}"),
         ({"task": {"reasoning_gym": "chain_sum", "dataset": "a.jsonl"}}, "task", "only one"),
         ({"resources": {"engine": "vllm"}}, "(spec)", "needs GPUs"),
+        ({"validation": {"interval": -1}}, "validation.interval", "greater than or equal to 0"),
+        ({"validation": {"size": 0}}, "validation.size", "greater than or equal to 1"),
+        ({"validation": {"temperature": -0.5}}, "validation.temperature", "greater than or equal to 0"),
+        ({"validation": {"temperature": 11}}, "validation.temperature", "less than or equal to 10"),
+        ({"validation": {"intervall": 5}}, "validation.intervall", "Extra inputs are not permitted"),
     ],
 )
 def test_bad_field(data: dict[str, object], path: str, needle: str) -> None:
     found = problems(data)
     assert any(p.startswith(path + ":") and needle in p for p in found), found
+
+
+def test_validation_is_off_by_default_and_greedy_when_on() -> None:
+    v = JobSpec().validation
+    assert (v.interval, v.size, v.temperature) == (0, 128, 0.0)
+    on = parse_spec({"validation": {"interval": 5, "size": 16}}).validation
+    assert (on.interval, on.size, on.temperature) == (5, 16, 0.0)
+    # every field is described (the descriptions are the OpenAPI schema's and the CRD's)
+    props = JobSpec.model_json_schema()["$defs"]["ValidationSpec"]["properties"]
+    assert set(props) == {"interval", "size", "temperature"}
+    assert all(len(p.get("description", "")) > 20 for p in props.values()), props
 
 
 def test_dataset_replaces_the_default_generator() -> None:

@@ -191,3 +191,45 @@ def test_an_engine_that_is_not_installed_fails_before_ray(
     spec = tiny_spec("bf16", resources={"engine": "vllm", "gpus_per_generator": 1})
     with pytest.raises(EngineUnavailable, match=r"resources.engine=vllm: .*needs vllm.*worker image"):
         run(spec, tmp_path, RunOptions(log=lambda m: None))
+
+
+def test_validation_is_due_every_interval_and_at_the_last_step() -> None:
+    from workers.driver import validation_due
+
+    def due(interval: int, steps: int) -> list[int]:
+        spec = tiny_spec("bf16", steps=steps, validation={"interval": interval})
+        return [s for s in range(1, steps + 1) if validation_due(spec, s)]
+
+    assert due(2, 5) == [2, 4, 5] and due(5, 5) == [5] and due(10, 3) == [3] and due(0, 5) == []
+
+
+def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) -> None:
+    """A constructed task: every training answer is "1", so the supervised warm-up teaches the
+    policy to answer "1" whatever the question (GRPO then sees equal rewards in every group: no
+    update moves it). Of the 4 held-out rows (the file's last), 2 expect "1" and 2 expect "2":
+    greedy answers score 1, 1, 0, 0, so val/accuracy = val/reward_mean = 2/4 = 0.5."""
+    rows = [{"question": f"q{i}", "answer": "1"} for i in range(16)]
+    rows += [{"question": "h0", "answer": "1"}, {"question": "h1", "answer": "1"}]
+    rows += [{"question": "h2", "answer": "2"}, {"question": "h3", "answer": "2"}]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tiny_spec(
+        "bf16",
+        steps=3,
+        task={"dataset": str(data)},
+        warmup={"sft_steps": 40, "batch_size": 16, "lr": 1e-2},
+        validation={"interval": 2, "size": 4, "temperature": 0.0},
+    )
+    result = run(spec, tmp_path / "run", RunOptions(log=lambda m: None))
+    rows_out = MetricsLog(tmp_path / "run" / "metrics.jsonl").rows()
+    assert [r["step"] for r in rows_out] == [1, 2, 3] and result.last_step == 3
+    assert [("val/accuracy" in r, "val/reward_mean" in r, "timing/validation_s" in r) for r in rows_out] == [
+        (False, False, False),
+        (True, True, True),
+        (True, True, True),
+    ]
+    for r in rows_out[1:]:
+        assert (r["val/accuracy"], r["val/reward_mean"]) == (0.5, 0.5), r
+        assert r["timing/validation_s"] > 0
+    # the training rows answer "1" and are all rewarded: the policy did learn the constant answer
+    assert rows_out[-1]["reward/mean"] == 1.0

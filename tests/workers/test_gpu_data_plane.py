@@ -75,7 +75,8 @@ def test_fp8_linear_kernels_match_emulation(seed: int, m: int, k: int, n: int) -
     for got, want in zip(cuda, emulated, strict=True):
         # Hopper's FP8 tensor cores keep about 14 bits of each partial sum (DeepSeek-V3, section
         # 3.3.2; the kernel probe measures ~1.3e-4): far from float32, far below a wrong scale
-        # layout or a missed block, which are O(1)
+        # layout or a missed block, which are O(1). Over 20 seeds on an H100: y 0.85e-4-1.26e-4
+        # (margin 7.9), dx and dW equal to the emulation
         assert rel_err(got, want) < GPU_FP8_REL_TOL
 
 

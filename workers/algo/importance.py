@@ -15,9 +15,11 @@ variance, so each mode bounds them differently, with ``0 <= low <= high``:
     "icepop"        masked IS (MIS), per token: w_t if low <= w_t <= high, else 0.
     "seq-tis"       sequence ratio s = exp(sum_t log w_t) (sum clamped to +-20); every token of
                     the sequence gets min(s, high).
-    "seq-mask-tis"  every token gets s if low <= s <= high, else the whole sequence gets 0.
-    "geo-mask"      geometric mean g = exp(mean_t log w_t); sequences with g outside [low, high]
-                    get 0, the others 1: a length-normalised filter, no reweighting.
+    "seq-mask-tis"  NeMo RL's: geometric mean g = exp(mean_t log w_t); a sequence with g outside
+                    [low, high] gets 0 on every token, the others keep their raw token-level
+                    weights w_t (NeMo RL's reference bounds are tight: 0.999 to 1.002).
+    "geo-mask"      the same filter on g, but the kept sequences get weight 1: a length-normalised
+                    filter, no reweighting.
 
 Sums and means run over valid tokens only; padding may hold anything (inf, nan) and never leaks:
 every output is 0 at masked positions. ``out_of_bounds`` marks the tokens a mode truncated or
@@ -66,7 +68,8 @@ def importance_weights(
         logp_gen: ``[B, L]`` log-probs the generator reported for the same tokens.
         mask: ``[B, L]`` bool or float, nonzero on valid response tokens.
         mode: one of ``IS_MODES``; see the module docstring.
-        low: lower bound on the ratio (``"icepop"``, ``"seq-mask-tis"``, ``"geo-mask"``).
+        low: lower bound on the ratio (``"icepop"``) or on the geometric mean (``"seq-mask-tis"``,
+            ``"geo-mask"``).
         high: upper bound on the ratio (every mode but ``"none"``).
     """
     if mode not in IS_MODES:
@@ -95,19 +98,17 @@ def importance_weights(
         return _correction(torch.where(in_bounds, w, zero), ~in_bounds, raw, valid)
 
     seq_log = log_w.sum(dim=-1)  # [B]
-    if mode == "geo-mask":
-        n_tokens = valid.sum(dim=-1).clamp(min=1).to(seq_log.dtype)  # [B]
-        g = torch.exp(seq_log / n_tokens)  # [B]  each log w_t is within +-20, so is their mean
-        keep = (g >= low) & (g <= high)  # [B]
-        return _correction(keep.to(zero.dtype)[:, None].expand_as(w), ~keep[:, None], raw, valid)
-
-    s = torch.exp(seq_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [B]
     if mode == "seq-tis":
+        s = torch.exp(seq_log.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [B]
         return _correction(s.clamp(max=high)[:, None].expand_as(w), (s > high)[:, None], raw, valid)
-    # seq-mask-tis
-    keep = (s >= low) & (s <= high)  # [B]
-    seq_weight = torch.where(keep, s, torch.zeros_like(s))  # [B]
-    return _correction(seq_weight[:, None].expand_as(w), ~keep[:, None], raw, valid)
+
+    n_tokens = valid.sum(dim=-1).clamp(min=1).to(seq_log.dtype)  # [B]
+    g = torch.exp(seq_log / n_tokens)  # [B]  each log w_t is within +-20, so is their mean
+    keep = (g >= low) & (g <= high)  # [B]
+    if mode == "geo-mask":
+        return _correction(keep.to(zero.dtype)[:, None].expand_as(w), ~keep[:, None], raw, valid)
+    # seq-mask-tis: token-level weights, whole sequences masked
+    return _correction(torch.where(keep[:, None], w, zero), ~keep[:, None], raw, valid)
 
 
 def _correction(weights: Tensor, out_of_bounds: Tensor, raw: Tensor, valid: Tensor) -> IsCorrection:

@@ -11,13 +11,18 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rljob.spec import JobSpec, PrecisionSpec
 from workers.fp8.convert import Fp8Audit, convert_model
-from workers.fp8.linear import Fp8LinearConfig
+from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# The dtype both engines compute in between the GEMMs (residual stream, norms, attention, RoPE's
+# output, logits), as vLLM serves a model and Megatron-Core + Transformer Engine train it.
+COMPUTE_DTYPE = torch.bfloat16
 
 
 def padded_vocab(vocab_size: int, multiple: int = 16) -> int:
@@ -60,11 +65,62 @@ def build_policy(
         torch.manual_seed(spec.model.init_seed)
         model = AutoModelForCausalLM.from_config(model_config(spec, vocab_size))  # type: ignore[no-untyped-call]
         model = model.to(dtype)
+    _float32_rope(model)
     # Eager attention on CPU: for RL's short sequences its backward is ~1.6x faster than SDPA's
     # CPU flash kernel (measured on the example's 2-layer model); SDPA on GPU.
     model.config._attn_implementation = "sdpa" if torch.device(device).type == "cuda" else "eager"
+    if torch.device(device).type == "cpu":
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = CpuBf16Linear  # same parameters and names, another forward
     moved: Any = model
     return moved.to(device).eval()
+
+
+class CpuBf16Linear(nn.Linear):
+    """``nn.Linear`` whose BF16 GEMM runs as a float32 GEMM on the BF16 values, output rounded to
+    BF16: what a BF16 GEMM computes (exact products, float32 accumulation, one rounding at the
+    end), at float32 speed on CPUs without BF16 matrix instructions, where torch's BF16 GEMM is
+    8-13x slower than float32 (measured on an AVX2 host). Both engines use it on CPU, so they still
+    compute the same function. Other dtypes pass through unchanged."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
+
+
+def _float32_rope(model: nn.Module) -> None:
+    """Give every rotary embedding its float32 inverse frequencies back.
+
+    ``model.to(bfloat16)`` casts buffers too, and a BF16 ``inv_freq`` is off by up to 2^-9
+    relative: at position 100 the angle is off by ~0.2 rad, so a BF16 generator and a float32
+    trainer would not compute the same RoPE. vLLM and Megatron compute the frequencies in float32
+    and round only cos/sin to the activation dtype, and so do both our engines.
+    """
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        config = getattr(module, "config", None)
+        if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype == torch.float32 or config is None:
+            continue
+        fresh = type(module)(config)  # built in float32, on the host
+        for name, buf in fresh.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device=inv_freq.device, dtype=torch.float32))
+
+
+def compute_params(model: nn.Module, dtype: torch.dtype = COMPUTE_DTYPE) -> dict[str, torch.Tensor]:
+    """The trainer's forward-pass parameters: each master parameter cast to ``dtype``, so that
+    the trainer computes between its GEMMs exactly what a generator holding ``dtype`` weights
+    computes. FP8 layers' weights are left out: they are quantized from the master weight itself
+    (the same FP8 bytes the generators receive). The casts are differentiable, so gradients reach
+    the master parameters, and accumulate there, in the master dtype (float32)."""
+    fp8_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    return {
+        name: p.to(dtype)
+        for name, p in model.named_parameters()
+        if name not in fp8_weights and p.dtype != dtype
+    }
 
 
 def attention_mask_4d(
@@ -98,7 +154,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def fp8_config(precision: PrecisionSpec) -> Fp8LinearConfig:
-    return Fp8LinearConfig(power_of_two_scales=precision.power_of_two_scales)
+    return Fp8LinearConfig.for_format(precision.fp8_format, power_of_two_scales=precision.power_of_two_scales)
 
 
 def apply_recipe(model: nn.Module, precision: PrecisionSpec, role: str) -> Fp8Audit:

@@ -10,7 +10,8 @@ and kept for the decode steps of that batch. Attention reads them dequantized (`
 in float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
 Log-probs are those of the sampled token under the temperature-scaled distribution *before* top-p
-filtering, the convention of vLLM's ``logprobs`` and the one the trainer reproduces.
+filtering, the convention of vLLM's ``logprobs`` and the one the trainer reproduces. Temperature 0
+is greedy decoding (argmax of the logits, for validation), its log-probs those at temperature 1.
 
 The decode loop never waits for the GPU: sampling uses the exponential-race form of
 ``torch.multinomial`` (which itself reads its input back to validate it), masks are built here
@@ -175,7 +176,8 @@ class NativeGenerator:
         top_p: float,
         seed: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample from left-padded ``ids``/``attn [B, P]`` on the model's device.
+        """Sample from left-padded ``ids``/``attn [B, P]`` on the model's device (``temperature``
+        0: greedy, ``top_p`` and ``seed`` unused).
 
         Returns ``(response_ids [B, L] int64, response_mask [B, L] float32, logprobs [B, L]
         float32)`` on the device, without a host sync until the guard's one read at the end.
@@ -203,9 +205,10 @@ class NativeGenerator:
             finished = torch.zeros(b, dtype=torch.bool, device=self.device)
             all_finished = _AllFinished(self.device)
             for _ in range(max_new_tokens):
-                logits = out.logits[:, -1, :].float() / temperature  # [B, V]
+                logits = out.logits[:, -1, :].float() / (temperature or 1.0)  # [B, V]
                 logp_all = torch.log_softmax(logits, dim=-1)
-                tok = sample_top_p(logp_all.exp(), top_p, gen)  # [B]
+                # greedy is a host-side choice (a Python float), so the loop still never syncs
+                tok = logp_all.argmax(-1) if temperature == 0 else sample_top_p(logp_all.exp(), top_p, gen)
                 tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
                 valid.append(~finished)
                 logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))

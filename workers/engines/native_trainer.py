@@ -1,9 +1,13 @@
 """The native trainer: log-probs of given sequences and GRPO updates on a Hugging Face model in torch.
 
-Precision: master weights and AdamW state in ``precision.master_dtype`` (float32 by default);
-the forward and backward run under BF16 autocast. Under ``fp8-e2e`` the decoder linears are
-:class:`~workers.fp8.linear.Fp8Linear` (E4M3 forward, E5M2 gradients), and the FP8 weights they
-computed with are what :meth:`export_weights` sends to the generators.
+Precision: master weights, gradients and AdamW state in ``precision.master_dtype`` (float32 by
+default). The forward and backward run in BF16 between the GEMMs, exactly as the generator
+computes: every forward casts the master parameters to BF16 (:func:`compute_params`), so the
+residual stream, norms, attention, RoPE's cos/sin and the logits are the BF16 tensors a generator
+holding the synced BF16 weights computes; only the final log-softmax is float32, in both engines.
+Under ``fp8-e2e`` the decoder linears are :class:`~workers.fp8.linear.Fp8Linear` (E4M3 blockwise
+on all three GEMMs by default, ``precision.fp8_format``), and the FP8 weights they computed with
+are what :meth:`export_weights` sends to the generators.
 
 One RL step may hold several optimizer steps (``algorithm.minibatches``); each minibatch runs in
 micro-batches of ``optimizer.micro_batch_size`` sequences whose gradients add up to the
@@ -13,7 +17,6 @@ unit counts are summed over the trainers' process group.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from typing import Any
@@ -25,10 +28,12 @@ from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.models import (
+    COMPUTE_DTYPE,
     DTYPES,
     apply_recipe,
     attention_mask_4d,
     build_policy,
+    compute_params,
     fp8_config,
     to_device,
 )
@@ -38,10 +43,14 @@ from workers.fp8.export import export_weights
 from workers.fp8.guard import finite_guard
 
 
-def sequence_logprobs(model: Any, batch: Rollouts, temperature: float) -> torch.Tensor:
+def sequence_logprobs(
+    model: Any, batch: Rollouts, temperature: float, compute_dtype: torch.dtype = COMPUTE_DTYPE
+) -> torch.Tensor:
     """log p(response token) under ``model`` for every position: ``[B, L]`` float32 (0 where masked).
 
-    ``batch`` may be on the host or on the model's device; the result is on the model's device.
+    The forward computes in ``compute_dtype`` between the GEMMs (BF16, as the generator does;
+    float32 gives a float32 reference). ``batch`` may be on the host or on the model's device;
+    the result is on the model's device.
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask, response_ids, response_mask = (to_device(t, device) for t in batch[:4])
@@ -49,19 +58,15 @@ def sequence_logprobs(model: Any, batch: Rollouts, temperature: float) -> torch.
     attn = torch.cat([prompt_mask, response_mask.long()], dim=1)  # [B, P+L]
     length = response_ids.shape[1]
     impl = str(model.config._attn_implementation)
-    dtype = model.get_input_embeddings().weight.dtype
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if device.type in ("cpu", "cuda")
-        else contextlib.nullcontext()  # meta: shapes only
-    )
-    with autocast:
-        out = model(
-            input_ids=ids,
-            attention_mask=attention_mask_4d(attn, ids.shape[1], dtype, impl),
-            position_ids=positions(attn),
-            logits_to_keep=length + 1,
-        )
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": attention_mask_4d(attn, ids.shape[1], compute_dtype, impl),
+        "position_ids": positions(attn),
+        "logits_to_keep": length + 1,
+    }
+    # BF16 parameters for this pass (tied weights stay tied); the master ones get the gradients
+    params = compute_params(model, compute_dtype)
+    out = torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
     logits = out.logits[:, :-1].float() / temperature  # [B, L, V]: position t predicts token t
     logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)
     return logp * response_mask  # [B, L]

@@ -54,7 +54,9 @@ class Generator(Protocol):
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
-    ) -> Rollouts: ...
+    ) -> Rollouts:
+        """Responses to ``prompts``; ``temperature`` 0 is greedy (log-probs then at temperature 1)."""
+        ...
 
     def load_weights(self, payload: Payload) -> None: ...
 

@@ -53,6 +53,8 @@ class Fp8Audit:
     device: str = "CPU"  # the device profile the kernels were planned for
     # why each (gemm, kernel) was chosen, e.g. {"fprop: emulate": "CPU: ..."}
     kernel_reasons: dict[str, str] = field(default_factory=dict)
+    # the FP8 layers' formats, e.g. "E4M3 weights and activations, E4M3 gradients" ("" if none)
+    formats: str = ""
 
     @property
     def fp8_layers(self) -> list[str]:
@@ -100,11 +102,28 @@ class Fp8Audit:
             f"{float(s['fp8_param_fraction']):.1%} of parameters; weights "
             f"{_mib(int(s['bytes_before']))} -> {_mib(int(s['bytes_after']))}"
         )
+        if self.formats:
+            lines.append(f"FP8 formats: {self.formats}")
         if self.kernel_reasons:
             gemms = "/".join(next(r.kernels for r in self.rows if r.kernels))
             lines.append(f"FP8 GEMM kernels ({gemms}) on {self.device}:")
             lines += [f"  {key}: {why}" for key, why in self.kernel_reasons.items()]
         return "\n".join(lines)
+
+
+def _formats(cfg: Fp8LinearConfig, gemms: tuple[str, ...]) -> str:
+    """The FP8 formats and scalings in words, e.g. for the audit's footer."""
+
+    def scaling(block: tuple[int, int] | None) -> str:
+        return "per tensor" if block is None else "x".join(map(str, block))
+
+    words = (
+        f"{cfg.forward_fmt.upper()} weights ({scaling(cfg.weight_block)} blocks) and activations "
+        f"({scaling(cfg.activation_block)} tiles)"
+    )
+    if "dgrad" in gemms or "wgrad" in gemms:
+        words += f", {cfg.grad_fmt.upper()} gradients ({scaling(cfg.grad_block)} tiles)"
+    return words
 
 
 _SHORT = {
@@ -265,6 +284,7 @@ def convert_model(
             for g, p in plans.items():
                 audit.kernel_reasons.setdefault(f"{g}: {p.kernel}", p.reason)
             kernels: dict[str, str] = {g: p.kernel for g, p in plans.items()}
+            audit.formats = _formats(cfg, gemms)
             audit.rows.append(AuditRow(name, kind, "fp8", "decoder linear", shape, before, after, kernels))
         else:
             audit.rows.append(AuditRow(name, kind, dtype, reason or "", shape, before, before))

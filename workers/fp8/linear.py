@@ -1,10 +1,18 @@
-"""``Fp8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 (the "hybrid" recipe).
+"""``Fp8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in FP8 with blockwise scales.
 
-For ``y = x @ W.T + b`` with ``x [M, K]`` (tokens x in), ``W [N, K]`` (out x in):
+For ``y = x @ W.T + b`` with ``x [M, K]`` (tokens x in), ``W [N, K]`` (out x in), and ``G`` the
+gradient format:
 
     forward  y  = q(x; E4M3, 1x128)    @ q(W; E4M3, 128x128).T          fprop
-    backward dx = q(dy; E5M2, 1x128)   @ q(W; E4M3, 128x128)            dgrad: the same FP8 weight
-             dW = q(dy.T; E5M2, 1x128) @ q(x.T; E4M3, 1x128).T          wgrad: contraction over M
+    backward dx = q(dy; G, 1x128)      @ q(W; E4M3, 128x128)            dgrad: the same FP8 weight
+             dW = q(dy.T; G, 1x128)    @ q(x.T; E4M3, 1x128).T          wgrad: contraction over M
+
+``G`` is E4M3 by default (``fp8_format: e4m3``): E4M3 on every tensor, the recipe of DeepSeek-V3
+(fine-grained scales cover the gradients' range, and E4M3 has half E5M2's rounding error), of
+Transformer Engine's ``Float8BlockScaling`` and of NeMo RL's FP8 training (Megatron-Core with
+``fp8="e4m3"``, ``fp8_recipe="blockwise"``). ``fp8_format: hybrid`` uses E5M2 gradients, the
+older per-tensor FP8 convention (Transformer Engine's ``Format.HYBRID``); cuBLAS has no blockwise
+kernel for an E5M2 operand, so on Hopper its dgrad and wgrad run rowwise per 128-long K-chunk.
 
 The weight's 128x128 blocks are square, so one FP8 weight serves fprop (``W.T``) and dgrad (``W``)
 without re-quantizing. wgrad contracts over tokens, so its operands are tiled along M: ``x.T`` and
@@ -39,18 +47,30 @@ from workers.fp8.formats import get_format
 from workers.fp8.matmul import Backend, fp8_matmul
 from workers.fp8.quant import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128, quantize, quantize_rows
 
+# precision.fp8_format -> the gradients' FP8 format (activations and weights are always E4M3)
+GRAD_FORMATS = {"e4m3": "e4m3", "hybrid": "e5m2"}
+
 
 @dataclass(frozen=True)
 class Fp8LinearConfig:
-    """How an :class:`Fp8Linear` quantizes. Defaults: DeepSeek-V3 blockwise hybrid recipe."""
+    """How an :class:`Fp8Linear` quantizes. Defaults: blockwise E4M3 on all three GEMMs (the
+    anchors' recipe, see the module docstring); :meth:`for_format` builds one from a job's
+    ``precision.fp8_format``."""
 
     weight_block: Block = BLOCK_128x128
     activation_block: Block = TILE_1x128
     grad_block: Block = TILE_1x128
     forward_fmt: str = "e4m3"
-    grad_fmt: str = "e5m2"
+    grad_fmt: str = "e4m3"
     power_of_two_scales: bool = False
     backend: Backend = "auto"
+
+    @classmethod
+    def for_format(cls, fp8_format: str, **kwargs: Any) -> Fp8LinearConfig:
+        """``e4m3``: E4M3 everywhere; ``hybrid``: E4M3 forward, E5M2 gradients."""
+        if fp8_format not in GRAD_FORMATS:
+            raise ValueError(f"fp8_format must be one of {sorted(GRAD_FORMATS)}, got {fp8_format!r}")
+        return cls(grad_fmt=GRAD_FORMATS[fp8_format], **kwargs)
 
     def transposed(self, block: Block) -> Block:
         """``block`` of a tensor seen through its transpose."""

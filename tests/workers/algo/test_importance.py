@@ -39,8 +39,8 @@ A_EXPECTED: dict[str, tuple[Grid, Grid]] = {
     "icepop": ([[0, 1, 0], [1.5, 0, 0]], [[1, 0, 1], [0, 1, 0]]),
     # seq-tis: min(s, 2) -> row 0 gets 1, row 1 gets 2 (and counts as out of bounds).
     "seq-tis": ([[1, 1, 1], [2, 2, 0]], [[0, 0, 0], [1, 1, 0]]),
-    # seq-mask-tis: s = 1 kept as weight 1; s = 4.5 > 2 drops row 1.
-    "seq-mask-tis": ([[1, 1, 1], [0, 0, 0]], [[0, 0, 0], [1, 1, 0]]),
+    # seq-mask-tis (NeMo RL): g = 1 kept, its tokens keep their raw w; g ~ 2.12 > 2 drops row 1.
+    "seq-mask-tis": ([[4, 1, 0.25], [0, 0, 0]], [[0, 0, 0], [1, 1, 0]]),
     # geo-mask: g = 1 kept (weight 1); g ~ 2.12 > 2 dropped.
     "geo-mask": ([[1, 1, 1], [0, 0, 0]], [[0, 0, 0], [1, 1, 0]]),
 }
@@ -58,8 +58,9 @@ B_EXPECTED: dict[str, tuple[Grid, Grid]] = {
     "icepop": ([[1.5] * 4, [0, 0.75, 0, 0], [0] * 4], [[0] * 4, [1, 0, 0, 0], [0] * 4]),
     # seq-tis truncates only from above: row 0 -> 2 (oob), row 1 keeps s = 0.1875 (not oob).
     "seq-tis": ([[2] * 4, [0.1875, 0.1875, 0, 0], [0] * 4], [[1] * 4, [0] * 4, [0] * 4]),
-    # seq-mask-tis drops both rows: 5.0625 > 2 and 0.1875 < 0.5.
-    "seq-mask-tis": ([[0] * 4] * 3, [[1] * 4, [1, 1, 0, 0], [0] * 4]),
+    # seq-mask-tis filters on g, like geo-mask: row 0 (g = 1.5) keeps its raw w = 1.5 per token,
+    # row 1 (g ~ 0.433) is dropped; the sequence product s plays no part.
+    "seq-mask-tis": ([[1.5] * 4, [0] * 4, [0] * 4], [[0] * 4, [1, 1, 0, 0], [0] * 4]),
     # geo-mask keeps row 0 (g = 1.5) with weight 1, drops row 1 (g ~ 0.433).
     "geo-mask": ([[1] * 4, [0] * 4, [0] * 4], [[0] * 4, [1, 1, 0, 0], [0] * 4]),
 }
@@ -144,8 +145,8 @@ def reference(
                 w_row.append(min(s, high))
                 o_row.append(float(s > high))
             elif mode == "seq-mask-tis":
-                w_row.append(s if low <= s <= high else 0.0)
-                o_row.append(float(not low <= s <= high))
+                w_row.append(w if low <= g <= high else 0.0)
+                o_row.append(float(not low <= g <= high))
             else:
                 w_row.append(float(low <= g <= high))
                 o_row.append(float(not low <= g <= high))

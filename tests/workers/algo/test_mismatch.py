@@ -1,4 +1,41 @@
-"""mismatch_metrics: identities, a hand-worked example with w = 2, and a float64 loop reference."""
+"""mismatch_metrics against NeMo RL's definitions, on values worked by hand.
+
+The hand example (``prev`` = trainer log-prob, ``gen`` = generator log-prob, ``w = e^(prev-gen)``):
+
+    row 0: token A  prev = ln 0.5, gen = ln 0.25   d = ln 2,  w = 2
+           token B  prev = ln 0.3, gen = ln 0.3    d = 0,     w = 1
+           (padding: nan / inf)
+    row 1: token C  prev = ln 0.4, gen = ln 0.1    d = ln 4,  w = 4
+           (padding)
+    row 2: all padding
+
+Over the 3 valid tokens:
+
+    token_mult_prob_error = (2 + 1 + 4) / 3                                       = 7/3
+    gen_kl_error    k3(gen, prev) = e^d - d - 1:
+                    A: 2 - ln 2 - 1,  B: 0,  C: 4 - 2 ln 2 - 1                    -> (4 - 3 ln 2) / 3
+    policy_kl_error k3(prev, gen) = e^-d + d - 1:
+                    A: 1/2 + ln 2 - 1,  B: 0,  C: 1/4 + 2 ln 2 - 1                -> (3 ln 2 - 5/4) / 3
+    js_divergence_error, m = log(e^prev / 2 + e^gen / 2):
+                    A: m = ln 0.375; prev - m = ln(4/3), gen - m = ln(2/3);
+                       0.5 (4/3 - ln(4/3) - 1) + 0.5 (2/3 - ln(2/3) - 1) = 0.5 ln(9/8)
+                    B: 0
+                    C: m = ln 0.25; prev - m = ln(8/5), gen - m = ln(2/5);
+                       0.5 (8/5 - ln(8/5) - 1) + 0.5 (2/5 - ln(2/5) - 1) = 0.5 ln(25/16)
+                                                                      -> (0.5 ln(9/8) + 0.5 ln(25/16)) / 3
+    chi2_token      (w - 1)^2: 1, 0, 9                                            -> 10/3
+
+and, with IS bounds [0.5, 3], per mode (geometric means: row 0 sqrt(2), row 1 4; sequence ratios:
+row 0 2, row 1 4; row 2 has no valid token and is not a sequence):
+
+    mode          weights as applied     sampling_importance_ratio   is_oob_ratio
+    none          (raw) 2, 1, 4          7/3                         0 (nothing filtered)
+    tis           min(w, 3): 2, 1, 3     2                           tokens: 1/3 (C)
+    icepop        2, 1, 0                1                           tokens: 1/3 (C)
+    seq-mask-tis  2, 1, 0 (row 1 out)    1                           sequences: 1/2
+    geo-mask      1, 1, 0                2/3                         sequences: 1/2
+    seq-tis       2, 2, 3                7/3                         sequences: 1/2 (row 1 > 3)
+"""
 
 from __future__ import annotations
 
@@ -7,9 +44,10 @@ import math
 import pytest
 import torch
 
-from workers.algo import mismatch_metrics
+from workers.algo import IS_MODES, mismatch_metrics
 
 NAN, INF = float("nan"), float("inf")
+LN2 = math.log(2.0)
 
 KEYS = {
     "mismatch/token_mult_prob_error",
@@ -26,92 +64,77 @@ IDENTITY = {key: 0.0 for key in KEYS} | {
     "mismatch/sampling_importance_ratio": 1.0,
 }
 
+PREV = [[math.log(0.5), math.log(0.3), NAN], [math.log(0.4), INF, -INF], [NAN, NAN, NAN]]
+GEN = [[math.log(0.25), math.log(0.3), -INF], [math.log(0.1), NAN, INF], [INF, -INF, 0.0]]
+MASK = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+COMMON = {
+    "mismatch/token_mult_prob_error": 7 / 3,
+    "mismatch/gen_kl_error": (4 - 3 * LN2) / 3,
+    "mismatch/policy_kl_error": (3 * LN2 - 5 / 4) / 3,
+    "mismatch/js_divergence_error": (0.5 * math.log(9 / 8) + 0.5 * math.log(25 / 16)) / 3,
+    "mismatch/chi2_token": 10 / 3,
+    "mismatch/num_tokens": 3.0,
+}
+PER_MODE = {  # mode: (sampling_importance_ratio, is_oob_ratio)
+    "none": (7 / 3, 0.0),
+    "tis": (2.0, 1 / 3),
+    "icepop": (1.0, 1 / 3),
+    "seq-mask-tis": (1.0, 0.5),
+    "geo-mask": (2 / 3, 0.5),
+    "seq-tis": (7 / 3, 0.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_hand_example(mode: str, dtype: torch.dtype) -> None:
+    ratio, oob = PER_MODE[mode]
+    expected = COMMON | {
+        "mismatch/sampling_importance_ratio": ratio,
+        "mismatch/is_oob_ratio": oob,
+    }
+    out = mismatch_metrics(
+        torch.tensor(PREV, dtype=dtype), torch.tensor(GEN, dtype=dtype), torch.tensor(MASK), 0.5, 3.0, mode
+    )
+    assert set(out) == KEYS and all(type(v) is float for v in out.values())
+    # float32 inputs hold each log-prob to about 1e-7 relative
+    assert out == pytest.approx(expected, rel=1e-6 if dtype == torch.float32 else 1e-12)
+
+
+def test_the_two_kl_directions_differ_as_named() -> None:
+    # One token, gen = ln 0.1, prev = ln 0.4 (token C): gen_kl_error is k3(gen, prev) =
+    # 4 - ln 4 - 1 ~ 1.614, policy_kl_error is k3(prev, gen) = 1/4 + ln 4 - 1 ~ 0.636.
+    out = mismatch_metrics(torch.tensor([[math.log(0.4)]]), torch.tensor([[math.log(0.1)]]), torch.ones(1, 1))
+    assert out["mismatch/gen_kl_error"] == pytest.approx(3 - 2 * LN2, rel=1e-6)
+    assert out["mismatch/policy_kl_error"] == pytest.approx(2 * LN2 - 0.75, rel=1e-6)
+
 
 def test_identical_policies_give_identity_values(seed: int) -> None:
     logp = -torch.rand(3, 5) * 4
     mask = torch.tensor([[1.0] * 5, [1.0, 1.0, 0.0, 0.0, 0.0], [0.0] * 5])
-    out = mismatch_metrics(logp, logp.clone(), mask)
-    assert set(out) == KEYS
-    assert all(type(v) is float for v in out.values())
-    assert out == pytest.approx(IDENTITY | {"mismatch/num_tokens": 7.0}, abs=1e-12)
+    for mode in IS_MODES:
+        out = mismatch_metrics(logp, logp.clone(), mask, mode=mode)
+        assert out == pytest.approx(IDENTITY | {"mismatch/num_tokens": 7.0}, abs=1e-12)
 
 
 @pytest.mark.parametrize("mask", [torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool)])
 def test_no_valid_tokens_gives_identity_values(mask: torch.Tensor) -> None:
     garbage = torch.tensor([[NAN, INF, -INF], [1.0, NAN, 2.0]])
-    assert mismatch_metrics(garbage, -garbage, mask) == IDENTITY
+    assert mismatch_metrics(garbage, -garbage, mask, mode="icepop") == IDENTITY
 
 
-def test_hand_example_with_w_equal_two() -> None:
-    # Valid tokens: (trainer 0.5, gen 0.25), so d = ln 2, w = 2; and (0.3, 0.3), so d = 0, w = 1.
-    # Padding holds nan / inf; row 1 is all padding.
-    #   token_mult_prob_error = (e^|ln 2| + e^0) / 2 = (2 + 1) / 2 = 1.5
-    #   gen_kl_error    = ((2 - ln 2 - 1) + 0) / 2 = (1 - ln 2) / 2
-    #   policy_kl_error = ((2 ln 2 - (2 - 1)) + 0) / 2 = (2 ln 2 - 1) / 2
-    #   js: p = 0.25, q = 0.5, m = 0.375, q/p = 2:
-    #       0.5 ln(0.25 / 0.375) + 0.5 * 2 * ln(0.5 / 0.375) = 0.5 ln(2/3) + ln(4/3); second token 0
-    #   sampling_importance_ratio = (2 + 1) / 2 = 1.5
-    #   chi2_token = ((2 - 1)^2 + 0) / 2 = 0.5
-    ln2 = math.log(2.0)
-    logp_trainer = torch.tensor([[math.log(0.5), math.log(0.3), NAN], [INF, NAN, -INF]])
-    logp_gen = torch.tensor([[math.log(0.25), math.log(0.3), -INF], [NAN, -INF, INF]])
-    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-    expected = {
-        "mismatch/token_mult_prob_error": 1.5,
-        "mismatch/gen_kl_error": (1 - ln2) / 2,
-        "mismatch/policy_kl_error": (2 * ln2 - 1) / 2,
-        "mismatch/js_divergence_error": (0.5 * math.log(2 / 3) + math.log(4 / 3)) / 2,
-        "mismatch/sampling_importance_ratio": 1.5,
-        "mismatch/is_oob_ratio": 0.5,  # w = 2 > high = 1.5; w = 1 inside
-        "mismatch/chi2_token": 0.5,
-        "mismatch/num_tokens": 2.0,
-    }
-    # float32 inputs: d is ln 2 to about 1e-7.
-    assert mismatch_metrics(logp_trainer, logp_gen, mask, high=1.5) == pytest.approx(expected, rel=1e-6)
-    # With high = 3 both tokens are inside the bounds.
-    wide = mismatch_metrics(logp_trainer, logp_gen, mask.bool(), high=3.0)
-    assert wide["mismatch/is_oob_ratio"] == 0.0
-
-
-def test_log_ratio_clamped() -> None:
-    # d = 100 -> 20: ratio e^20 and finite metrics everywhere.
-    out = mismatch_metrics(torch.tensor([[100.0]]), torch.tensor([[0.0]]), torch.ones(1, 1))
-    assert out["mismatch/sampling_importance_ratio"] == pytest.approx(math.exp(20.0))
+def test_no_clamp_on_large_log_ratios() -> None:
+    # d = 100: NeMo RL does not clamp its metrics, and float64 holds e^100.
+    out = mismatch_metrics(torch.tensor([[0.0]]), torch.tensor([[-100.0]]), torch.ones(1, 1))
+    assert out["mismatch/token_mult_prob_error"] == pytest.approx(math.exp(100.0))
+    assert out["mismatch/gen_kl_error"] == pytest.approx(math.exp(100.0) - 101.0)
+    # JS = m - (prev + gen) / 2 (the two e^(a - m) average to 1), m = log((1 + e^-100) / 2):
+    # -ln 2 + 50, to 1e-43
+    assert out["mismatch/js_divergence_error"] == pytest.approx(50.0 - LN2)
     assert all(math.isfinite(v) for v in out.values())
 
 
-def test_matches_float64_loop(seed: int) -> None:
-    logp_gen = -torch.rand(4, 6) * 3
-    logp_trainer = logp_gen + torch.randn(4, 6) * 0.4
-    mask = torch.rand(4, 6) < 0.7
-    mask[0, 0] = True
-    low, high = 0.7, 1.4
-    sums = dict.fromkeys(KEYS, 0.0)
-    n = 0
-    for lt_row, lg_row, m_row in zip(logp_trainer.tolist(), logp_gen.tolist(), mask.tolist(), strict=True):
-        for lt, lg, m in zip(lt_row, lg_row, m_row, strict=True):
-            if not m:
-                continue
-            n += 1
-            p, q = math.exp(lg), math.exp(lt)
-            w, d, mid = q / p, lt - lg, (p + q) / 2
-            sums["mismatch/token_mult_prob_error"] += max(q / p, p / q)
-            sums["mismatch/gen_kl_error"] += w - math.log(w) - 1
-            sums["mismatch/policy_kl_error"] += w * d - (w - 1)
-            sums["mismatch/js_divergence_error"] += 0.5 * math.log(p / mid) + 0.5 * (q / p) * math.log(
-                q / mid
-            )
-            sums["mismatch/sampling_importance_ratio"] += w
-            sums["mismatch/is_oob_ratio"] += float(not low <= w <= high)
-            sums["mismatch/chi2_token"] += (w - 1) ** 2
-    expected = {k: v / n for k, v in sums.items()} | {"mismatch/num_tokens": float(n)}
-    out = mismatch_metrics(logp_trainer, logp_gen, mask, low=low, high=high)
-    assert out == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    # Both KL estimators are >= 0 per token, hence in the mean.
-    assert out["mismatch/gen_kl_error"] >= 0.0 and out["mismatch/policy_kl_error"] >= 0.0
-
-
-def test_inputs_with_grad_and_bad_bounds() -> None:
+def test_inputs_with_grad_and_bad_arguments() -> None:
     logp = torch.zeros(1, 2, requires_grad=True)
     out = mismatch_metrics(logp, torch.zeros(1, 2), torch.ones(1, 2))
     assert out["mismatch/num_tokens"] == 2.0
@@ -119,3 +142,5 @@ def test_inputs_with_grad_and_bad_bounds() -> None:
         mismatch_metrics(logp, logp, torch.ones(1, 2), low=3.0, high=2.0)
     with pytest.raises(ValueError, match="same shape"):
         mismatch_metrics(logp, logp, torch.ones(1, 3))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        mismatch_metrics(logp, logp, torch.ones(1, 2), mode="seq-is")

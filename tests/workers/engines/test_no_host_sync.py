@@ -50,6 +50,15 @@ def test_decode_loop_runs_on_meta(profile: str, attention: str, fp8_kv: bool) ->
     assert tokens.shape == valid.shape == logps.shape == (4, 6) and tokens.device.type == "meta"
 
 
+def test_greedy_decode_loop_runs_on_meta() -> None:
+    """Temperature 0 (validation) takes the argmax on the device: still no read back."""
+    gen = NativeGenerator(spec("fp8-e2e"), TOK.vocab_size, TOK.eos_id, TOK.pad_id, "meta")
+    ids, mask = left_pad([TOK.encode("1 + 2 ="), TOK.encode("30 + 4 =")], TOK.pad_id)
+    with simulate("sm90-cuda13.0"):
+        tokens, valid, logps = gen.generate_on_device(ids.to("meta"), mask.to("meta"), 4, 0.0, 1.0, 0)
+    assert tokens.shape == valid.shape == logps.shape == (2, 4) and tokens.device.type == "meta"
+
+
 @pytest.mark.parametrize("profile", ["cpu", "sm90-cuda13.0"])
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-e2e"])
 def test_train_step_runs_on_meta(profile: str, recipe: str) -> None:

@@ -43,7 +43,9 @@ def test_converted_model_stays_close_to_original(arch: str) -> None:
         ref_logits = model(ids).logits.double()
         logits = fp8_model(ids).logits.double()
     rel = float((logits - ref_logits).norm() / ref_logits.norm())
-    assert 1e-4 < rel < 0.1  # differs (FP8 really ran) but stays close
+    # differs (FP8 really ran) but stays close. The weights (tiny_model's seed 0) and the ids drawn
+    # right after are fixed; over 20 seeds rel is 0.035-0.049 (llama), 0.030-0.043 (qwen2)
+    assert 1e-4 < rel < 0.1
 
 
 def test_keep_first_and_last_layers_in_bf16() -> None:

