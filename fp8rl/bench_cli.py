@@ -71,6 +71,9 @@ def _echo_report(make: Callable[[], str]) -> None:
 
 ModelOpt = Annotated[str, typer.Option(help="tiny (the CPU example's policy) | 100m | 1b (random init)")]
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+CheckpointOpt = Annotated[
+    Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
+]
 
 
 @bench_app.command("rollout")
@@ -121,9 +124,7 @@ def bench_sync(
 @bench_app.command("mismatch")
 def bench_mismatch(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (model, task, rollout).")],
-    checkpoint: Annotated[
-        Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
-    ] = None,
+    checkpoint: CheckpointOpt = None,
     batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
@@ -131,7 +132,12 @@ def bench_mismatch(
     from workers.mismatch_probe import probe, summary
 
     spec = load_spec_or_exit(spec_path)
-    typer.echo(summary(probe(spec, checkpoint, batches)))
+    try:
+        values = probe(spec, checkpoint, batches)
+    except ValueError as err:  # a checkpoint that is not one
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(summary(values))
 
 
 @bench_app.command("gradients")
@@ -139,9 +145,7 @@ def bench_gradients(
     spec_path: Annotated[
         Path, typer.Argument(metavar="SPEC", help="Job spec (model, task, rollout, algorithm).")
     ],
-    checkpoint: Annotated[
-        Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
-    ] = None,
+    checkpoint: CheckpointOpt = None,
     variants: Annotated[
         str, typer.Option(help="Comma-separated: bf16, e4m3, hybrid (float32: the reference itself).")
     ] = "bf16,e4m3,hybrid",

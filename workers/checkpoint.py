@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 _PREFIX = "step_"
 
 
@@ -58,3 +60,19 @@ def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
 def latest(output_dir: Path) -> tuple[int, Path] | None:
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def load_master_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model state dict of a checkpoint: a run's ``checkpoints/step_N`` directory (its
+    ``trainer.pt``) or a file holding ``{"model": state_dict}``."""
+    path = checkpoint / "trainer.pt" if checkpoint.is_dir() else checkpoint
+    if not path.is_file():
+        what = "trainer.pt in that directory" if checkpoint.is_dir() else "such file"
+        raise ValueError(
+            f"--checkpoint {checkpoint}: no {what}; "
+            "give a run's checkpoints/step_N directory (e.g. runs/arithmetic/checkpoints/step_00000050)"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or "model" not in state:
+        raise ValueError(f"--checkpoint {path}: not a trainer checkpoint (no 'model' state dict)")
+    return dict(state["model"])

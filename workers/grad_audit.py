@@ -43,6 +43,7 @@ import torch
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
+from workers.checkpoint import load_master_weights
 from workers.engines.models import to_device
 from workers.engines.native_generator import NativeGenerator
 from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
@@ -223,22 +224,6 @@ def parse_keep_layers(text: str) -> tuple[int, int]:
             "in BF16 at each end (0,0: every decoder layer FP8)"
         )
     return first, last
-
-
-def load_master_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model state dict of a checkpoint: a run's ``checkpoints/step_N`` directory (its
-    ``trainer.pt``) or a file holding ``{"model": state_dict}``."""
-    path = checkpoint / "trainer.pt" if checkpoint.is_dir() else checkpoint
-    if not path.is_file():
-        what = "trainer.pt in that directory" if checkpoint.is_dir() else "such file"
-        raise ValueError(
-            f"--checkpoint {checkpoint}: no {what}; "
-            "give a run's checkpoints/step_N directory (e.g. runs/arithmetic/checkpoints/step_00000050)"
-        )
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or "model" not in state:
-        raise ValueError(f"--checkpoint {path}: not a trainer checkpoint (no 'model' state dict)")
-    return dict(state["model"])
 
 
 def variant_spec(spec: JobSpec, variant: str, keep_bf16_layers: tuple[int, int]) -> JobSpec:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
+from workers.checkpoint import load_master_weights
 from workers.engines.native_generator import NativeGenerator
 from workers.engines.native_trainer import NativeTrainer
 from workers.fp8.export import fp8_weight_names
@@ -27,10 +26,7 @@ def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str,
     """``token_mult_prob_error`` per recipe, one value per rollout batch of the spec (batch ``b``
     samples step ``b``'s prompts with seed ``b``: the same for every recipe)."""
     tok, task = build_tokenizer(spec), Task(spec.task)
-    state = None
-    if checkpoint is not None:
-        path = checkpoint / "trainer.pt" if checkpoint.is_dir() else checkpoint
-        state = torch.load(path, map_location="cpu", weights_only=True)["model"]
+    state = None if checkpoint is None else load_master_weights(checkpoint)
     r = spec.rollout
     out: dict[str, list[float]] = {}
     for recipe in RECIPES:

@@ -200,13 +200,20 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_p
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [*steps, steps[-1] + 1]
 
 
-def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> None:
+def _tiny_bench_spec(tmp_path: Path, prompts: int, new_tokens: int) -> Path:
     spec = tmp_path / "tiny.yaml"
     spec.write_text(
         "model: {tiny: {hidden_size: 64, intermediate_size: 128, num_layers: 2}}\n"
         "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
-        "rollout: {prompts_per_step: 8, group_size: 4, max_new_tokens: 6}\n"
+        f"rollout: {{prompts_per_step: {prompts}, group_size: 4, max_new_tokens: {new_tokens}}}\n"
     )
+    return spec
+
+
+def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> None:
+    spec = _tiny_bench_spec(tmp_path, prompts=8, new_tokens=6)
+    bad = runner.invoke(app, ["bench", "mismatch", str(spec), "--checkpoint", str(tmp_path)])
+    assert bad.exit_code == 2 and "no trainer.pt in that directory" in bad.output
     result = runner.invoke(app, ["bench", "mismatch", str(spec), "--batches", "2"])
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.splitlines()[1:]]
@@ -223,12 +230,7 @@ def test_bench_gradients_prints_table_and_writes_json(
 ) -> None:
     from workers.tasks import Task
 
-    spec = tmp_path / "tiny.yaml"
-    spec.write_text(
-        "model: {tiny: {hidden_size: 64, intermediate_size: 128, num_layers: 2}}\n"
-        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
-        "rollout: {prompts_per_step: 4, group_size: 4, max_new_tokens: 3}\n"
-    )
+    spec = _tiny_bench_spec(tmp_path, prompts=4, new_tokens=3)
     # bad options fail before any model is built, naming the option
     bad = runner.invoke(app, ["bench", "gradients", str(spec), "--variants", "fp16"])
     assert bad.exit_code == 2 and "--variants 'fp16'" in bad.output

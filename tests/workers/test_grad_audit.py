@@ -22,6 +22,7 @@ import torch
 
 from rljob import JobSpec, parse_spec
 from workers import grad_audit as ga
+from workers.checkpoint import load_master_weights
 from workers.engines.native_trainer import NativeTrainer
 from workers.tokenizer import ByteTokenizer
 
@@ -76,12 +77,12 @@ def test_bad_options_name_the_option() -> None:
 
 def test_checkpoint_errors_say_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--checkpoint .*missing: no such file.*step_N"):
-        ga.load_master_weights(tmp_path / "missing")
+        load_master_weights(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"no trainer.pt in that directory"):
-        ga.load_master_weights(tmp_path)
+        load_master_weights(tmp_path)
     torch.save({"weights": {}}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match=r"not a trainer checkpoint"):
-        ga.load_master_weights(tmp_path / "other.pt")
+        load_master_weights(tmp_path / "other.pt")
 
 
 def tiny_spec() -> JobSpec:
@@ -113,7 +114,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def audited(checkpoint: Path) -> ga.GradientAudit:
     spec = tiny_spec()
-    state = ga.load_master_weights(checkpoint)
+    state = load_master_weights(checkpoint)
     batch, _ = ga.rl_batch(spec, state)
     # a random policy scores 0 everywhere: mixed rewards by hand, so every group has a signal
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] * 4)  # [16]
@@ -182,7 +183,7 @@ def test_table_has_a_row_per_parameter_and_a_summary_per_variant(audited: ga.Gra
 
 def test_no_learning_signal_is_an_error(checkpoint: Path) -> None:
     spec = tiny_spec()
-    state = ga.load_master_weights(checkpoint)
+    state = load_master_weights(checkpoint)
     batch, _ = ga.rl_batch(spec, state)
     with pytest.raises(ValueError, match=r"no learning signal.*--checkpoint"):
         ga.audit_batch(spec, state, batch, torch.ones(16), ("bf16",))
