@@ -279,15 +279,16 @@ def report_cmd(
 ) -> None:
     """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table
     (with the last validation accuracy when a run has validation)."""
-    from workers.report import by_recipe, report, summary
+    from workers.report import by_recipe, load_run, report, summary
 
     try:
-        path = report(run_dirs, output, window)
-        rows = summary(run_dirs)
-        recipes = by_recipe(run_dirs)
+        runs = [load_run(d) for d in run_dirs]
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
+    path = report(runs, output, window)
+    rows = summary(runs)
+    recipes = by_recipe(rows)
     val = any(r["val_accuracy"] is not None for r in rows)  # the column only when a run validated
     typer.echo(
         f"{'run':<32} {'steps':>6} {'first reward':>13} {'final reward':>13} {'token_mult_prob_error':>22}"

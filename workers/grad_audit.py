@@ -44,11 +44,10 @@ from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.checkpoint import load_master_weights
+from workers.engines.factory import native_pair, native_trainer
 from workers.engines.models import to_device
-from workers.engines.native_generator import NativeGenerator
 from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import Rollouts
-from workers.fp8.export import fp8_weight_names
 from workers.fp8.linear import Fp8Linear
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
@@ -240,16 +239,6 @@ def variant_spec(spec: JobSpec, variant: str, keep_bf16_layers: tuple[int, int])
     return s
 
 
-def _trainer(spec: JobSpec, state: dict[str, torch.Tensor] | None, vocab: int, device: str) -> NativeTrainer:
-    trainer = NativeTrainer(spec, vocab, device)
-    if state is not None:
-        try:
-            trainer.model.load_state_dict(state)
-        except RuntimeError as err:
-            raise ValueError(f"--checkpoint: its weights do not fit the spec's model ({err})") from None
-    return trainer
-
-
 def rl_batch(
     spec: JobSpec, state: dict[str, torch.Tensor] | None, batches: int = 1, device: str = "cpu"
 ) -> tuple[Rollouts, torch.Tensor]:
@@ -257,9 +246,7 @@ def rl_batch(
     ``(rollouts [B, ...], rewards [B])``, groups of ``group_size`` consecutive, on the host."""
     tok, task, r = build_tokenizer(spec), Task.for_job(spec), spec.rollout
     s = variant_spec(spec, "bf16", (0, 0))
-    trainer = _trainer(s, state, tok.vocab_size, device)
-    gen = NativeGenerator(s, tok.vocab_size, tok.eos_id, tok.pad_id, device)
-    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
+    _, gen = native_pair(s, tok.vocab_size, tok.eos_id, tok.pad_id, state, device)
     problems = [p for b in range(batches) for p in task.sample(b, r.prompts_per_step, r.seed)]
     expanded = [p for p in problems for _ in range(r.group_size)]
     batch = gen.generate(
@@ -332,7 +319,7 @@ def audit_batch(
     vocab = build_tokenizer(spec).vocab_size
 
     def gradient(variant: str) -> tuple[dict[str, torch.Tensor], set[str]]:
-        trainer = _trainer(variant_spec(spec, variant, keep_bf16_layers), state, vocab, device)
+        trainer = native_trainer(variant_spec(spec, variant, keep_bf16_layers), vocab, state, device)
         dtype = torch.float32 if variant == "float32" else torch.bfloat16
         fp8 = {f"{n}.weight" for n, m in trainer.model.named_modules() if isinstance(m, Fp8Linear)}
         return policy_gradient(trainer, batch, rewards, dtype), fp8

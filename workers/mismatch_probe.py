@@ -13,9 +13,8 @@ from pathlib import Path
 from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
 from workers.checkpoint import load_master_weights
-from workers.engines.native_generator import NativeGenerator
-from workers.engines.native_trainer import NativeTrainer
-from workers.fp8.export import fp8_weight_names
+from workers.engines.factory import native_pair
+from workers.report import mean_std
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 
@@ -32,11 +31,7 @@ def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str,
     for recipe in RECIPES:
         s = spec.model_copy(deep=True)
         s.precision.recipe = recipe  # type: ignore[assignment]
-        trainer = NativeTrainer(s, tok.vocab_size)
-        if state is not None:
-            trainer.model.load_state_dict(state)
-        gen = NativeGenerator(s, tok.vocab_size, tok.eos_id, tok.pad_id)
-        gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
+        trainer, gen = native_pair(s, tok.vocab_size, tok.eos_id, tok.pad_id, state)
         values = []
         for b in range(batches):
             problems = [p for p in task.sample(b, r.prompts_per_step, r.seed) for _ in range(r.group_size)]
@@ -53,7 +48,6 @@ def summary(values: dict[str, list[float]]) -> str:
     """One line per recipe: the mean over batches, their spread (sample std) and range."""
     lines = [f"{'recipe':<8} {'token_mult_prob_error':>22} {'std over batches':>17} {'min':>9} {'max':>9}"]
     for recipe, v in values.items():
-        mean = sum(v) / len(v)
-        std = (sum((x - mean) ** 2 for x in v) / max(len(v) - 1, 1)) ** 0.5
+        mean, std = mean_std(v)
         lines.append(f"{recipe:<8} {mean:>22.5f} {std:>17.5f} {min(v):>9.5f} {max(v):>9.5f}")
     return "\n".join(lines)

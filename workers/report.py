@@ -6,7 +6,9 @@ as markers in the run's colour, unsmoothed.
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +24,28 @@ PANELS: tuple[tuple[str, str, float | None], ...] = (
 )
 
 
-def load_run(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
-    """``(label, rows)`` of a run directory; the label is its name and recipe."""
+@dataclass(frozen=True)
+class Run:
+    """One run directory's metrics: ``label`` is its name (and recipe), ``recipe`` from its
+    ``spec.resolved.json`` (None without one)."""
+
+    label: str
+    recipe: str | None
+    rows: list[dict[str, Any]]
+
+
+def load_run(run_dir: Path) -> Run:
+    """A run directory's metrics lines and recipe."""
     rows = MetricsLog(run_dir / "metrics.jsonl").rows()
     if not rows:
         raise ValueError(f"{run_dir}: no metrics.jsonl with steps; is this an fp8rl run directory?")
-    label = run_dir.name
+    label, recipe = run_dir.name, None
     spec = run_dir / "spec.resolved.json"
     if spec.exists():
-        import json
-
         recipe = json.loads(spec.read_text()).get("precision", {}).get("recipe")
         if recipe and recipe not in label:
             label = f"{label} ({recipe})"
-    return label, rows
+    return Run(label, recipe, rows)
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -47,17 +57,17 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def report(run_dirs: list[Path], output: Path, window: int = 5) -> Path:
+def report(runs: list[Run], output: Path, window: int = 5) -> Path:
     """Draw the :data:`PANELS` for every run into ``output`` (PNG); return its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [load_run(d) for d in run_dirs]
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))
     for ax, (key, title, line) in zip(axes.flat, PANELS, strict=True):
-        for label, rows in runs:
+        for run in runs:
+            label, rows = run.label, run.rows
             steps = [int(r["step"]) for r in rows]
             values = [float(r.get(key, math.nan)) for r in rows]
             (curve,) = ax.plot(steps, smooth(values, window), label=label)
@@ -85,18 +95,19 @@ def validation_points(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r["val/accuracy"])) for r in rows if r.get("val/accuracy") is not None]
 
 
-def summary(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
+def summary(runs: list[Run], last: int = 10) -> list[dict[str, Any]]:
     """Per run: final reward (mean of the last ``last`` steps), mean token_mult_prob_error, and
     the last validation accuracy (None without validation)."""
     out = []
-    for d in run_dirs:
-        label, rows = load_run(d)
+    for run in runs:
+        rows = run.rows
         tail = rows[-last:]
         tmpe = [float(r["mismatch/token_mult_prob_error"]) for r in rows]
         val = validation_points(rows)
         out.append(
             {
-                "run": label,
+                "run": run.label,
+                "recipe": run.recipe or run.label,
                 "steps": int(rows[-1]["step"]),
                 "first_reward": sum(float(r["reward/mean"]) for r in rows[:last]) / len(rows[:last]),
                 "final_reward": sum(float(r["reward/mean"]) for r in tail) / len(tail),
@@ -107,28 +118,25 @@ def summary(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
     return out
 
 
-def by_recipe(run_dirs: list[Path], last: int = 10) -> list[dict[str, Any]]:
-    """Runs grouped by their recipe (``spec.resolved.json``): per recipe, the mean and spread
-    (sample standard deviation; 0 for one run) over its runs (e.g. seeds) of the final reward,
-    the run-mean token_mult_prob_error and the last validation accuracy."""
-    import json
-
+def by_recipe(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`summary` rows grouped by recipe: per recipe, the mean and spread (sample standard
+    deviation; 0 for one run) over its runs (e.g. seeds) of the final reward, the run-mean
+    token_mult_prob_error and the last validation accuracy."""
     groups: dict[str, list[dict[str, Any]]] = {}
-    for d, row in zip(run_dirs, summary(run_dirs, last), strict=True):
-        spec = d / "spec.resolved.json"
-        recipe = json.loads(spec.read_text())["precision"]["recipe"] if spec.exists() else row["run"]
-        groups.setdefault(recipe, []).append(row)
+    for row in summaries:
+        groups.setdefault(row["recipe"], []).append(row)
     out = []
     for recipe, rows in groups.items():
         entry: dict[str, Any] = {"recipe": recipe, "runs": len(rows)}
         for key in ("final_reward", "token_mult_prob_error", "val_accuracy"):
             values = [float(r[key]) for r in rows if r[key] is not None]
-            entry[key] = _mean_std(values) if values else None
+            entry[key] = mean_std(values) if values else None
         out.append(entry)
     return out
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value) of ``values``."""
     mean = sum(values) / len(values)
     if len(values) < 2:
         return mean, 0.0

@@ -16,9 +16,16 @@ package and the image that has it. It never falls back to the native engine sile
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from rljob.spec import JobSpec
 from workers.engines.protocols import Generator, Trainer
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.engines.native_generator import NativeGenerator
+    from workers.engines.native_trainer import NativeTrainer
 
 # engine -> (role it serves, [(import name, pip package)])
 ENGINES: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -85,3 +92,37 @@ def build_trainer(spec: JobSpec, vocab_size: int, device: str = "cpu", dp_group:
     from workers.engines.native_trainer import NativeTrainer
 
     return NativeTrainer(spec, vocab_size, device, dp_group)
+
+
+def native_trainer(
+    spec: JobSpec, vocab_size: int, state: dict[str, torch.Tensor] | None = None, device: str = "cpu"
+) -> NativeTrainer:
+    """A native trainer holding the master weights ``state`` (None: the spec's initial ones)."""
+    from workers.engines.native_trainer import NativeTrainer
+
+    trainer = NativeTrainer(spec, vocab_size, device)
+    if state is not None:
+        try:
+            trainer.model.load_state_dict(state)
+        except RuntimeError as err:
+            raise ValueError(f"--checkpoint: its weights do not fit the spec's model ({err})") from None
+    return trainer
+
+
+def native_pair(
+    spec: JobSpec,
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    state: dict[str, torch.Tensor] | None = None,
+    device: str = "cpu",
+) -> tuple[NativeTrainer, NativeGenerator]:
+    """:func:`native_trainer` and a native generator loaded from it, as after a weight sync: the
+    pair the offline tools (``bench mismatch``, ``bench gradients``) run."""
+    from workers.engines.native_generator import NativeGenerator
+    from workers.fp8.export import fp8_weight_names
+
+    trainer = native_trainer(spec, vocab_size, state, device)
+    gen = NativeGenerator(spec, vocab_size, eos_id, pad_id, device)
+    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
+    return trainer, gen
