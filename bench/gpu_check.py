@@ -2,7 +2,8 @@
 
 Sections, each independent (a failure is reported and the next section runs):
 
-1. the machine: GPU, capability, torch, CUDA, transformers;
+1. the machine: GPU, capability, torch, CUDA, transformers, and the vLLM / Megatron-Core /
+   Transformer Engine versions (the adapters' GPU tests in section 4 need them);
 2. kernel probe: every FP8 call kind the dispatch may make, run on this GPU against the emulated
    product: accepted (with its error) or refused (with CUDA's message);
 3. the dispatch plan: which kernel each GEMM of an FP8 linear uses here, and why;
@@ -60,7 +61,27 @@ def machine() -> str:
         f"| transformers | {transformers.__version__} |",
         f"| python | {platform.python_version()} |",
     ]
+    # the engines the adapters target (docker/worker.Dockerfile); their GPU tests skip without them
+    from workers.engines.megatron_config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
+    from workers.engines.vllm_generator import VLLM_VERSION
+
+    targets = (
+        ("vllm", VLLM_VERSION),
+        ("megatron-core", MEGATRON_CORE_VERSION),
+        ("transformer-engine", TRANSFORMER_ENGINE_VERSION),
+    )
+    for dist, target in targets:
+        lines.append(f"| {dist} | {_installed_version(dist)} (adapters target {target}) |")
     return "\n".join(lines)
+
+
+def _installed_version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

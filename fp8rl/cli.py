@@ -318,5 +318,36 @@ def report_cmd(
     typer.echo(f"wrote {path}")
 
 
+@app.command("export")
+def export_cmd(
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run's output directory.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Model directory to write (new, or empty).")],
+    step: Annotated[int | None, typer.Option(help="Checkpoint step to export (default: the newest).")] = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format", help="hf-fp8 (block-FP8: vLLM, SGLang, transformers) | hf-bf16 (plain BF16)."
+        ),
+    ] = "hf-fp8",
+) -> None:
+    """Write a run's checkpoint as a Hugging Face model directory (safetensors, config.json and
+    the tokenizer) that vLLM, SGLang and transformers load. hf-fp8 stores the decoder linears as
+    E4M3 with 128x128-block scales; for an fp8-e2e run they are the trainer's own FP8 weights."""
+    from workers.hf_export import export_run
+
+    try:
+        result = export_run(run_dir, step, out, fmt, log=typer.echo)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(f"exported step {result.step} of {run_dir} to {result.out} ({fmt})")
+    typer.echo(f"  files: {', '.join(p.name for p in result.files)}")
+    typer.echo(
+        f"  linear layers: {len(result.fp8_layers)} FP8, {len(result.bf16_layers)} BF16 "
+        f"({', '.join(result.bf16_layers[:4])}{', ...' if len(result.bf16_layers) > 4 else ''})"
+    )
+    typer.echo(f"  weights: {result.bytes} bytes ({result.bytes / 2**20:.2f} MiB)")
+
+
 if __name__ == "__main__":  # pragma: no cover
     app()

@@ -40,11 +40,13 @@ def _format_row(row: dict[str, Any]) -> str:
 def run_from_cli(
     spec_path: Path, overrides: dict[str, Any], resume: bool, metrics_port: int | None, progress: bool
 ) -> int:
-    """Returns the exit code: 0 done, 2 bad spec/output, 130 stopped by Ctrl-C."""
+    """Returns the exit code: 0 done, 2 bad spec/output or an engine that cannot run here, 130
+    stopped by Ctrl-C."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from workers.driver import RunOptions, run
+    from workers.engines.factory import EngineUnavailable
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     try:
@@ -84,7 +86,7 @@ def run_from_cli(
     try:
         with bar:
             result = run(spec, spec.output_dir, opts)
-    except (FileExistsError, ValueError) as err:
+    except (FileExistsError, ValueError, EngineUnavailable) as err:
         console.print(f"[red]error:[/red] {err}", highlight=False)
         return 2
     finally:

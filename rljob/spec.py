@@ -246,8 +246,30 @@ class ResourcesSpec(_Strict):
     threads_per_actor: int = Field(
         0, ge=0, le=256, description="torch threads per actor; 0 = the cores shared out between the actors."
     )
-    engine: Literal["native", "vllm", "megatron"] = Field(
-        "native", description="native (torch, CPU/GPU); vllm/megatron need a GPU image."
+    generator_engine: Literal["native", "vllm"] = Field(
+        "native",
+        description="`native` (torch, CPU or GPU) or `vllm` (GPU worker image): what generates the rollouts.",
+    )
+    trainer_engine: Literal["native", "megatron"] = Field(
+        "native",
+        description="`native` (torch, CPU or GPU) or `megatron` (Megatron-Core + Transformer Engine, GPU "
+        "worker image): what trains the policy.",
+    )
+    generator_tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="vLLM's tensor_parallel_size: the GPUs one generator splits its model over; equals "
+        "gpus_per_generator with generator_engine vllm, 1 with native.",
+    )
+    trainer_tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Megatron's tensor_model_parallel_size (trainer_engine megatron; else 1)."
+    )
+    trainer_pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Megatron's pipeline_model_parallel_size (trainer_engine megatron; else 1).",
     )
     share_gpu: bool = Field(
         False,
@@ -256,6 +278,21 @@ class ResourcesSpec(_Strict):
         "GPU). Needs gpus_per_generator = gpus_per_trainer = 1.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "engine" in data:
+            raise ValueError(
+                "resources.engine was split in two: set resources.generator_engine (native | vllm) and "
+                "resources.trainer_engine (native | megatron)"
+            )
+        return data
+
+    @property
+    def trainer_data_parallel_size(self) -> int:
+        """Data-parallel replicas of the trainer: trainers / (tensor x pipeline parallel)."""
+        return self.trainers // (self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size)
+
     @model_validator(mode="after")
     def _shared(self) -> ResourcesSpec:
         if self.share_gpu and (self.gpus_per_generator != 1 or self.gpus_per_trainer != 1):
@@ -263,6 +300,49 @@ class ResourcesSpec(_Strict):
                 "share_gpu needs gpus_per_generator: 1 and gpus_per_trainer: 1 (the one GPU they share), "
                 f"got {self.gpus_per_generator} and {self.gpus_per_trainer}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _engines(self) -> ResourcesSpec:
+        problems = []
+        if self.generator_engine == "vllm":
+            if self.gpus_per_generator == 0:
+                problems.append("generator_engine vllm needs GPUs: set gpus_per_generator >= 1")
+            elif self.generator_tensor_parallel_size != self.gpus_per_generator:
+                problems.append(
+                    f"generator_tensor_parallel_size ({self.generator_tensor_parallel_size}) must equal "
+                    f"gpus_per_generator ({self.gpus_per_generator}): vLLM splits the model over every "
+                    "GPU of its generator"
+                )
+        elif self.generator_tensor_parallel_size != 1:
+            problems.append(
+                "generator_tensor_parallel_size > 1 needs generator_engine vllm (the native generator "
+                "runs one GPU per generator: raise generators instead)"
+            )
+        if self.trainer_engine == "megatron":
+            model_parallel = self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size
+            if self.gpus_per_trainer != 1:
+                problems.append(
+                    f"trainer_engine megatron runs one rank per GPU: set gpus_per_trainer 1 (got "
+                    f"{self.gpus_per_trainer}) and trainers to the number of training GPUs"
+                )
+            if self.trainers % model_parallel:
+                problems.append(
+                    f"trainers ({self.trainers}) must be a multiple of trainer_tensor_parallel_size x "
+                    f"trainer_pipeline_parallel_size ({model_parallel}); the quotient is the "
+                    "data-parallel size"
+                )
+        elif self.trainer_tensor_parallel_size != 1 or self.trainer_pipeline_parallel_size != 1:
+            problems.append(
+                "trainer_tensor_parallel_size and trainer_pipeline_parallel_size > 1 need trainer_engine "
+                "megatron (the native trainer is data parallel only: raise trainers instead)"
+            )
+        if self.share_gpu and (self.generator_engine != "native" or self.trainer_engine != "native"):
+            problems.append(
+                "share_gpu is for the native engines: vLLM and Megatron each need GPUs of their own"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
@@ -289,8 +369,25 @@ class JobSpec(_Strict):
             raise ValueError("tokenizer.name is required with tokenizer.kind=huggingface and model.tiny")
         if self.tokenizer.kind == "bytes" and self.model.name is not None and self.model.pretrained:
             raise ValueError("a pretrained model needs its own tokenizer: set tokenizer.kind=huggingface")
-        if self.resources.engine != "native" and self.resources.gpus_per_generator == 0:
-            raise ValueError(f"resources.engine={self.resources.engine} needs GPUs (gpus_per_generator >= 1)")
+        res = self.resources
+        if res.trainer_engine == "megatron" and self.algorithm.kl.coef > 0:
+            raise ValueError(
+                "algorithm.kl.coef > 0 needs a frozen reference model, which trainer_engine megatron does "
+                "not hold; set algorithm.kl.coef: 0 or resources.trainer_engine: native"
+            )
+        tiny = self.model.tiny
+        if res.trainer_engine == "megatron" and tiny is not None:
+            tp, pp = res.trainer_tensor_parallel_size, res.trainer_pipeline_parallel_size
+            if tiny.num_layers % pp:
+                raise ValueError(
+                    f"model.tiny.num_layers ({tiny.num_layers}) must be a multiple of "
+                    f"resources.trainer_pipeline_parallel_size ({pp}): each stage holds the same layers"
+                )
+            if tiny.num_kv_heads % tp or tiny.num_heads % tp:
+                raise ValueError(
+                    f"model.tiny.num_heads ({tiny.num_heads}) and num_kv_heads ({tiny.num_kv_heads}) must be "
+                    f"multiples of resources.trainer_tensor_parallel_size ({tp}): each rank holds whole heads"
+                )
         return self
 
 

@@ -1,8 +1,13 @@
 """Ray actor shells around the engines: the only place where engines meet Ray and torch.distributed.
 
-Rank layout of the job's process group: trainers ``0..T-1``, generators ``T..T+G-1``. The weight
-sync group is trainer 0 plus every generator; with ``T > 1`` the trainers also form a data-parallel
-group for gradient all-reduce.
+Native engines: the job's process group holds trainers ``0..T-1`` and generators ``T..T+G-1``. The
+weight sync group is trainer 0 plus every generator; with ``T > 1`` the trainers also form a
+data-parallel group for gradient all-reduce.
+
+With vLLM or Megatron in the job (:func:`~workers.engines.factory.uses_weight_channel`), the
+process group holds the trainers only (Megatron builds its parallel groups from it), and weights
+travel over the NCCL weight channel (:mod:`workers.engines.nccl_channel`), which trainer 0 and
+the generators join after setup (:meth:`TrainerWorker.join_weight_channel`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.factory import build_generator, build_trainer
+from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
 from workers.engines.protocols import Generator, Rollouts, Trainer
-from workers.weight_sync import BroadcastWeightSync
+from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
 
 
 def _threads(spec: JobSpec) -> None:
@@ -41,7 +46,7 @@ class _Member:
     def __init__(self, spec_json: str, rank: int, world_size: int) -> None:
         self.spec = JobSpec.model_validate_json(spec_json)
         self.rank, self.world_size = rank, world_size
-        self.sync: BroadcastWeightSync | None = None
+        self.sync: CollectiveWeightSync | None = None
         self.dp_group: Any = None
         _threads(self.spec)
 
@@ -59,9 +64,16 @@ class _Member:
         import torch.distributed as dist
 
         world = list(range(self.world_size))
+        if uses_weight_channel(self.spec):
+            # the trainers' own group (Megatron's world); weights take the channel
+            if self.rank < trainers:
+                dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=trainers)
+                self.dp_group = dist.group.WORLD if trainers > 1 else None
+            return
         sync_ranks = None if trainers == 1 else [0, *world[trainers:]]
-        self.sync = BroadcastWeightSync(self.rank, self.world_size, init_method, backend, ranks=sync_ranks)
-        self.sync.init_communicator()
+        sync = BroadcastWeightSync(self.rank, self.world_size, init_method, backend, ranks=sync_ranks)
+        sync.init_communicator()
+        self.sync = sync
         if trainers > 1:  # every rank must take part in creating every group
             group = dist.new_group(world[:trainers])
             self.dp_group = group if self.rank < trainers else None
@@ -75,8 +87,16 @@ class TrainerWorker(_Member):
     def setup(self, init_method: str, backend: str) -> dict[str, Any]:
         device = _device(self.spec.resources.gpus_per_trainer)
         self._join(init_method, backend, self.spec.resources.trainers)
-        self.engine: Trainer = build_trainer(self.spec, self.vocab_size, device, self.dp_group)
+        self.engine: Trainer = build_trainer(self.spec, self.vocab_size, device, self.dp_group, self.rank)
         return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
+
+    def join_weight_channel(self, address: str, world_size: int) -> None:
+        """Trainer 0 opens the NCCL weight channel as its sender (rank 0)."""
+        if self.rank == 0:
+            from workers.engines.nccl_channel import StatelessNcclWeightSync
+
+            self.sync = StatelessNcclWeightSync(address, 0, world_size, self.engine.device)
+            self.sync.init_communicator()
 
     def sft_step(self, batch: Rollouts) -> float:
         return self.engine.sft_step(batch)
@@ -86,15 +106,19 @@ class TrainerWorker(_Member):
         return out.logprobs_old, out.stats
 
     def send_weights(self, fp8_names: list[str]) -> dict[str, float]:
-        assert self.sync is not None
+        """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends."""
+        payload = self.engine.export_weights(fp8_names)
         if self.rank != 0:
             return {}
-        result = self.sync.sync_weights(self.engine.export_weights(fp8_names))
+        assert self.sync is not None
+        result = self.sync.sync_weights(payload)
         return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
 
     def save(self, directory: str) -> None:
+        """Every trainer takes part (Megatron gathers); trainer 0 writes ``trainer.pt``."""
+        state = self.engine.state_dict()
         if self.rank == 0:
-            torch.save(self.engine.state_dict(), Path(directory) / "trainer.pt")
+            torch.save(state, Path(directory) / "trainer.pt")
 
     def load(self, directory: str) -> None:
         state = torch.load(Path(directory) / "trainer.pt", map_location=self.engine.device, weights_only=True)
@@ -118,11 +142,17 @@ class GeneratorWorker(_Member):
         """The weights this generator holds in FP8 (what the trainer must send as FP8)."""
         return self.engine.fp8_weight_names()
 
+    def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
+        """Join the NCCL weight channel (vLLM or Megatron jobs) as ranks ``first_rank..``."""
+        self.engine.join_weight_channel(address, first_rank, world_size)
+
     def receive_weights(self) -> dict[str, float]:
-        assert self.sync is not None
-        result = self.sync.sync_weights(None)
-        assert result.payload is not None
-        self.engine.load_weights(result.payload)
+        if self.sync is None:  # the weight channel: the engine receives into its own model
+            result = self.engine.receive_weights()
+        else:
+            result = self.sync.sync_weights(None)
+            assert result.payload is not None
+            self.engine.load_weights(result.payload)
         return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
 
     def generate(

@@ -30,7 +30,8 @@ from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
-from workers.engines.factory import check_engines
+from workers.engines.factory import check_engines, uses_weight_channel, weight_receivers
+from workers.engines.nccl_channel import channel_ranks
 from workers.engines.protocols import Rollouts, concat_rollouts, even_split, left_pad, split_rows
 from workers.metrics import MetricsLog, PromExporter
 from workers.tasks import Problem, Task
@@ -103,6 +104,16 @@ class _Cluster:
         address = ray.get(self.trainers[0].free_address.remote())
         audits = ray.get([a.setup.remote(address, backend) for a in self.all()])
         self.trainer_audit, self.generator_audit = audits[0], audits[t]
+        if uses_weight_channel(spec):  # vLLM or Megatron: weights over an NCCL group of their own
+            channel = ray.get(self.trainers[0].free_address.remote())
+            world_size, firsts = channel_ranks(weight_receivers(spec), g)
+            ray.get(
+                [self.trainers[0].join_weight_channel.remote(channel, world_size)]
+                + [
+                    gen.join_weight_channel.remote(channel, first, world_size)
+                    for gen, first in zip(self.generators, firsts, strict=True)
+                ]
+            )
         self.fp8_names: list[str] = ray.get(self.generators[0].fp8_weight_names.remote())
 
     def all(self) -> list[Any]:
@@ -313,7 +324,7 @@ def _save(cluster: _Cluster, out: Path, step: int) -> None:
     import ray
 
     tmp = checkpoint.begin(out, step)
-    ray.get(cluster.trainers[0].save.remote(str(tmp)))
+    ray.get([t.save.remote(str(tmp)) for t in cluster.trainers])  # trainer 0 writes
     checkpoint.commit(out, tmp, step, {})
 
 

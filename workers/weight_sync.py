@@ -176,12 +176,61 @@ def unpack(
     return payload
 
 
-class BroadcastWeightSync:
-    """Broadcast from the trainer (rank ``src`` of ``group``) to the generators over torch.distributed.
+class CollectiveWeightSync:
+    """The wire format of the module docstring over any broadcast primitive.
 
-    Every member calls :meth:`sync_weights` for each version: the trainer with the payload, the
-    generators with ``None``; they return the received payload in :class:`SyncResult`.
+    Subclasses provide :meth:`_broadcast_obj` (a small picklable object from ``src`` to every
+    member: the manifest) and :meth:`_broadcast` (a uint8 bucket, in place, on :attr:`device`).
+    Every member calls :meth:`sync_weights` for each version: the sender (rank ``src``) with the
+    payload, the receivers with ``None``; receivers get the payload back in :class:`SyncResult`.
     """
+
+    def __init__(self, rank: int, device: torch.device, bucket_bytes: int, src: int = 0) -> None:
+        self.rank, self.device, self.bucket_bytes, self.src = rank, device, bucket_bytes, src
+        self.version = 0
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _broadcast_obj(self, obj: Any) -> Any:
+        raise NotImplementedError
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def is_stale(self, version: int) -> bool:
+        """True when weights of ``version`` are older than the last synced version."""
+        return version < self.version
+
+    def sync_weights(self, payload: Payload | None = None) -> SyncResult:
+        if not self._ready():
+            raise RuntimeError("weight sync: call init_communicator() first")
+        start = time.perf_counter()
+        sender = self.rank == self.src
+        if sender and payload is None:
+            raise ValueError("weight sync: the sender must pass a payload")
+        header = (self.version + 1, manifest_of(payload)) if sender and payload is not None else None
+        version, manifest = self._broadcast_obj(header)
+        if sender and payload is not None:
+            buckets = [b.to(self.device) for b in pack(payload, manifest, self.bucket_bytes)]
+        else:
+            buckets = [
+                torch.empty(n, dtype=torch.uint8, device=self.device)
+                for n in bucket_sizes(manifest, self.bucket_bytes)
+            ]
+        for b in buckets:
+            self._broadcast(b)
+        self.version = version
+        received = None if sender else unpack(buckets, manifest, self.bucket_bytes)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # once per sync: so that `seconds` means done
+        nbytes = sum(b.numel() for b in buckets)
+        return SyncResult(version, nbytes, time.perf_counter() - start, len(buckets), received)
+
+
+class BroadcastWeightSync(CollectiveWeightSync):
+    """Broadcast from the trainer (rank ``src`` of ``group``) to the generators over torch.distributed
+    (the job's own process group: gloo on CPU, NCCL on GPU)."""
 
     def __init__(
         self,
@@ -194,12 +243,16 @@ class BroadcastWeightSync:
         src: int = 0,
         ranks: list[int] | None = None,
     ) -> None:
-        self.rank, self.world_size, self.init_method = rank, world_size, init_method
-        self.backend, self.bucket_bytes, self.timeout_s, self.src = backend, bucket_bytes, timeout_s, src
+        device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        super().__init__(rank, device, bucket_bytes, src)
+        self.world_size, self.init_method, self.backend, self.timeout_s = (
+            world_size,
+            init_method,
+            backend,
+            timeout_s,
+        )
         self.ranks = ranks
         self.group: Any = None
-        self.version = 0
-        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
 
     def init_communicator(self) -> None:
         if not dist.is_initialized():
@@ -219,35 +272,16 @@ class BroadcastWeightSync:
                 ) from err
         self.group = dist.new_group(self.ranks) if self.ranks is not None else dist.group.WORLD
 
-    def is_stale(self, version: int) -> bool:
-        """True when weights of ``version`` are older than the last synced version."""
-        return version < self.version
+    def _ready(self) -> bool:
+        return self.group is not None
 
-    def sync_weights(self, payload: Payload | None = None) -> SyncResult:
-        if self.group is None:
-            raise RuntimeError("weight sync: call init_communicator() first")
-        start = time.perf_counter()
-        sender = self.rank == self.src
-        if sender and payload is None:
-            raise ValueError("weight sync: the sender must pass a payload")
-        header: list[Any] = [(self.version + 1, manifest_of(payload))] if sender and payload else [None]
-        dist.broadcast_object_list(header, src=self.src, group=self.group)
-        version, manifest = header[0]
-        if sender and payload is not None:
-            buckets = [b.to(self.device) for b in pack(payload, manifest, self.bucket_bytes)]
-        else:
-            buckets = [
-                torch.empty(n, dtype=torch.uint8, device=self.device)
-                for n in bucket_sizes(manifest, self.bucket_bytes)
-            ]
-        for b in buckets:
-            dist.broadcast(b, src=self.src, group=self.group)
-        self.version = version
-        received = None if sender else unpack(buckets, manifest, self.bucket_bytes)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # once per sync: so that `seconds` means done
-        nbytes = sum(b.numel() for b in buckets)
-        return SyncResult(version, nbytes, time.perf_counter() - start, len(buckets), received)
+    def _broadcast_obj(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=self.src, group=self.group)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

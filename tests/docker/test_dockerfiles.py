@@ -632,6 +632,31 @@ def test_worker_matches_the_operator_defaults() -> None:
         assert engine in installed, f"the worker image does not install {engine}"
 
 
+def test_worker_pins_the_versions_the_adapters_target() -> None:
+    """The vLLM and Megatron/TE adapters are written against exact releases; the image, the `gpu`
+    extra and the adapters' constants name the same ones."""
+    import tomllib
+
+    from workers.engines.megatron_config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
+    from workers.engines.vllm_generator import VLLM_VERSION
+
+    args = dockerfile("worker").final.args
+    want = {
+        "VLLM_VERSION": VLLM_VERSION,
+        "MCORE_VERSION": MEGATRON_CORE_VERSION,
+        "TE_VERSION": TRANSFORMER_ENGINE_VERSION,
+    }
+    assert {k: args[k] for k in want} == want
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert sorted(extra) == sorted(
+        [
+            f"vllm=={VLLM_VERSION}",
+            f"megatron-core=={MEGATRON_CORE_VERSION}",
+            f"transformer-engine[pytorch]=={TRANSFORMER_ENGINE_VERSION}",
+        ]
+    )
+
+
 @pytest.mark.parametrize("image", ["controlplane", "operator"])
 def test_cpu_images_take_the_cpu_torch_of_constraints(image: str) -> None:
     pins: dict[str, str] = {}

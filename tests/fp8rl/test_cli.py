@@ -256,3 +256,15 @@ def test_bench_gradients_prints_table_and_writes_json(
         and not layers["model.layers.0.mlp.up_proj.weight"]["fp8"]
     )
     assert all(0.9 < layer["cos"] <= 1.0 for layer in layers.values())
+
+
+def test_run_refuses_an_engine_that_is_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("workers.engines.factory._installed", lambda module: False)
+    spec = tmp_path / "vllm.yaml"
+    spec.write_text(
+        "precision: {recipe: bf16}\nresources: {generator_engine: vllm, gpus_per_generator: 1}\n"
+        f"output_dir: {tmp_path / 'out'}\n"
+    )
+    result = runner.invoke(app, ["run", str(spec), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert "resources.generator_engine=vllm" in result.output and "worker image" in result.output

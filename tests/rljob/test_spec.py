@@ -58,7 +58,62 @@ def test_every_problem_is_listed_at_once() -> None:
         ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
         ({"task": {"prompt_template": "no placeholder"}}, "task", "{question}"),
         ({"task": {"reasoning_gym": "chain_sum", "dataset": "a.jsonl"}}, "task", "only one"),
-        ({"resources": {"engine": "vllm"}}, "(spec)", "needs GPUs"),
+        ({"resources": {"engine": "vllm"}}, "resources", "split in two: set resources.generator_engine"),
+        ({"resources": {"generator_engine": "vllm"}}, "resources", "vllm needs GPUs"),
+        (
+            {"resources": {"generator_engine": "vllm", "gpus_per_generator": 2}},
+            "resources",
+            "generator_tensor_parallel_size (1) must equal gpus_per_generator (2)",
+        ),
+        ({"resources": {"generator_tensor_parallel_size": 2}}, "resources", "needs generator_engine vllm"),
+        ({"resources": {"generator_engine": "sglang"}}, "resources.generator_engine", "'native' or 'vllm'"),
+        ({"resources": {"trainer_engine": "megatron"}}, "resources", "set gpus_per_trainer 1 (got 0)"),
+        (
+            {
+                "resources": {
+                    "trainer_engine": "megatron",
+                    "gpus_per_trainer": 1,
+                    "trainers": 3,
+                    "trainer_tensor_parallel_size": 2,
+                }
+            },
+            "resources",
+            "trainers (3) must be a multiple of",
+        ),
+        ({"resources": {"trainer_pipeline_parallel_size": 2}}, "resources", "need trainer_engine megatron"),
+        (
+            {
+                "resources": {
+                    "share_gpu": True,
+                    "gpus_per_generator": 1,
+                    "gpus_per_trainer": 1,
+                    "generator_engine": "vllm",
+                }
+            },
+            "resources",
+            "share_gpu is for the native engines",
+        ),
+        (
+            {
+                "algorithm": {"kl": {"coef": 0.1}},
+                "resources": {"trainer_engine": "megatron", "gpus_per_trainer": 1},
+            },
+            "(spec)",
+            "needs a frozen reference model",
+        ),
+        (
+            {
+                "model": {"tiny": {"num_layers": 3}},
+                "resources": {
+                    "trainer_engine": "megatron",
+                    "gpus_per_trainer": 1,
+                    "trainers": 2,
+                    "trainer_pipeline_parallel_size": 2,
+                },
+            },
+            "(spec)",
+            "num_layers (3) must be a multiple of resources.trainer_pipeline_parallel_size (2)",
+        ),
         ({"validation": {"interval": -1}}, "validation.interval", "greater than or equal to 0"),
         ({"validation": {"size": 0}}, "validation.size", "greater than or equal to 1"),
         ({"validation": {"temperature": -0.5}}, "validation.temperature", "greater than or equal to 0"),
@@ -128,3 +183,22 @@ def test_a_stored_spec_validates_again() -> None:
     assert spec.task.reasoning_gym is None and spec.task.generator is None
     with pytest.raises(ValueError, match=r"set only one of task\.reasoning_gym and task\.dataset"):
         JobSpec.model_validate({"task": {"dataset": "/data/qa.jsonl", "reasoning_gym": "chain_sum"}})
+
+
+def test_engines_and_parallel_sizes_that_fit() -> None:
+    spec = parse_spec(
+        {
+            "resources": {
+                "generator_engine": "vllm",
+                "gpus_per_generator": 2,
+                "generator_tensor_parallel_size": 2,
+                "trainer_engine": "megatron",
+                "gpus_per_trainer": 1,
+                "trainers": 8,
+                "trainer_tensor_parallel_size": 2,
+                "trainer_pipeline_parallel_size": 2,
+            }
+        }
+    )
+    assert spec.resources.trainer_data_parallel_size == 2  # 8 GPUs / (TP 2 x PP 2)
+    assert parse_spec({}).resources.trainer_data_parallel_size == 1

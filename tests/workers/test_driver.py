@@ -188,8 +188,10 @@ def test_an_engine_that_is_not_installed_fails_before_ray(
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr("workers.driver._ray_init", no_ray)
-    spec = tiny_spec("bf16", resources={"engine": "vllm", "gpus_per_generator": 1})
-    with pytest.raises(EngineUnavailable, match=r"resources.engine=vllm: .*needs vllm.*worker image"):
+    spec = tiny_spec("bf16", resources={"generator_engine": "vllm", "gpus_per_generator": 1})
+    with pytest.raises(
+        EngineUnavailable, match=r"resources.generator_engine=vllm: .*needs vllm.*worker image"
+    ):
         run(spec, tmp_path, RunOptions(log=lambda m: None))
 
 

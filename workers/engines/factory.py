@@ -1,16 +1,18 @@
-"""Engine factories: the one place that turns ``resources.engine`` into a generator and a trainer.
+"""Engine factories: the one place that turns the spec's engines into a generator and a trainer.
 
 Actors and benchmarks call :func:`build_generator` / :func:`build_trainer` and use the result
 through the :class:`~workers.engines.protocols.Generator` / ``Trainer`` protocols, so nothing else
-branches on the engine. ``resources.engine``:
+branches on the engine.
 
-- ``native``: the torch engines of this package, for generation and training (CPU or GPU);
-- ``vllm``: vLLM generation (native training);
-- ``megatron``: Megatron-Core + Transformer Engine training (native generation).
+- ``resources.generator_engine``: ``native`` (the torch generator of this package, CPU or GPU) or
+  ``vllm`` (:mod:`workers.engines.vllm_generator`);
+- ``resources.trainer_engine``: ``native`` (CPU or GPU) or ``megatron`` (Megatron-Core +
+  Transformer Engine, :mod:`workers.engines.megatron_trainer`).
 
 An engine whose packages are not installed fails when the job starts (:func:`check_engines`,
-called by the driver before Ray does any work) with a message naming the engine, the missing
-package and the image that has it. It never falls back to the native engine silently.
+called by the driver before Ray does any work) with a message naming the field, the missing
+package and the image that has it. It never falls back to the native engine silently. The
+adapters are imported only here, lazily: ``import workers`` needs neither vLLM nor Megatron.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ if TYPE_CHECKING:
     from workers.engines.native_generator import NativeGenerator
     from workers.engines.native_trainer import NativeTrainer
 
-# engine -> (role it serves, [(import name, pip package)])
+# engine -> (the spec field that selects it, [(import name, pip package)])
 ENGINES: dict[str, tuple[str, list[tuple[str, str]]]] = {
-    "vllm": ("generator", [("vllm", "vllm")]),
+    "vllm": ("generator_engine", [("vllm", "vllm")]),
     "megatron": (
-        "trainer",
+        "trainer_engine",
         [("megatron.core", "megatron-core"), ("transformer_engine", "transformer-engine[pytorch]")],
     ),
 }
@@ -43,28 +45,61 @@ class EngineUnavailable(RuntimeError):
 
 
 def engine_for(spec: JobSpec, role: str) -> str:
-    """``native``, ``vllm`` or ``megatron``: the engine that serves ``role`` (generator|trainer)."""
-    engine = spec.resources.engine
-    return engine if engine != "native" and ENGINES[engine][0] == role else "native"
+    """The engine that serves ``role`` (``generator`` | ``trainer``): native, vllm or megatron."""
+    if role == "generator":
+        return spec.resources.generator_engine
+    if role == "trainer":
+        return spec.resources.trainer_engine
+    raise ValueError(f"role {role!r}: expected generator or trainer")
+
+
+def uses_weight_channel(spec: JobSpec) -> bool:
+    """True when weights travel over the NCCL weight channel (:mod:`workers.engines.nccl_channel`):
+    whenever vLLM or Megatron is in the job. The native pair shares the job's process group."""
+    return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
+
+
+def weight_receivers(spec: JobSpec) -> int:
+    """Ranks one generator takes in the weight channel: one per vLLM tensor-parallel worker."""
+    return spec.resources.generator_tensor_parallel_size if engine_for(spec, "generator") == "vllm" else 1
+
+
+def check_model(spec: JobSpec) -> None:
+    """Refuse, before anything starts, a model the chosen engines cannot run (ValueError naming
+    the layer or field and what to change): vLLM's block-FP8 layout, Megatron's supported models.
+    Reads the model's config only (no weights)."""
+    if engine_for(spec, "generator") == "native" and engine_for(spec, "trainer") == "native":
+        return
+    from workers.engines.models import model_config
+
+    hf_config = model_config(spec, 256)  # the vocabulary does not change any checked shape
+    if engine_for(spec, "generator") == "vllm":
+        from workers.engines.vllm_generator import check_layout, generator_layout
+
+        fp8_names, _ = generator_layout(hf_config, spec.precision)
+        check_layout(hf_config, fp8_names, spec.resources.generator_tensor_parallel_size)
+    if engine_for(spec, "trainer") == "megatron":
+        from workers.engines.megatron_config import check_supported
+
+        check_supported(hf_config)
 
 
 def check_engines(spec: JobSpec) -> None:
-    """Raise :class:`EngineUnavailable` unless every engine the job asks for can run here."""
-    engine = spec.resources.engine
-    if engine == "native":
-        return
-    role, packages = ENGINES[engine]
-    missing = [pkg for module, pkg in packages if not _installed(module)]
-    if missing:
-        raise EngineUnavailable(
-            f"resources.engine={engine}: the {role} engine needs {', '.join(missing)}, which "
-            f"{'is' if len(missing) == 1 else 'are'} not installed here. Run the job in {WORKER_IMAGE}, "
-            "which has it, or set resources.engine=native."
-        )
-    raise EngineUnavailable(
-        f"resources.engine={engine}: {', '.join(p for _, p in packages)} installed, but this fp8rl "
-        f"release has no {engine} {role} adapter yet; set resources.engine=native."
-    )
+    """Raise :class:`EngineUnavailable` unless every engine the job asks for can run here (and
+    ValueError for a model they cannot run: :func:`check_model`)."""
+    check_model(spec)
+    for role in ("generator", "trainer"):
+        engine = engine_for(spec, role)
+        if engine == "native":
+            continue
+        field, packages = ENGINES[engine]
+        missing = [pkg for module, pkg in packages if not _installed(module)]
+        if missing:
+            raise EngineUnavailable(
+                f"resources.{field}={engine}: the {role} engine needs {', '.join(missing)}, which "
+                f"{'is' if len(missing) == 1 else 'are'} not installed here. Run the job in "
+                f"{WORKER_IMAGE}, which has it, or set resources.{field}=native."
+            )
 
 
 def _installed(module: str) -> bool:
@@ -78,17 +113,26 @@ def build_generator(
     spec: JobSpec, vocab_size: int, eos_id: int, pad_id: int, device: str = "cpu"
 ) -> Generator:
     """The generator the spec asks for, on ``device``."""
-    if engine_for(spec, "generator") != "native":
+    if engine_for(spec, "generator") == "vllm":
         check_engines(spec)
+        from workers.engines.vllm_generator import VllmGenerator
+
+        return VllmGenerator(spec, vocab_size, eos_id, pad_id, device)
     from workers.engines.native_generator import NativeGenerator
 
     return NativeGenerator(spec, vocab_size, eos_id, pad_id, device)
 
 
-def build_trainer(spec: JobSpec, vocab_size: int, device: str = "cpu", dp_group: object = None) -> Trainer:
-    """The trainer the spec asks for, on ``device`` (``dp_group``: the data-parallel group)."""
-    if engine_for(spec, "trainer") != "native":
+def build_trainer(
+    spec: JobSpec, vocab_size: int, device: str = "cpu", dp_group: object = None, rank: int = 0
+) -> Trainer:
+    """The trainer the spec asks for, on ``device`` (``dp_group``: the native trainers'
+    data-parallel group; ``rank``: this trainer's rank among the trainers, for Megatron)."""
+    if engine_for(spec, "trainer") == "megatron":
         check_engines(spec)
+        from workers.engines.megatron_trainer import MegatronTrainer
+
+        return MegatronTrainer(spec, vocab_size, device, rank)
     from workers.engines.native_trainer import NativeTrainer
 
     return NativeTrainer(spec, vocab_size, device, dp_group)

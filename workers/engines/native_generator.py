@@ -34,6 +34,7 @@ from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
+from workers.weight_sync import CollectiveWeightSync, SyncResult
 
 
 class Fp8KvCache(DynamicCache):
@@ -134,6 +135,7 @@ class NativeGenerator:
         drop_master_weights(self.model)  # FP8 layers keep their FP8 weight only
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
+        self.channel: CollectiveWeightSync | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -145,6 +147,21 @@ class NativeGenerator:
 
     def load_weights(self, payload: Payload) -> None:
         load_weights(self.model, payload)
+
+    def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
+        from workers.engines.nccl_channel import StatelessNcclWeightSync
+
+        self.channel = StatelessNcclWeightSync(address, first_rank, world_size, self.device)
+        self.channel.init_communicator()
+
+    def receive_weights(self) -> SyncResult:
+        if self.channel is None:
+            raise RuntimeError("receive_weights: join_weight_channel() first")
+        result = self.channel.sync_weights(None)
+        assert result.payload is not None
+        self.load_weights(result.payload)
+        result.payload = None  # loaded: do not keep a second copy alive
+        return result
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int

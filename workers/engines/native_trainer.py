@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
+from workers.engines.kv_calibration import kv_scale_payload, observe_kv
 from workers.engines.models import (
     COMPUTE_DTYPE,
     DTYPES,
@@ -41,6 +42,7 @@ from workers.engines.protocols import Payload, Rollouts, TrainStats, positions
 from workers.fp8.convert import Fp8Audit, weight_bytes
 from workers.fp8.export import export_weights
 from workers.fp8.guard import finite_guard
+from workers.fp8.kv_cache import KvScaleCalibrator, KvScales
 
 
 def sequence_logprobs(
@@ -93,6 +95,11 @@ class NativeTrainer:
         )
         self.sft_optimizer: torch.optim.Optimizer | None = None
         self.ref_model: Any = None
+        # a vLLM generator with an FP8 KV cache gets its K/V scales from here, every step
+        self.kv_calibrator: KvScaleCalibrator | None = None
+        if spec.precision.fp8_kv_cache and spec.resources.generator_engine == "vllm":
+            self.kv_calibrator = KvScaleCalibrator(int(self.model.config.num_hidden_layers))
+        self.kv_scales: KvScales | None = None
         if spec.algorithm.kl.coef > 0:  # the initial policy, frozen, for the KL penalty
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
 
@@ -216,6 +223,12 @@ class NativeTrainer:
         sums["sequences"] = self._scalar(float(n))
         summed = self._all_reduce(torch.stack([sums[k] for k in _SUMS]))
         is_max = self._all_reduce(is_max.clone(), dist.ReduceOp.MAX)
+        if self.kv_calibrator is not None:  # K/V of the updated weights, for vLLM's FP8 KV cache
+            self.kv_calibrator.reset()
+            observe_kv(self.model, host, self.kv_calibrator, mbs)
+            scales = self.kv_calibrator.scales()
+            both = self._all_reduce(torch.stack([scales.k, scales.v]), dist.ReduceOp.MAX)  # [2, layers]
+            self.kv_scales = KvScales(both[0], both[1], scales.fmt)
         totals = dict(zip(_SUMS, summed.unbind(), strict=True))
         # every trainer clipped and stepped with the same summed gradient: the norm is the same
         return seen, {**totals, "is_max": is_max, "grad_norm": grad_norm}
@@ -246,9 +259,15 @@ class NativeTrainer:
 
         ``fp8-e2e``: the trainer's own FP8 weights. ``fp8-gen``: ``fp8_names`` (the generators'
         FP8 layers) quantized now from the master weights. ``bf16``: everything in BF16.
+        Data-parallel trainers hold the same weights: only the first one exports.
         """
+        if self.dp_group is not None and dist.get_rank(self.dp_group) != 0:
+            return {}
         payload = export_weights(self.model, fp8_names, fp8_config(self.spec.precision))
-        return {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v) for k, v in payload.items()}
+        out = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v) for k, v in payload.items()}
+        if self.kv_scales is not None:  # float32, as vLLM keeps them (none before the first step)
+            out.update(kv_scale_payload(self.kv_scales))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}

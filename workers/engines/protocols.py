@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from workers.fp8.convert import Fp8Audit
+from workers.weight_sync import SyncResult
 
 Payload = dict[str, Any]  # name -> Fp8Tensor | Tensor (see workers.fp8.export)
 
@@ -64,6 +65,15 @@ class Generator(Protocol):
         """The weights held in FP8: what the trainer must send as FP8 data + scales."""
         ...
 
+    def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
+        """Join the NCCL weight channel of a vLLM/Megatron job (:mod:`workers.engines.nccl_channel`)
+        as ranks ``first_rank ..`` (one per receiving process)."""
+        ...
+
+    def receive_weights(self) -> SyncResult:
+        """Receive one version over the weight channel and compute with it from now on."""
+        ...
+
 
 class Trainer(Protocol):
     """What the trainer actor calls. Built by :func:`workers.engines.factory.build_trainer`."""
@@ -84,7 +94,10 @@ class Trainer(Protocol):
         """One supervised warm-up step; the mean token NLL over every trainer."""
         ...
 
-    def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload: ...
+    def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload:
+        """The payload the generators load (see :mod:`workers.fp8.export`). Called on every
+        trainer (a sharded engine gathers here); the first trainer returns it, the others ``{}``."""
+        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -115,3 +115,12 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float, fmt: str | Fp8Form
     """Quantize K or V of one layer with its calibrated (tensorwise) scale; saturating."""
     s = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
     return cast_to_fp8(x, s.reshape(()), fmt, None)
+
+
+def kv_scale_name(layer: int, which: str) -> str:
+    """The payload (and checkpoint) name of decoder layer ``layer``'s K or V scale (``which``:
+    ``k`` | ``v``): the Hugging Face-side name vLLM's model loaders map onto their attention
+    layer's ``k_scale`` / ``v_scale``. A 0-d float32 tensor: dequantized = data x scale."""
+    if which not in ("k", "v"):
+        raise ValueError(f"which={which!r}: expected 'k' or 'v'")
+    return f"model.layers.{layer}.self_attn.{which}_scale"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rljob import JobSpec, SpecError, parse_spec
@@ -24,7 +26,15 @@ TINY = {
 
 
 def gpu_spec(engine: str) -> JobSpec:
-    return parse_spec({"model": TINY, "resources": {"engine": engine, "gpus_per_generator": 1}})
+    """A job on ``engine``; BF16, since the tiny model has no whole 128x128 FP8 blocks for vLLM."""
+    field = "generator_engine" if engine == "vllm" else "trainer_engine"
+    return parse_spec(
+        {
+            "model": TINY,
+            "precision": {"recipe": "bf16"},
+            "resources": {field: engine, "gpus_per_generator": 1, "gpus_per_trainer": 1},
+        }
+    )
 
 
 def test_native_engines_by_default() -> None:
@@ -39,14 +49,14 @@ def test_native_engines_by_default() -> None:
 
 
 @pytest.mark.parametrize(
-    "engine,role,packages",
+    "engine,role,field,packages",
     [
-        ("vllm", "generator", ["vllm"]),
-        ("megatron", "trainer", ["megatron-core", "transformer-engine[pytorch]"]),
+        ("vllm", "generator", "generator_engine", ["vllm"]),
+        ("megatron", "trainer", "trainer_engine", ["megatron-core", "transformer-engine[pytorch]"]),
     ],
 )
 def test_a_missing_engine_names_the_package_and_the_image(
-    engine: str, role: str, packages: list[str], monkeypatch: pytest.MonkeyPatch
+    engine: str, role: str, field: str, packages: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(factory, "_installed", lambda module: False)
     spec = gpu_spec(engine)
@@ -56,8 +66,8 @@ def test_a_missing_engine_names_the_package_and_the_image(
     with pytest.raises(EngineUnavailable) as info:
         check_engines(spec)
     message = str(info.value)
-    assert f"resources.engine={engine}" in message and "worker image" in message
-    assert all(p in message for p in packages) and "resources.engine=native" in message
+    assert f"resources.{field}={engine}" in message and "worker image" in message
+    assert all(p in message for p in packages) and f"resources.{field}=native" in message
     with pytest.raises(EngineUnavailable):
         if role == "generator":
             build_generator(spec, TOK.vocab_size, TOK.eos_id, TOK.pad_id)
@@ -65,12 +75,33 @@ def test_a_missing_engine_names_the_package_and_the_image(
             build_trainer(spec, TOK.vocab_size)
 
 
-def test_an_installed_engine_without_an_adapter_is_refused_not_replaced(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(factory, "_installed", lambda module: True)
-    with pytest.raises(EngineUnavailable, match="no vllm generator adapter yet"):
-        check_engines(gpu_spec("vllm"))
+def test_the_weight_channel_is_for_vllm_and_megatron_jobs() -> None:
+    assert not factory.uses_weight_channel(parse_spec({"model": TINY}))
+    assert factory.uses_weight_channel(gpu_spec("vllm")) and factory.uses_weight_channel(gpu_spec("megatron"))
+    tp2 = parse_spec(
+        {
+            "resources": {
+                "generator_engine": "vllm",
+                "gpus_per_generator": 2,
+                "generator_tensor_parallel_size": 2,
+                "generators": 3,
+            }
+        }
+    )
+    assert factory.weight_receivers(tp2) == 2 and factory.weight_receivers(gpu_spec("megatron")) == 1
+
+
+def test_adapters_are_not_imported_with_workers() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, workers.driver, workers.actors, workers.engines.factory; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'transformer_engine') "
+        "or m in ('workers.engines.vllm_generator', 'workers.engines.megatron_trainer')]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_share_gpu_needs_one_gpu_per_actor() -> None:
@@ -90,3 +121,41 @@ def test_share_gpu_splits_the_gpu_and_uses_gloo() -> None:
     own = parse_spec({"resources": {"gpus_per_generator": 1, "gpus_per_trainer": 2}})
     assert collective_backend(own) == "nccl" and actor_options(own, "training")["num_gpus"] == 2
     assert collective_backend(parse_spec({})) == "gloo"  # CPUs
+
+
+def test_a_model_the_engines_cannot_run_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(factory, "_installed", lambda module: True)  # the packages are not the problem
+    # head_dim 32 with 2 KV heads: k_proj has 64 rows, not a whole 128-row block for vLLM
+    small = parse_spec(
+        {
+            "model": {"tiny": {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}},
+            "resources": {"generator_engine": "vllm", "gpus_per_generator": 1},
+        }
+    )
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.*64"):
+        check_engines(small)
+    small.precision.recipe = "bf16"  # no FP8 layer in vLLM: nothing to refuse
+    check_engines(small)
+    # a sliding-window model for Megatron, read from its config only
+    from transformers import Qwen2Config
+
+    Qwen2Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=64,
+    ).save_pretrained(tmp_path)
+    sliding = parse_spec(
+        {
+            "model": {"name": str(tmp_path), "pretrained": False},
+            "tokenizer": {"kind": "bytes"},
+            "resources": {"trainer_engine": "megatron", "gpus_per_trainer": 1},
+        }
+    )
+    with pytest.raises(ValueError, match=r"sliding-window attention.*trainer_engine: native"):
+        check_engines(sliding)

@@ -1,0 +1,779 @@
+"""The Megatron trainer's pure parts on CPU: config mapping, names and layouts, TP/PP shards, the
+right-aligned sequence layout, log-probs, the payload and the audit.
+
+Expected values are written out by hand (labelled rows, literal configs) or come from a second
+method: the fact sheet's own QKV split, a float64 log-softmax, the native trainer's left-padded
+forward, and ``quantize`` called directly.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
+
+from rljob import JobSpec, parse_spec
+from workers.engines.megatron_config import (
+    MegatronShapes,
+    fp8_environment,
+    gpt_model_kwargs,
+    megatron_state_shapes,
+    transformer_config_kwargs,
+)
+from workers.engines.megatron_convert import (
+    fuse_qkv,
+    global_name,
+    hf_payload,
+    hf_to_megatron,
+    local_name,
+    mask_padded_vocab,
+    megatron_to_hf,
+    merge_tp_shards,
+    response_logprobs,
+    right_align,
+    shard_for_rank,
+    split_qkv,
+    stage_layers,
+    stage_owned,
+    stage_state,
+    token_logprobs,
+)
+from workers.engines.native_trainer import sequence_logprobs
+from workers.engines.protocols import Rollouts
+from workers.fp8.linear import Fp8LinearConfig
+from workers.fp8.quant import quantize
+
+
+def llama(**kw: Any) -> LlamaConfig:
+    base: dict[str, Any] = dict(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=500000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaConfig(**{**base, **kw})
+
+
+def qwen2(**kw: Any) -> Qwen2Config:
+    base: dict[str, Any] = dict(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+        max_position_embeddings=2048, tie_word_embeddings=True,
+    )  # fmt: skip
+    return Qwen2Config(**{**base, **kw})
+
+
+def megatron_spec(recipe: str = "fp8-e2e", tp: int = 1, pp: int = 1, **precision: Any) -> JobSpec:
+    return parse_spec(
+        {
+            "model": {"tiny": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}},
+            "precision": {"recipe": recipe, **precision},
+            "resources": {
+                "trainer_engine": "megatron", "gpus_per_trainer": 1, "trainers": tp * pp,
+                "trainer_tensor_parallel_size": tp, "trainer_pipeline_parallel_size": pp,
+            },
+        }
+    )  # fmt: skip
+
+
+# -- configs ---------------------------------------------------------------------------------------
+
+
+def test_llama_transformer_config_by_hand() -> None:
+    spec = megatron_spec("fp8-e2e", tp=2, keep_bf16_layers=(1, 0))
+    kw = transformer_config_kwargs(llama(), spec)
+    assert kw == {
+        "num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_query_groups": 2,
+        "ffn_hidden_size": 512, "kv_channels": 64, "normalization": "RMSNorm", "layernorm_epsilon": 1e-5,
+        "gated_linear_unit": True, "activation_func": F.silu, "add_bias_linear": False,
+        "add_qkv_bias": False, "hidden_dropout": 0.0, "attention_dropout": 0.0, "bf16": True,
+        "params_dtype": torch.float32, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+        "sequence_parallel": False, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": False,
+        "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 0,
+    }  # fmt: skip
+    # 1000 rows padded to a multiple of 128 * tp = 256: 4 * 256 = 1024
+    assert gpt_model_kwargs(llama(), 2) == {
+        "vocab_size": 1024, "max_sequence_length": 4096, "position_embedding_type": "rope",
+        "rotary_base": 500000, "share_embeddings_and_output_weights": False, "parallel_output": True,
+    }  # fmt: skip
+
+
+def test_qwen2_transformer_config_by_hand() -> None:
+    spec = megatron_spec("bf16", pp=2, master_dtype="bfloat16")
+    kw = transformer_config_kwargs(qwen2(), spec)
+    assert kw["add_qkv_bias"] is True and kw["kv_channels"] == 64  # 256 / 4 heads
+    assert kw["fp8"] is None and "fp8_recipe" not in kw and "first_last_layers_bf16" not in kw
+    assert kw["pipeline_dtype"] == torch.bfloat16 and kw["params_dtype"] == torch.bfloat16
+    assert kw["layernorm_epsilon"] == 1e-6
+    g = gpt_model_kwargs(qwen2(), 1)
+    assert g["vocab_size"] == 1024 and g["share_embeddings_and_output_weights"] is True
+    assert g["rotary_base"] == 10000 and g["max_sequence_length"] == 2048
+
+
+def test_fp8_options() -> None:
+    kw = transformer_config_kwargs(llama(), megatron_spec("fp8-e2e"))
+    assert "first_last_layers_bf16" not in kw  # (0, 0) keeps nothing
+    assert fp8_environment(megatron_spec()) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+    pow2 = megatron_spec(power_of_two_scales=True)
+    assert fp8_environment(pow2) == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0"}
+
+
+def test_llama3_rope_scaling_maps_to_the_factor() -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}  # fmt: skip
+    g = gpt_model_kwargs(llama(rope_scaling=rope, max_position_embeddings=131072), 1)
+    assert g["rope_scaling"] is True and g["rope_scaling_factor"] == 8.0
+
+
+@pytest.mark.parametrize(
+    ("config", "spec", "words"),
+    [
+        (lambda: llama(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                        "original_max_position_embeddings": 1024}), None, "'yarn'"),
+        (lambda: llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                       max_position_embeddings=131072), None, "low_freq_factor"),
+        (lambda: qwen2(use_sliding_window=True, sliding_window=128, max_window_layers=0), None, "sliding"),
+        (lambda: MistralConfig(num_hidden_layers=2), None, "model_type 'mistral'"),
+        (lambda: llama(attention_bias=True), None, "attention_bias"),
+        (lambda: llama(num_key_value_heads=1), megatron_spec(tp=2), "trainer_tensor_parallel_size (2)"),
+        (lambda: llama(num_hidden_layers=6), megatron_spec(pp=4), "trainer_pipeline_parallel_size (4)"),
+        (llama, megatron_spec(pp=2, keep_bf16_layers=(3, 0)), "precision.keep_bf16_layers"),
+    ],
+)  # fmt: skip
+def test_unsupported_configs_are_refused(config: Any, spec: JobSpec | None, words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        transformer_config_kwargs(config(), spec or megatron_spec())
+
+
+# -- names and layouts -----------------------------------------------------------------------------
+
+# heads 4, kv heads 2 (2 heads per group), head_dim 2, hidden 3
+TINY = MegatronShapes(layers=1, heads=4, kv_heads=2, head_dim=2, hidden=3, ffn=4, vocab=5,
+                      padded_vocab=8, tied=False, qkv_bias=True)  # fmt: skip
+
+
+def labelled(labels: list[int], cols: int = 3) -> torch.Tensor:
+    """One row per label, every element of the row equal to it."""
+    return torch.tensor(labels, dtype=torch.float32)[:, None].repeat(1, cols)
+
+
+def test_qkv_is_interleaved_per_query_group() -> None:
+    q = labelled([100, 100, 101, 101, 102, 102, 103, 103])  # head h: 2 rows of 100 + h
+    k = labelled([200, 200, 201, 201])  # group g: 200 + g
+    v = labelled([300, 300, 301, 301])
+    fused = fuse_qkv(q, k, v, TINY)
+    # group 0: its q heads 0, 1, then k0, v0; group 1: heads 2, 3, k1, v1
+    expected = [100, 100, 101, 101, 200, 200, 300, 300, 102, 102, 103, 103, 201, 201, 301, 301]
+    assert fused[:, 0].tolist() == expected and (fused == fused[:, :1]).all()
+    bias = fuse_qkv(q[:, 0], k[:, 0], v[:, 0], TINY)  # 1-D biases, same order
+    assert bias.tolist() == expected
+    for got, want in zip(split_qkv(fused, TINY), (q, k, v), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_qkv_split_agrees_with_megatrons_own_view() -> None:
+    """Megatron reads linear_qkv as [ng, (nq/ng + 2) * d, H] and splits it [nq/ng*d, d, d]."""
+    cfg = MegatronShapes(1, heads=8, kv_heads=2, head_dim=4, hidden=5, ffn=4, vocab=5, padded_vocab=8,
+                         tied=False, qkv_bias=False)  # fmt: skip
+    q, k, v = torch.randn(32, 5), torch.randn(8, 5), torch.randn(8, 5)
+    grouped = fuse_qkv(q, k, v, cfg).view(2, (4 + 2) * 4, 5)
+    mq, mk, mv = grouped[:, :16], grouped[:, 16:20], grouped[:, 20:]
+    assert torch.equal(mq.reshape(-1, 5), q) and torch.equal(mk.reshape(-1, 5), k)
+    assert torch.equal(mv.reshape(-1, 5), v)
+
+
+def random_hf_state(config: Any) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("config", [llama, qwen2], ids=["llama", "qwen2-tied"])
+def test_hf_megatron_round_trip_is_exact(config: Any) -> None:
+    hf_config = config(num_hidden_layers=2, vocab_size=300)
+    cfg = MegatronShapes.from_hf(hf_config)
+    state = random_hf_state(hf_config)
+    meg = hf_to_megatron(state, cfg)
+    assert {k: tuple(v.shape) for k, v in meg.items()} == megatron_state_shapes(cfg)
+    assert ("output_layer.weight" in meg) == (not cfg.tied)
+    emb = meg["embedding.word_embeddings.weight"]  # 300 rows padded to 384 with zeros
+    assert emb.shape[0] == 384 and torch.equal(emb[:300], state["model.embed_tokens.weight"])
+    assert not emb[300:].any()
+    gate, up = state["model.layers.1.mlp.gate_proj.weight"], state["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(meg["decoder.layers.1.mlp.linear_fc1.weight"], torch.cat([gate, up]))
+    assert torch.equal(
+        meg["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"],
+        state["model.layers.0.input_layernorm.weight"],
+    )
+    back = megatron_to_hf(meg, cfg)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_hf_state_that_does_not_fit_is_refused() -> None:
+    hf_config = llama(num_hidden_layers=1, vocab_size=300)
+    cfg = MegatronShapes.from_hf(hf_config)
+    state = random_hf_state(hf_config)
+    with pytest.raises(ValueError, match="unexpected"):
+        hf_to_megatron({**state, "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}, cfg)
+    del state["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"model\.norm\.weight is missing"):
+        hf_to_megatron(state, cfg)
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+
+
+def test_tp_shards_hold_whole_query_groups_and_gate_up_pairs() -> None:
+    q = labelled([100, 100, 101, 101, 102, 102, 103, 103])
+    k, v = labelled([200, 200, 201, 201]), labelled([300, 300, 301, 301])
+    qkv = fuse_qkv(q, k, v, TINY)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert shard_for_rank(name, qkv, 0, 2, TINY)[:, 0].tolist() == [100, 100, 101, 101, 200, 200, 300, 300]
+    assert shard_for_rank(name, qkv, 1, 2, TINY)[:, 0].tolist() == [102, 102, 103, 103, 201, 201, 301, 301]
+    fc1 = labelled([1000, 1001, 1002, 1003, 2000, 2001, 2002, 2003])  # [gate rows; up rows]
+    fc1_name = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert shard_for_rank(fc1_name, fc1, 0, 2, TINY)[:, 0].tolist() == [1000, 1001, 2000, 2001]
+    assert shard_for_rank(fc1_name, fc1, 1, 2, TINY)[:, 0].tolist() == [1002, 1003, 2002, 2003]
+    proj = torch.arange(12.0).reshape(3, 4)  # row-parallel: columns
+    proj_name = "decoder.layers.0.self_attention.linear_proj.weight"
+    assert shard_for_rank(proj_name, proj, 1, 2, TINY).tolist() == [[2, 3], [6, 7], [10, 11]]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_shard_merge_round_trip(tp: int) -> None:
+    hf_config = llama(num_hidden_layers=2, vocab_size=300, num_attention_heads=8, num_key_value_heads=4)
+    cfg = MegatronShapes.from_hf(hf_config, tp)
+    full = hf_to_megatron(random_hf_state(hf_config), cfg)
+    for name, t in full.items():
+        shards = [shard_for_rank(name, t, r, tp, cfg) for r in range(tp)]
+        if name.endswith("layer_norm_weight") or name.endswith("final_layernorm.weight"):
+            assert all(s is t for s in shards)
+        else:
+            assert sum(s.numel() for s in shards) == t.numel()
+        assert torch.equal(merge_tp_shards(name, shards, cfg), t), name
+
+
+# -- pipeline stages -------------------------------------------------------------------------------
+
+
+def test_stage_layer_renumbering() -> None:
+    assert stage_layers(8, 4, 1) == range(2, 4)
+    assert (
+        local_name("decoder.layers.5.mlp.linear_fc2.weight", 8, 4, 2)
+        == "decoder.layers.1.mlp.linear_fc2.weight"
+    )
+    assert (
+        global_name("decoder.layers.1.mlp.linear_fc2.weight", 8, 4, 2)
+        == "decoder.layers.5.mlp.linear_fc2.weight"
+    )
+    assert local_name("embedding.word_embeddings.weight", 8, 4, 0) == "embedding.word_embeddings.weight"
+    with pytest.raises(ValueError, match="not on pipeline stage 1"):
+        local_name("decoder.layers.5.mlp.linear_fc2.weight", 8, 4, 1)
+    with pytest.raises(ValueError, match="equal stages"):
+        stage_layers(6, 4, 0)
+
+
+def test_stage_states_split_the_model_and_copy_tied_embeddings() -> None:
+    hf_config = qwen2(num_hidden_layers=4, vocab_size=300)  # tied
+    cfg = MegatronShapes.from_hf(hf_config)
+    full = hf_to_megatron(random_hf_state(hf_config), cfg)
+    first, last = stage_state(full, cfg, 2, 0), stage_state(full, cfg, 2, 1)
+    assert "embedding.word_embeddings.weight" in first and "decoder.final_layernorm.weight" not in first
+    assert torch.equal(
+        last["decoder.layers.0.self_attention.linear_proj.weight"],
+        full["decoder.layers.2.self_attention.linear_proj.weight"],
+    )
+    assert last["output_layer.weight"] is full["embedding.word_embeddings.weight"]  # the tied copy
+    owned = stage_owned(cfg, 2, 0) + stage_owned(cfg, 2, 1)
+    assert sorted(owned) == sorted(full) and len(set(owned)) == len(owned)  # each name once
+    assert "output_layer.weight" not in stage_owned(cfg, 2, 1)
+
+
+# -- sequences -------------------------------------------------------------------------------------
+
+
+def hand_batch() -> Rollouts:
+    """Row 0: prompt [5, 6] (one pad), response [7, 8] then a pad; row 1: prompt [9, 10, 11],
+    response [12] then pads. Pad id 99."""
+    return Rollouts(
+        prompt_ids=torch.tensor([[99, 5, 6], [9, 10, 11]]),
+        prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        response_ids=torch.tensor([[7, 8, 99], [12, 99, 99]]),
+        response_mask=torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+        logprobs=torch.zeros(2, 3),
+    )
+
+
+def test_right_align_by_hand() -> None:
+    aligned = right_align(hand_batch())
+    assert aligned.ids.tolist() == [[5, 6, 7, 8, 99, 0], [9, 10, 11, 12, 99, 99]]
+    assert aligned.targets.tolist() == [[6, 7, 8, 99, 0, 0], [10, 11, 12, 99, 99, 0]]
+    # response token k of a row with prompt length n is predicted at position n - 1 + k
+    assert aligned.response_index.tolist() == [[1, 2, 3], [2, 3, 4]]
+    assert aligned.targets.gather(1, aligned.response_index).tolist() == [[7, 8, 99], [12, 99, 99]]
+    assert right_align(hand_batch(), multiple=16).ids.shape == (2, 16)
+    token_logp = torch.arange(12.0).reshape(2, 6) + 0.5
+    assert response_logprobs(token_logp, aligned.response_index, hand_batch().response_mask).tolist() == [
+        [1.5, 2.5, 0.0],
+        [8.5, 0.0, 0.0],
+    ]
+
+
+def test_right_aligned_forward_equals_the_left_padded_one() -> None:
+    """A second method: the native trainer's forward (left padding, position ids counting valid
+    tokens, padding mask) and a plain causal forward on right-aligned rows (positions 0..T-1, as
+    Megatron computes) give the same float32 log-probs."""
+    torch.manual_seed(0)
+    config = llama(num_hidden_layers=2, vocab_size=64, hidden_size=64, intermediate_size=128, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    lengths = [2, 5, 7]
+    prompt_ids = torch.zeros(3, 7, dtype=torch.long)
+    prompt_mask = torch.zeros(3, 7, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        prompt_ids[i, 7 - n :] = torch.randint(1, 64, (n,))
+        prompt_mask[i, 7 - n :] = 1
+    response_mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    batch = Rollouts(prompt_ids, prompt_mask, torch.randint(1, 64, (3, 4)), response_mask, torch.zeros(3, 4))
+    with torch.no_grad():
+        native = sequence_logprobs(model, batch, 0.7, compute_dtype=torch.float32)
+        aligned = right_align(batch, multiple=16)
+        logits = model(input_ids=aligned.ids).logits  # causal, positions 0..T-1
+        ours = response_logprobs(
+            token_logprobs(logits, aligned.targets, 0.7), aligned.response_index, response_mask
+        )
+    torch.testing.assert_close(ours, native, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_against_float64() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11) * 4
+    targets = torch.randint(0, 11, (2, 5))
+    reference = torch.log_softmax(logits.double() / 0.6, -1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, targets, 0.6), reference.float(), atol=1e-5, rtol=0)
+
+    before = logits.clone()
+    got = token_logprobs(logits, targets, 0.6, overwriting_ce)
+    torch.testing.assert_close(got, reference.float(), atol=1e-5, rtol=0)
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+
+
+def test_padded_vocab_columns_take_no_probability() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 8)  # 6 real tokens, 2 padding columns
+    targets = torch.randint(0, 6, (2, 3))
+    reference = torch.log_softmax(logits[..., :6].double(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    # two tensor-parallel ranks of 4 columns each: rank 1 holds global ids 4..7
+    shards = [mask_padded_vocab(logits[..., 4 * r : 4 * r + 4], 6, 4 * r) for r in range(2)]
+    assert torch.isinf(shards[1][..., 2:]).all() and torch.isfinite(shards[0]).all()
+    got = token_logprobs(torch.cat(shards, -1), targets, 1.0)
+    torch.testing.assert_close(got, reference.float(), atol=1e-6, rtol=0)
+    # the same mask applied inside token_logprobs, on its own temporary
+    before = logits.clone()
+    got = token_logprobs(logits, targets, 1.0, overwriting_ce, valid_vocab=6)
+    torch.testing.assert_close(got, reference.float(), atol=1e-6, rtol=0)
+    assert torch.equal(logits, before)
+
+
+# -- payload and audit -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_hf_payload_quantizes_the_named_weights(power_of_two: bool) -> None:
+    torch.manual_seed(0)
+    q_name, norm_name = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"
+    state = {q_name: torch.randn(256, 192), norm_name: torch.randn(192)}
+    config = Fp8LinearConfig(power_of_two_scales=power_of_two)
+    payload = hf_payload(state, [q_name], config)
+    expected = quantize(state[q_name], "e4m3", (128, 128), power_of_two=power_of_two)
+    got = payload[q_name]
+    assert not isinstance(got, torch.Tensor)
+    assert got.block == (128, 128) and got.scale.shape == (2, 2)
+    assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(got.scale, expected.scale)
+    if power_of_two:
+        assert torch.equal(got.scale, torch.exp2(torch.log2(got.scale).round()))
+    norm = payload[norm_name]
+    assert isinstance(norm, torch.Tensor) and norm.dtype == torch.bfloat16
+    assert torch.equal(norm, state[norm_name].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="not in the model"):
+        hf_payload(state, ["model.layers.7.mlp.up_proj.weight"], config)
+
+
+def test_audit_rows_say_what_is_fp8_and_why() -> None:
+    from workers.engines.megatron_config import megatron_audit
+
+    shapes = MegatronShapes.from_hf(llama())
+    audit = megatron_audit(shapes, megatron_spec("fp8-e2e", keep_bf16_layers=(1, 0)).precision)
+    rows = {r.name: r for r in audit.rows}
+    linears = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+    assert audit.fp8_layers == [f"decoder.layers.{i}.{m}" for i in (1, 2, 3) for m in linears]
+    assert "first 1 kept in BF16" in rows["decoder.layers.0.mlp.linear_fc1"].reason
+    qkv = rows["decoder.layers.1.self_attention.linear_qkv"]
+    # (4 + 2*2) heads * 64 = 512 rows x 256: 131072 bytes of E4M3 + 4 x 2 blocks of float32 scales
+    assert qkv.shape == (512, 256) and qkv.bytes_after == 131072 + 8 * 4 and qkv.bytes_before == 262144
+    assert qkv.kernels == {"fprop": "te_blockwise", "dgrad": "te_blockwise", "wgrad": "te_blockwise"}
+    assert rows["embedding.word_embeddings"].kind == "embedding" and rows["output_layer"].kind == "lm_head"
+    assert rows["decoder.layers.2.mlp.linear_fc1.layer_norm"].precision == "bfloat16"
+    assert "float32 scales" in audit.formats
+    bf16 = megatron_audit(shapes, megatron_spec("bf16").precision)
+    assert not bf16.fp8_layers and not bf16.kernel_reasons
+    assert rows["decoder.final_layernorm"].kind == "norm"
+    assert bf16.rows[1].reason == "norms stay high precision"
+    assert all("recipe bf16" in r.reason for r in bf16.rows if r.kind == "linear")
+    assert math.isclose(float(audit.summary()["fp8_layers"]), 12)
+
+
+def test_the_trainer_module_imports_without_megatron_and_refuses_kl() -> None:
+    import workers.engines.megatron_trainer as mt
+
+    assert "megatron" not in sys.modules and "transformer_engine" not in sys.modules
+    spec = megatron_spec("bf16").model_copy(deep=True)
+    spec.algorithm.kl.coef = 0.1
+    with pytest.raises(ValueError, match=r"algorithm.kl.coef > 0"):
+        mt.MegatronTrainer(spec, 259)
+
+
+# -- the adapter on a stand-in for Megatron-Core ---------------------------------------------------
+#
+# Megatron-Core needs CUDA, so here the adapter drives a stand-in with the documented behaviour of
+# the pieces it calls (fact sheet §2-5): a GPT model holding Megatron-named parameters (computing
+# with the Hugging Face model they map to, its padded vocabulary rows giving logit 0), BF16
+# wrapping with float32 output, float32 main weights, and the no-pipelining schedule's 3-tuple
+# loss convention (loss / max(num_tokens, 1) / micro-batches). One rank: tp = pp = dp = 1.
+
+
+def overwriting_ce(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Megatron's vocab_parallel_cross_entropy at tp=1, overwriting its input as it does."""
+    x -= x.max(-1, keepdim=True).values
+    return x.exp().sum(-1).log() - x.gather(-1, target[..., None]).squeeze(-1)
+
+
+class _Config:
+    def __init__(self, **kwargs: Any) -> None:
+        self.__dict__.update(kwargs)
+        self.finalize_model_grads_func: Any = None
+        self.grad_scale_func: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(name)
+
+
+def install_fake_megatron(monkeypatch: pytest.MonkeyPatch, spec: JobSpec, vocab: int) -> None:
+    import types
+
+    from torch import nn
+
+    from workers.engines.megatron_trainer import MegatronTrainer
+    from workers.engines.models import build_policy
+
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")  # restored after the test
+    reference = build_policy(spec, vocab, torch.float32, "cpu")
+    shapes = MegatronShapes.from_hf(reference.config)
+
+    class CoreAttention(nn.Module):
+        def forward(self, query: Any, key: torch.Tensor, value: torch.Tensor, mask: Any) -> None:
+            return None  # only its pre-hooks matter here
+
+    class ShowKv(DynamicCache):
+        """Shows each layer's K (after RoPE) and V to its core attention, as [s, b, heads, d]."""
+
+        def __init__(self, layers: Any) -> None:
+            super().__init__()
+            self.layers_ = layers
+
+        def update(
+            self,
+            key_states: torch.Tensor,
+            value_states: torch.Tensor,
+            layer_idx: int,
+            *args: Any,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            # [b, heads, s, d] -> [s, b, heads, d]
+            sbhd = (key_states.permute(2, 0, 1, 3), value_states.permute(2, 0, 1, 3))
+            self.layers_[layer_idx].self_attention.core_attention(None, *sbhd, None)
+            return key_states, value_states
+
+    class GPTModel(nn.Module):
+        def __init__(self, config: _Config, layer_spec: Any, *, vocab_size: int, **kwargs: Any) -> None:
+            super().__init__()
+            assert vocab_size == shapes.padded_vocab and kwargs["pre_process"] and kwargs["post_process"]
+            self.decoder = nn.Module()
+            self.decoder.layers = nn.ModuleList(nn.Module() for _ in range(shapes.layers))
+            for name, shape in megatron_state_shapes(shapes).items():
+                *path, leaf = name.split(".")
+                module: nn.Module = self
+                for part in path:
+                    if part not in module._modules:
+                        module.add_module(part, nn.Module())
+                    module = module._modules[part]  # type: ignore[assignment]
+                nan = torch.full(shape, float("nan"), dtype=config.params_dtype)  # every one must be loaded
+                module.register_parameter(leaf, nn.Parameter(nan))
+            layers: Any = self.decoder.layers
+            for layer in layers:
+                layer.self_attention.core_attention = CoreAttention()
+
+        def forward(self, input_ids: torch.Tensor, position_ids: Any, attention_mask: Any) -> torch.Tensor:
+            assert attention_mask is None  # causal only; positions 0..T-1 whatever position_ids say
+            state = megatron_to_hf(dict(self.named_parameters()), shapes)
+            inputs = {
+                "input_ids": input_ids,
+                "past_key_values": ShowKv(self.decoder.layers),
+                "use_cache": True,
+            }
+            out = torch.func.functional_call(reference, state, (), inputs, strict=False)
+            return F.pad(out.logits, (0, shapes.padded_vocab - shapes.vocab))  # zero rows: logit 0
+
+    class Float16Module(nn.Module):
+        def __init__(self, config: _Config, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module.bfloat16()
+
+        def forward(self, **kwargs: Any) -> torch.Tensor:
+            return self.module(**kwargs).float()
+
+    class DistributedDataParallel(nn.Module):
+        def __init__(self, config: _Config, ddp_config: Any, module: nn.Module) -> None:
+            super().__init__()
+            self.config, self.module = config, module
+
+        def forward(self, **kwargs: Any) -> torch.Tensor:
+            return self.module(**kwargs)
+
+        def zero_grad_buffer(self) -> None:
+            for p in self.parameters():
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)  # type: ignore[attr-defined]
+
+    def finalize_model_grads(models: list[nn.Module], num_tokens: Any = None) -> None:
+        for p in models[0].parameters():  # one replica: nothing to all-reduce
+            if p.grad is not None:
+                p.main_grad += p.grad.float()  # type: ignore[attr-defined]
+
+    class Optimizer:
+        def __init__(self, config: _Config, models: list[nn.Module]) -> None:
+            self.config, self.params = config, list(models[0].parameters())
+            for p in self.params:
+                p.main_param = p.detach().float().clone()  # type: ignore[attr-defined]
+            mains = [p.main_param for p in self.params]  # type: ignore[attr-defined]
+            betas = (config.adam_beta1, config.adam_beta2)
+            self.inner = torch.optim.AdamW(mains, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
+            self.param_groups = self.inner.param_groups
+
+        def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+            return loss  # BF16: loss scale 1
+
+        def zero_grad(self) -> None:
+            for p in self.params:
+                p.grad = None
+
+        def step(self) -> tuple[bool, float, None]:
+            mains = [p.main_param for p in self.params]  # type: ignore[attr-defined]
+            for p, main in zip(self.params, mains, strict=True):
+                main.grad = p.main_grad  # type: ignore[attr-defined]
+            norm = torch.nn.utils.clip_grad_norm_(mains, self.config.clip_grad)
+            self.inner.step()
+            with torch.no_grad():
+                for p, main in zip(self.params, mains, strict=True):
+                    p.copy_(main)
+            return True, float(norm), None
+
+    def get_forward_backward_func() -> Any:
+        def run(*, forward_step_func: Any, data_iterator: Any, model: Any, num_microbatches: int,
+                seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list[Any]:  # fmt: skip
+            chunk, store = model[0], []
+            for _ in range(num_microbatches):
+                output, loss_func = forward_step_func(data_iterator, chunk)
+                loss, num_tokens, reduced = loss_func(output)
+                loss /= torch.clamp(num_tokens, min=1)
+                loss /= num_microbatches
+                store.append(reduced)
+                if not forward_only:
+                    torch.autograd.backward(chunk.config.grad_scale_func(loss))
+            if not forward_only:
+                chunk.config.finalize_model_grads_func([chunk])
+            return store
+
+        return run
+
+    ps = types.SimpleNamespace(
+        model_parallel_is_initialized=lambda: True,
+        get_tensor_model_parallel_world_size=lambda: 1,
+        get_pipeline_model_parallel_world_size=lambda: 1,
+        **dict.fromkeys(
+            ("get_tensor_model_parallel_rank", "get_pipeline_model_parallel_rank", "get_data_parallel_rank"),
+            lambda: 0,
+        ),
+        get_data_parallel_world_size=lambda: 1,
+        **dict.fromkeys(
+            ("get_tensor_model_parallel_group", "get_pipeline_model_parallel_group",
+             "get_data_parallel_group", "get_model_parallel_group"),
+            lambda: torch.distributed.group.WORLD,
+        ),
+    )  # fmt: skip
+    modules = {
+        "megatron.core.parallel_state": ps,
+        "megatron.core.tensor_parallel": types.SimpleNamespace(
+            model_parallel_cuda_manual_seed=lambda seed: None, vocab_parallel_cross_entropy=overwriting_ce
+        ),
+        "megatron.core.distributed": types.SimpleNamespace(
+            DistributedDataParallel=DistributedDataParallel,
+            DistributedDataParallelConfig=_Config,
+            finalize_model_grads=finalize_model_grads,
+        ),
+        "megatron.core.models.gpt": types.SimpleNamespace(GPTModel=GPTModel),
+        "megatron.core.models.gpt.gpt_layer_specs": types.SimpleNamespace(
+            get_gpt_layer_with_transformer_engine_spec=lambda: None
+        ),
+        "megatron.core.optimizer": types.SimpleNamespace(
+            OptimizerConfig=_Config, get_megatron_optimizer=Optimizer
+        ),
+        "megatron.core.transformer": types.SimpleNamespace(TransformerConfig=_Config),
+        "megatron.core.transformer.module": types.SimpleNamespace(Float16Module=Float16Module),
+        "megatron.core.pipeline_parallel": types.SimpleNamespace(
+            get_forward_backward_func=get_forward_backward_func
+        ),
+    }
+    core = types.SimpleNamespace(parallel_state=ps, tensor_parallel=modules["megatron.core.tensor_parallel"])
+    for name, module in {
+        "megatron": types.SimpleNamespace(core=core),
+        "megatron.core": core,
+        **modules,
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(MegatronTrainer, "_cuda", lambda self, device: torch.device("cpu"))
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    """A 1-rank gloo process group (the trainer actor's group of trainers)."""
+    import socket
+
+    dist = torch.distributed
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "minibatches"),
+    [("token-mean", 1), ("seq-mean-token-mean", 2)],
+    ids=["token", "seq-2mini"],
+)
+def test_adapter_trains_like_the_native_trainer(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any, aggregation: str, minibatches: int
+) -> None:
+    """Same weights, log-probs, loss, gradient norm and update direction as the native trainer
+    (CPU, BF16): the loss scaling, micro-batching, right alignment and vocabulary masking."""
+    from workers.engines.megatron_trainer import MegatronTrainer
+    from workers.engines.native_generator import NativeGenerator
+    from workers.engines.native_trainer import NativeTrainer
+    from workers.fp8.export import fp8_weight_names
+    from workers.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    spec = parse_spec(
+        {
+            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 3},
+            "precision": {"recipe": "bf16"},
+            "rollout": {"group_size": 4},
+            "algorithm": {"loss_aggregation": aggregation, "minibatches": minibatches},
+            "optimizer": {"micro_batch_size": 3, "lr": 1e-3},  # 8 rows: micro-batches of 3, 3, 2
+            "resources": {"trainer_engine": "megatron", "gpus_per_trainer": 1},
+        }
+    )
+    install_fake_megatron(monkeypatch, spec, tok.vocab_size)
+    native = NativeTrainer(spec, tok.vocab_size)
+    meg = MegatronTrainer(spec, tok.vocab_size, "cpu")
+    start = meg.state_dict()["model"]
+    assert start.keys() == native.model.state_dict().keys()
+    assert all(torch.equal(v, native.model.state_dict()[k]) for k, v in start.items())
+    gen = NativeGenerator(spec, tok.vocab_size, tok.eos_id, tok.pad_id)
+    gen.load_weights(meg.export_weights(fp8_weight_names(gen.model)))
+    prompts = [tok.encode(p) for p in ("1+1=", "12+345=", "Calculate 7 + 8. ", "9*9=")] * 2
+    batch = gen.generate(prompts, 6, 1.0, 1.0, 0)
+    mask = batch.response_mask
+    lp = meg.logprobs(batch, 0.9)
+    assert float(((lp - native.logprobs(batch, 0.9)).abs() * mask).max()) < 1e-2
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    ours, theirs = meg.train_step(batch, rewards, 1.0), native.train_step(batch, rewards, 1.0)
+    assert ours.stats.keys() == theirs.stats.keys()
+    assert ours.stats["train/tokens"] == theirs.stats["train/tokens"] == float(mask.sum())
+    for key in ("train/loss", "is/weight_mean", "train/advantage_abs_mean"):
+        assert abs(ours.stats[key] - theirs.stats[key]) < 1e-3, key
+    # a wrong loss scale (micro-batches, minibatch units) would move the norm by a whole factor
+    assert abs(ours.stats["train/grad_norm"] / theirs.stats["train/grad_norm"] - 1) < 0.02
+    assert float(((ours.logprobs_old - theirs.logprobs_old).abs() * mask).max()) < 1e-2
+    after, native_after = meg.state_dict()["model"], native.model.state_dict()
+    moved = agree = 0
+    for name, w in after.items():
+        big = (native_after[name] - start[name]).abs() > 0.5 * spec.optimizer.lr
+        moved += int(big.sum())
+        agree += int((torch.sign(w - start[name]) == torch.sign(native_after[name] - start[name]))[big].sum())
+    assert moved > 0 and agree / moved > 0.98, (agree, moved)
+    payload = meg.export_weights(())
+    assert all(torch.equal(payload[k], v.to(torch.bfloat16)) for k, v in after.items())
+    assert abs(meg.sft_step(batch) - native.sft_step(batch)) < 1e-2
+
+
+def test_adapter_kv_scales_match_the_native_calibration(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
+) -> None:
+    """The K/V scales sent to vLLM: those the native calibration (:mod:`workers.engines.kv_calibration`,
+    real tokens of left-padded rows) computes on the trainer's updated weights."""
+    from workers.engines.kv_calibration import kv_scale_payload, observe_kv
+    from workers.engines.megatron_trainer import MegatronTrainer
+    from workers.engines.native_generator import NativeGenerator
+    from workers.engines.native_trainer import NativeTrainer
+    from workers.fp8.kv_cache import KvScaleCalibrator
+    from workers.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    data: dict[str, Any] = {
+        "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 4},
+        "precision": {"recipe": "bf16"},
+        "rollout": {"group_size": 4},
+        "optimizer": {"micro_batch_size": 3},
+    }
+    plain = parse_spec(data)
+    spec = parse_spec(
+        {
+            **data,
+            "precision": {"recipe": "bf16", "fp8_kv_cache": True},
+            "resources": {"trainer_engine": "megatron", "gpus_per_trainer": 1, "generator_engine": "vllm",
+                          "gpus_per_generator": 1},
+        }
+    )  # fmt: skip
+    install_fake_megatron(monkeypatch, spec, tok.vocab_size)
+    meg = MegatronTrainer(spec, tok.vocab_size, "cpu")
+    gen = NativeGenerator(plain, tok.vocab_size, tok.eos_id, tok.pad_id)
+    before = meg.export_weights(())  # nothing calibrated yet: every scale 1.0
+    assert all(float(v) == 1.0 for k, v in before.items() if k.endswith(("k_scale", "v_scale")))
+    gen.load_weights({k: v for k, v in before.items() if not k.endswith(("k_scale", "v_scale"))})
+    batch = gen.generate(
+        [tok.encode(p) for p in ("1+1=", "12+345=", "Calculate 7 + 8. ", "9*9=")], 6, 1.0, 1.0, 0
+    )
+    meg.train_step(batch, torch.tensor([1.0, 0.0, 0.0, 1.0]), 1.0)
+    payload = meg.export_weights(())
+    native = NativeTrainer(plain, tok.vocab_size)
+    native.model.load_state_dict(meg.state_dict()["model"])  # the updated weights
+    calibrator = KvScaleCalibrator(2)
+    observe_kv(native.model, batch, calibrator, 3)
+    expected = kv_scale_payload(calibrator.scales())
+    assert expected.keys() <= payload.keys()
+    for name, scale in expected.items():
+        assert payload[name].dim() == 0 and payload[name].dtype == torch.float32
+        torch.testing.assert_close(payload[name], scale, rtol=2e-2, atol=0)
