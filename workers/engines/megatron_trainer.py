@@ -80,13 +80,12 @@ from workers.engines.megatron_convert import (
     token_logprobs,
 )
 from workers.engines.models import build_policy, fp8_config, to_device
-from workers.engines.protocols import Payload, Rollouts, TrainStats
+from workers.engines.protocols import STEP_SUMS, Payload, Rollouts, TrainStats, train_stats
 from workers.fp8.convert import Fp8Audit
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name
 
 ALIGN = 16  # sequence length multiple: FP8 GEMMs want the token count a multiple of 16
-_SUMS = ("loss", "clipped", "is_sum", "kl", "tokens", "adv_abs_sum", "sequences")
 
 
 def _device_name(device: torch.device) -> str:
@@ -466,19 +465,7 @@ class MegatronTrainer:
     def train_step(self, batch: Rollouts, rewards: torch.Tensor, temperature: float) -> TrainStats:
         """One RL step; the statistics cover every trainer's rows (the native trainer's keys)."""
         logp_old, totals = self._train(batch, rewards, temperature)
-        values = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True))  # one read
-        tokens = max(values["tokens"], 1.0)
-        stats = {
-            "train/loss": values["loss"],
-            "train/grad_norm": values["grad_norm"],
-            "train/clip_fraction": values["clipped"] / tokens,
-            "train/kl": values["kl"] / tokens,
-            "is/weight_mean": values["is_sum"] / tokens,
-            "is/weight_max": values["is_max"],
-            "train/advantage_abs_mean": values["adv_abs_sum"] / max(values["sequences"], 1.0),
-            "train/tokens": values["tokens"],
-        }
-        return TrainStats(logprobs_old=logp_old.cpu(), stats=stats)
+        return TrainStats(logprobs_old=logp_old.cpu(), stats=train_stats(totals))
 
     def _grpo_loss(
         self, mb: dict[str, Any], logits: torch.Tensor, temperature: float, units: torch.Tensor, scale: int
@@ -529,7 +516,7 @@ class MegatronTrainer:
         batch_sums = torch.stack([full.response_mask.sum(), data["adv"].abs().sum(), self._scalar(float(n))])
         summed = self._dp_sum(torch.cat([loss_sums, batch_sums.to(torch.float32)]))
         is_max = self._dp_sum(is_max, dist.ReduceOp.MAX)
-        totals = dict(zip(_SUMS, summed.unbind(), strict=True))
+        totals = dict(zip(STEP_SUMS, summed.unbind(), strict=True))
         return seen[own, :length], {**totals, "is_max": is_max, "grad_norm": grad_norm}
 
     def _sft_loss(

@@ -38,7 +38,7 @@ from workers.engines.models import (
     fp8_config,
     to_device,
 )
-from workers.engines.protocols import Payload, Rollouts, TrainStats, positions
+from workers.engines.protocols import STEP_SUMS, Payload, Rollouts, TrainStats, positions, train_stats
 from workers.fp8.convert import Fp8Audit, weight_bytes
 from workers.fp8.export import export_weights
 from workers.fp8.guard import finite_guard
@@ -76,10 +76,6 @@ def sequence_logprobs(
 
 def _rows(batch: Rollouts, start: int, stop: int) -> Rollouts:
     return Rollouts(*(t[start:stop] for t in batch))
-
-
-# Step statistics summed over the trainers (the last is a max); see NativeTrainer.train_step.
-_SUMS = ("loss", "clipped", "is_sum", "kl", "tokens", "adv_abs_sum", "sequences")
 
 
 class NativeTrainer:
@@ -154,19 +150,7 @@ class NativeTrainer:
         batch (summed over the trainers on the device), the same on every trainer.
         """
         logp_old, totals = self.train_step_on_device(batch, rewards, temperature)
-        values = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True))  # one read
-        tokens = max(values["tokens"], 1.0)
-        stats = {
-            "train/loss": values["loss"],
-            "train/grad_norm": values["grad_norm"],
-            "train/clip_fraction": values["clipped"] / tokens,
-            "train/kl": values["kl"] / tokens,
-            "is/weight_mean": values["is_sum"] / tokens,
-            "is/weight_max": values["is_max"],
-            "train/advantage_abs_mean": values["adv_abs_sum"] / max(values["sequences"], 1.0),
-            "train/tokens": values["tokens"],
-        }
-        return TrainStats(logprobs_old=logp_old.cpu(), stats=stats)
+        return TrainStats(logprobs_old=logp_old.cpu(), stats=train_stats(totals))
 
     def train_step_on_device(
         self, batch: Rollouts, rewards: torch.Tensor, temperature: float
@@ -187,7 +171,7 @@ class NativeTrainer:
                 batch.logprobs.shape, dtype=torch.float32, device=self.device
             )  # logp_old as used
             zero = self._scalar(0.0)
-            sums = dict.fromkeys(_SUMS, zero)
+            sums = dict.fromkeys(STEP_SUMS, zero)
             is_max, grad_norm = zero, zero
             per_mini = math.ceil(n / algo.minibatches)
             for m0 in range(0, n, per_mini):
@@ -221,7 +205,7 @@ class NativeTrainer:
         sums["tokens"] = self._scalar(float(host.response_mask.sum()))
         sums["adv_abs_sum"] = advantages.abs().sum().to(torch.float32)
         sums["sequences"] = self._scalar(float(n))
-        summed = self._all_reduce(torch.stack([sums[k] for k in _SUMS]))
+        summed = self._all_reduce(torch.stack([sums[k] for k in STEP_SUMS]))
         is_max = self._all_reduce(is_max.clone(), dist.ReduceOp.MAX)
         if self.kv_calibrator is not None:  # K/V of the updated weights, for vLLM's FP8 KV cache
             self.kv_calibrator.reset()
@@ -229,7 +213,7 @@ class NativeTrainer:
             scales = self.kv_calibrator.scales()
             both = self._all_reduce(torch.stack([scales.k, scales.v]), dist.ReduceOp.MAX)  # [2, layers]
             self.kv_scales = KvScales(both[0], both[1], scales.fmt)
-        totals = dict(zip(_SUMS, summed.unbind(), strict=True))
+        totals = dict(zip(STEP_SUMS, summed.unbind(), strict=True))
         # every trainer clipped and stepped with the same summed gradient: the norm is the same
         return seen, {**totals, "is_max": is_max, "grad_norm": grad_norm}
 

@@ -42,6 +42,28 @@ class TrainStats(NamedTuple):
     stats: dict[str, float]
 
 
+# Step statistics every trainer sums over the trainers on the device (plus the maxima ``is_max``
+# and ``grad_norm``), then reads back once: :func:`train_stats`.
+STEP_SUMS = ("loss", "clipped", "is_sum", "kl", "tokens", "adv_abs_sum", "sequences")
+
+
+def train_stats(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The ``train/*`` and ``is/*`` statistics of one RL step from its totals (0-d tensors on the
+    device, already reduced over the trainers), read back in one transfer."""
+    values = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True))
+    tokens = max(values["tokens"], 1.0)
+    return {
+        "train/loss": values["loss"],
+        "train/grad_norm": values["grad_norm"],
+        "train/clip_fraction": values["clipped"] / tokens,
+        "train/kl": values["kl"] / tokens,
+        "is/weight_mean": values["is_sum"] / tokens,
+        "is/weight_max": values["is_max"],
+        "train/advantage_abs_mean": values["adv_abs_sum"] / max(values["sequences"], 1.0),
+        "train/tokens": values["tokens"],
+    }
+
+
 class Generator(Protocol):
     """What the generator actor calls. Built by :func:`workers.engines.factory.build_generator`."""
 
