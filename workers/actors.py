@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
+from workers.engines.factory import build_generator, build_trainer, uses_weight_channel, weight_receivers
+from workers.engines.nccl_channel import channel_ranks
 from workers.engines.protocols import Generator, Rollouts, Trainer
 from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
 
@@ -165,3 +166,19 @@ class GeneratorWorker(_Member):
         temp = r.temperature if temperature is None else temperature
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return out, {"kv_cache": self.engine.kv_cache_bytes, "weights": self.engine.weight_bytes}
+
+
+def open_weight_channel(spec: JobSpec, trainer0: Any, generators: list[Any]) -> None:
+    """Open the NCCL weight channel of a vLLM/Megatron job: trainer 0 (a Ray actor handle) and
+    every generator join at once (each waits for the others), after their setup."""
+    import ray
+
+    address = ray.get(trainer0.free_address.remote())
+    world_size, firsts = channel_ranks(weight_receivers(spec), len(generators))
+    ray.get(
+        [trainer0.join_weight_channel.remote(address, world_size)]
+        + [
+            g.join_weight_channel.remote(address, first, world_size)
+            for g, first in zip(generators, firsts, strict=True)
+        ]
+    )

@@ -30,8 +30,7 @@ from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
-from workers.engines.factory import check_engines, uses_weight_channel, weight_receivers
-from workers.engines.nccl_channel import channel_ranks
+from workers.engines.factory import check_engines, uses_weight_channel
 from workers.engines.protocols import Rollouts, concat_rollouts, even_split, left_pad, split_rows
 from workers.metrics import MetricsLog, PromExporter
 from workers.tasks import Problem, Task
@@ -88,7 +87,7 @@ class _Cluster:
     def __init__(self, spec: JobSpec, vocab_size: int, tok: Tokenizer) -> None:
         import ray
 
-        from workers.actors import GeneratorWorker, TrainerWorker
+        from workers.actors import GeneratorWorker, TrainerWorker, open_weight_channel
 
         res = spec.resources
         t, g = res.trainers, res.generators
@@ -105,15 +104,7 @@ class _Cluster:
         audits = ray.get([a.setup.remote(address, backend) for a in self.all()])
         self.trainer_audit, self.generator_audit = audits[0], audits[t]
         if uses_weight_channel(spec):  # vLLM or Megatron: weights over an NCCL group of their own
-            channel = ray.get(self.trainers[0].free_address.remote())
-            world_size, firsts = channel_ranks(weight_receivers(spec), g)
-            ray.get(
-                [self.trainers[0].join_weight_channel.remote(channel, world_size)]
-                + [
-                    gen.join_weight_channel.remote(channel, first, world_size)
-                    for gen, first in zip(self.generators, firsts, strict=True)
-                ]
-            )
+            open_weight_channel(spec, self.trainers[0], self.generators)
         self.fp8_names: list[str] = ray.get(self.generators[0].fp8_weight_names.remote())
 
     def all(self) -> list[Any]:

@@ -18,6 +18,7 @@ FP8 weights travel as the trainer's own data and scales; the generator wraps the
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -176,7 +177,7 @@ def unpack(
     return payload
 
 
-class CollectiveWeightSync:
+class CollectiveWeightSync(ABC):
     """The wire format of the module docstring over any broadcast primitive.
 
     Subclasses provide :meth:`_broadcast_obj` (a small picklable object from ``src`` to every
@@ -189,14 +190,17 @@ class CollectiveWeightSync:
         self.rank, self.device, self.bucket_bytes, self.src = rank, device, bucket_bytes, src
         self.version = 0
 
+    @abstractmethod
     def _ready(self) -> bool:
-        raise NotImplementedError
+        """True once the communicator is up."""
 
+    @abstractmethod
     def _broadcast_obj(self, obj: Any) -> Any:
-        raise NotImplementedError
+        """``obj`` of the sender, on every member."""
 
+    @abstractmethod
     def _broadcast(self, tensor: torch.Tensor) -> None:
-        raise NotImplementedError
+        """The sender's ``tensor`` into every member's ``tensor`` (same shape, in place)."""
 
     def is_stale(self, version: int) -> bool:
         """True when weights of ``version`` are older than the last synced version."""

@@ -266,7 +266,7 @@ class VllmGenerator:
         return list(self.fp8_names)
 
     def load_weights(self, payload: Payload) -> None:
-        raise NotImplementedError(
+        raise RuntimeError(
             "the vLLM generator loads weights in vLLM's own processes: join_weight_channel() and "
             "receive_weights() (the driver does this for generator_engine vllm)"
         )
