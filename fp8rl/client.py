@@ -69,12 +69,14 @@ class Client:
 
 
 def describe(r: httpx.Response) -> str:
+    """The service's RFC 9457 problem as one line: every invalid field of a 422, else ``detail``."""
     try:
-        detail = r.json().get("detail")
+        body = r.json()
+        errors, detail = body.get("errors"), body.get("detail")
     except (json.JSONDecodeError, AttributeError):
         return r.text[:500]
-    if isinstance(detail, list):
-        return "; ".join(f"{d.get('field')}: {d.get('message')}" for d in detail)
+    if isinstance(errors, list) and errors:
+        return "; ".join(f"{e.get('field')}: {e.get('message')}" for e in errors)
     return str(detail)
 
 

@@ -53,10 +53,14 @@ class ModelSpec(_Strict):
     """The policy. Exactly one of ``name`` (Hugging Face) or ``tiny`` (inline config)."""
 
     name: str | None = Field(
-        None, description="Hugging Face model id or local path (config, and weights if pretrained)."
+        None,
+        description="Hugging Face model id or local path (config, and weights if pretrained). Set exactly "
+        "one of `name` and `tiny`.",
     )
     pretrained: bool = Field(True, description="With `name`: load the weights; false: random init.")
-    tiny: TinyModel | None = Field(None, description="Inline tiny model config for CPU runs.")
+    tiny: TinyModel | None = Field(
+        None, description="Inline tiny model config for CPU runs. Set exactly one of `name` and `tiny`."
+    )
     init_seed: int = Field(0, ge=0, description="Seed of the random initialisation (tiny or not pretrained).")
 
     @model_validator(mode="after")
@@ -79,13 +83,17 @@ class TaskSpec(_Strict):
     """Prompts and rewards: a reasoning-gym generator, or a JSONL file of {question, answer}."""
 
     reasoning_gym: str | None = Field(
-        "basic_arithmetic", description="reasoning-gym dataset name (e.g. basic_arithmetic, chain_sum)."
+        "basic_arithmetic",
+        description="reasoning-gym dataset name (e.g. basic_arithmetic, chain_sum). The task has one "
+        "source: this, or `dataset` (which replaces this default; setting both is an error).",
     )
     params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the reasoning-gym generator."
     )
     dataset: str | None = Field(
-        None, description="JSONL file, one {question, answer} per line; replaces reasoning_gym."
+        None,
+        description="JSONL file, one {question, answer} per line; replaces reasoning_gym (set only one "
+        "of the two).",
     )
 
     @property
@@ -141,8 +149,10 @@ class ImportanceSamplingSpec(_Strict):
     """Correction for the trainer/generator mismatch; w = exp(logp_trainer - logp_gen) per token."""
 
     mode: IsMode = Field("tis", description="none | tis | icepop | seq-tis | seq-mask-tis | geo-mask.")
-    low: float = Field(0.5, ge=0.0, description="Lower bound on w (icepop, seq-mask-tis, geo-mask).")
-    high: float = Field(2.0, gt=0.0, description="Upper bound / truncation C on w.")
+    low: float = Field(
+        0.5, ge=0.0, description="Lower bound on w (icepop, seq-mask-tis, geo-mask); at most `high`."
+    )
+    high: float = Field(2.0, gt=0.0, description="Upper bound / truncation C on w; at least `low`.")
 
     @model_validator(mode="after")
     def _bounds(self) -> ImportanceSamplingSpec:

@@ -1,18 +1,21 @@
-"""The FastAPI application: routes, auth, body limits and error bodies."""
+"""The FastAPI application: routes, auth, body limits and error bodies (RFC 9457 problem details,
+:mod:`service.problems`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request, status
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
 from fp8rl import __version__
+from service import problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
+from service.problems import RETRY_AFTER_S, problem_response
 from service.routes import jobs, runs
 from service.settings import Settings
 from service.store import InvalidRecord, JobStore, SqlJobStore
@@ -28,37 +31,52 @@ class BodyLimit(BaseHTTPMiddleware):
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return JSONResponse(
-                {"detail": f"request body over {self.limit} bytes; job specs are small, check what is sent"},
-                status.HTTP_413_REQUEST_ENTITY_TOO_LARGE,
+            return problem_response(
+                413, f"request body over {self.limit} bytes; job specs are small, check what is sent"
             )
         return await call_next(request)
 
 
-def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    problems = []
-    for e in exc.errors():
-        loc = [str(p) for p in e.get("loc", ())]
-        if loc and loc[0] == "body":
-            loc = loc[1:]
-        problems.append(
-            {"field": ".".join(loc) or "(body)", "message": e.get("msg", ""), "type": e.get("type", "")}
-        )
-    return JSONResponse({"detail": problems}, 422)
-
-
 def _kube_error(request: Request, exc: Exception) -> JSONResponse:
-    """The Kubernetes API failed or could not be reached: 503, never a bare 500."""
+    """The Kubernetes API failed or could not be reached: 503 with Retry-After, never a bare 500."""
     what = f"{getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or type(exc).__name__}".strip()
-    return JSONResponse(
-        {"detail": f"the Kubernetes API server did not accept the request ({what}); try again later"},
-        status.HTTP_503_SERVICE_UNAVAILABLE,
+    return problem_response(
+        503,
+        f"the Kubernetes API server did not accept the request ({what}); try again later",
+        "kubernetes-unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
     )
 
 
 def _invalid_record(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse({"detail": f"{exc}; fix it (kubectl edit) or delete it"}, status.HTTP_409_CONFLICT)
+    return problem_response(409, f"{exc}; fix it (kubectl edit) or delete it", "invalid-record")
+
+
+# The error statuses each operation can answer (problems.document_errors adds 405 and 413)
+_V1 = [401]
+ERRORS: dict[tuple[str, str], list[int]] = {
+    ("POST", "/v1/jobs"): [*_V1, 403, 409, 422, 503],
+    ("GET", "/v1/jobs"): [*_V1, 409, 422, 503],
+    ("GET", "/v1/jobs/{name}"): [*_V1, 404, 409, 503],
+    ("DELETE", "/v1/jobs/{name}"): [*_V1, 404, 503],
+    ("POST", "/v1/jobs/{name}:suspend"): [*_V1, 404, 409, 503],
+    ("POST", "/v1/jobs/{name}:resume"): [*_V1, 404, 409, 503],
+    ("GET", "/v1/jobs/{name}/metrics"): [*_V1, 404, 409, 422, 503],
+    ("GET", "/v1/jobs/{name}/logs"): [*_V1, 404, 409, 422, 503],
+    ("GET", "/readyz"): [503],
+}
+_TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
+SUCCESS: dict[tuple[str, str], dict[int, dict[str, Any]]] = {
+    ("POST", "/v1/jobs"): {
+        201: {
+            "headers": {
+                "Location": {"description": "The URL of the created job.", "schema": {"type": "string"}}
+            }
+        }
+    },
+    ("GET", "/v1/jobs/{name}/logs"): {200: {"description": "The driver's log, streamed.", **_TEXT}},
+    ("GET", "/metrics"): {200: {"description": "Prometheus text exposition.", **_TEXT}},
+}
 
 
 def create_app(
@@ -82,7 +100,6 @@ def create_app(
     app.state.auth = TokenAuth(tokens)
     app.state.executor = executor
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":
         from kubernetes.client.exceptions import ApiException
@@ -119,4 +136,7 @@ def create_app(
         app.state.store.ping()
         return {"status": "ready"}
 
+    own = [r for r in app.router.routes if isinstance(r, APIRoute)]
+    problems.install(app, [*jobs.router.routes, *runs.router.routes, *own])
+    problems.document_errors(app, ERRORS, SUCCESS)
     return app

@@ -5,10 +5,29 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from starlette.convertors import Convertor, register_url_convertor
 
 from service.auth import TokenAuth
 from service.settings import Settings
 from service.store import JobStore
+
+
+class JobName(Convertor[str]):
+    """A job name in a path: anything but ``/`` and ``:``, so that ``/v1/jobs/x:suspend`` (a custom
+    method, AIP-136 style) never matches the ``{name}`` routes: a wrong method on it is a 405
+    listing the custom method's own, not GET's."""
+
+    regex = "[^/:]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("jobname", JobName())
+JOB = "{name:jobname}"  # the path parameter of every /v1/jobs/{name} route
 
 
 def get_store(request: Request) -> JobStore:

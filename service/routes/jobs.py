@@ -5,12 +5,15 @@ A tenant only ever sees its own jobs: another tenant's job is 404, as if it did 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
 from rljob.status import ACTIONS, IllegalTransition, Phase
-from service.deps import SettingsDep, StoreDep, TenantDep
+from service.deps import JOB, SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
 from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 
@@ -32,11 +35,37 @@ def _not_found(name: str) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found")
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic)
+async def strict_json(request: Request) -> None:
+    """The body's JSON types exactly as the schema states them: ``0`` is not a boolean and ``"5"``
+    not an integer over the API (``fp8rl run`` keeps YAML's looser reading: ``lr: 1e-5`` is a
+    string there). Unparsable bodies are left to FastAPI's 400."""
+    body = await request.body()
+    try:
+        json.loads(body)
+    except ValueError:
+        return
+    try:
+        JobCreate.model_validate_json(body, strict=True)
+    except ValidationError as err:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobPublic,
+    dependencies=[Depends(strict_json)],
+)
 def create_job(
-    body: JobCreate, tenant: TenantDep, store: StoreDep, settings: SettingsDep, request: Request
+    body: JobCreate,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    request: Request,
+    response: Response,
 ) -> JobPublic:
-    """Record a job (201). 409 if the name exists for this tenant; 403 over the tenant's limits."""
+    """Record a job (201, with its URL in ``Location``). 409 if the name exists for this tenant;
+    403 over the tenant's limits."""
     max_jobs, max_gpus = settings.limits(tenant)
     active, used = store.usage(tenant)
     if active >= max_jobs:
@@ -63,6 +92,7 @@ def create_job(
     executor = getattr(request.app.state, "executor", None)
     if executor is not None:
         executor.submit(job)
+    response.headers["Location"] = f"{router.prefix}/{job.name}"
     return public(job)
 
 
@@ -80,7 +110,7 @@ def list_jobs(
     return JobList(items=[public(j) for j in jobs], total=total, next_offset=nxt)
 
 
-@router.get("/{name}", response_model=JobPublic)
+@router.get(f"/{JOB}", response_model=JobPublic)
 def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
     """Spec, phase, conditions and the latest progress (step, reward, tokens/s, mismatch)."""
     try:
@@ -89,7 +119,7 @@ def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
         raise _not_found(name) from None
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete(f"/{JOB}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> None:
     """Cancel the job if it is active, then delete its record."""
     try:
@@ -125,13 +155,13 @@ def _action(name: str, action: str, tenant: str, store: StoreDep, request: Reque
     return public(job)
 
 
-@router.post("/{name}:suspend", response_model=JobPublic)
+@router.post(f"/{JOB}:suspend", response_model=JobPublic)
 def suspend_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> JobPublic:
     """Stop the job after its current step, with a checkpoint. 409 from a phase that cannot."""
     return _action(name, "suspend", tenant, store, request)
 
 
-@router.post("/{name}:resume", response_model=JobPublic)
+@router.post(f"/{JOB}:resume", response_model=JobPublic)
 def resume_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> JobPublic:
     """Continue a suspended or failed job from its last checkpoint."""
     return _action(name, "resume", tenant, store, request)

@@ -10,26 +10,29 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
 from rljob.status import ACTIVE
-from service.deps import SettingsDep, StoreDep, TenantDep
+from service.deps import JOB, SettingsDep, StoreDep, TenantDep
 from service.executor import read_metrics, run_dir
+from service.problems import ProblemError
 from service.store import JobNotFound
 
 router = APIRouter(prefix="/v1/jobs", tags=["runs"])
 
 
 def _local_only(request: Request, what: str) -> None:
-    """With ``--store kubernetes`` the driver runs in the job's Ray cluster, not beside the service."""
+    """With ``--store kubernetes`` the driver runs in the job's Ray cluster, not beside the service:
+    404 (this server has no such resource; a 5xx would say the server failed), with where to look."""
     executor = request.app.state.executor
     if executor is not None and not executor.runs_locally:
-        raise HTTPException(
-            status.HTTP_501_NOT_IMPLEMENTED,
+        raise ProblemError(
+            status.HTTP_404_NOT_FOUND,
             f"{what} is not kept by the control plane with --store kubernetes: the driver runs in the "
             "job's RayJob. Read the fp8rl_* series in Prometheus/Grafana, `kubectl logs` of the "
             "RayJob's submitter pod, or metrics.jsonl under the job's output_dir",
+            "not-kept-here",
         )
 
 
-@router.get("/{name}/metrics")
+@router.get(f"/{JOB}/metrics")
 def job_metrics(
     name: str,
     tenant: TenantDep,
@@ -47,7 +50,7 @@ def job_metrics(
     return [r for r in read_metrics(settings.data_dir, job) if int(str(r.get("step", 0))) > since]
 
 
-@router.get("/{name}/logs")
+@router.get(f"/{JOB}/logs", response_class=StreamingResponse)
 def job_logs(
     name: str,
     tenant: TenantDep,

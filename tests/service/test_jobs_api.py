@@ -76,19 +76,21 @@ def test_invalid_spec_is_422_with_field_paths(api: TestClient) -> None:
         headers=auth(ALICE),
     )
     assert r.status_code == 422
-    fields = sorted(p["field"] for p in r.json()["detail"])
+    fields = sorted(p["field"] for p in r.json()["errors"])
     assert fields == ["spec.precision.recipe", "spec.rollout.group_size"]
     bad_name = api.post("/v1/jobs", json={"name": "Not_A_Label"}, headers=auth(ALICE))
-    assert bad_name.status_code == 422 and bad_name.json()["detail"][0]["field"] == "name"
+    assert bad_name.status_code == 422 and bad_name.json()["errors"][0]["field"] == "name"
     unknown = api.post("/v1/jobs", json={"name": "y", "extra": 1}, headers=auth(ALICE))
-    assert unknown.status_code == 422 and unknown.json()["detail"][0]["field"] == "extra"
+    assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "extra"
 
 
 def test_malformed_and_oversized_bodies_are_4xx(tmp_path: Path) -> None:
     api = client(tmp_path, max_body_bytes=2048)
     headers = {**auth(ALICE), "Content-Type": "application/json"}
-    assert api.post("/v1/jobs", content=b"{not json", headers=headers).status_code == 422
-    assert api.post("/v1/jobs", content=b"[]", headers=headers).status_code == 422
+    malformed = api.post("/v1/jobs", content=b"{not json", headers=headers)
+    assert malformed.status_code == 400 and "not valid JSON" in malformed.json()["detail"]
+    assert malformed.headers["content-type"] == "application/problem+json"
+    assert api.post("/v1/jobs", content=b"[]", headers=headers).status_code == 422  # JSON, wrong shape
     big = json.dumps({"name": "big", "spec": {"task": {"params": {"x": "a" * 5000}}}})
     r = api.post("/v1/jobs", content=big.encode(), headers=headers)
     assert r.status_code == 413 and "2048" in r.json()["detail"]

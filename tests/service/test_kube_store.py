@@ -128,8 +128,9 @@ def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeEmulator) -> Non
     assert obj()["spec"]["suspend"] is False
     # per-step history and logs live with the RayJob, not the control plane
     r = api.get("/v1/jobs/j1/metrics", headers=auth(ALICE))
-    assert r.status_code == 501 and "Prometheus" in r.json()["detail"]
-    assert api.get("/v1/jobs/j1/logs", headers=auth(ALICE)).status_code == 501
+    assert r.status_code == 404 and "Prometheus" in r.json()["detail"]
+    assert r.json()["type"].endswith("/not-kept-here")
+    assert api.get("/v1/jobs/j1/logs", headers=auth(ALICE)).status_code == 404
     # a tenant without a namespace gets a clear 403
     r = api.post("/v1/jobs", json={"name": "j1"}, headers=auth(CAROL))
     assert r.status_code == 403 and "namespace 'team-c'" in r.json()["detail"]
