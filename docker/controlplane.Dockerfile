@@ -4,7 +4,7 @@
 #
 # Two stages, the pattern of operator.Dockerfile too: `build` has a C compiler (reasoning-gym
 # pins pycosat, which PyPI ships as source only) and fills a virtualenv; the final stage copies
-# the virtualenv alone onto a clean base and runs as uid 1000.
+# the virtualenv alone onto a clean base and runs as uid 10001 (the chart's runAsUser).
 
 FROM python:3.12.12-slim-bookworm AS build
 
@@ -36,9 +36,9 @@ RUN pip install --no-cache-dir -c constraints.txt .
 
 FROM python:3.12.12-slim-bookworm
 
-RUN groupadd --gid 1000 fp8rl \
-    && useradd --uid 1000 --gid 1000 --home-dir /var/lib/fp8rl --no-create-home --shell /usr/sbin/nologin fp8rl \
-    && install -d -o 1000 -g 1000 /var/lib/fp8rl
+RUN groupadd --gid 10001 fp8rl \
+    && useradd --uid 10001 --gid 10001 --home-dir /var/lib/fp8rl --no-create-home --shell /usr/sbin/nologin fp8rl \
+    && install -d -o 10001 -g 10001 /var/lib/fp8rl
 
 COPY --from=build /opt/venv /opt/venv
 
@@ -51,7 +51,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     FP8RL_PORT=8000 \
     FP8RL_DATA_DIR=/var/lib/fp8rl
 
-USER 1000:1000
+USER 10001:10001
 WORKDIR /var/lib/fp8rl
 EXPOSE 8000
 ENTRYPOINT ["fp8rl"]

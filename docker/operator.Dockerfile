@@ -4,7 +4,7 @@
 #
 # The same two stages as controlplane.Dockerfile (kept standalone so that each file builds on
 # its own): `build` fills a virtualenv with a C compiler at hand, the final stage copies it onto
-# a clean base and runs as uid 1000.
+# a clean base and runs as uid 10001 (the chart's runAsUser).
 
 FROM python:3.12.12-slim-bookworm AS build
 
@@ -35,15 +35,15 @@ RUN pip install --no-cache-dir -c constraints.txt .
 
 FROM python:3.12.12-slim-bookworm
 
-RUN groupadd --gid 1000 fp8rl \
-    && useradd --uid 1000 --gid 1000 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin fp8rl
+RUN groupadd --gid 10001 fp8rl \
+    && useradd --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin fp8rl
 
 COPY --from=build /opt/venv /opt/venv
 
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1
 
-USER 1000:1000
+USER 10001:10001
 # kopf's liveness endpoint (the chart's livenessProbe); KUBECONFIG or the in-cluster config
 EXPOSE 8080
 ENTRYPOINT ["fp8rl"]

@@ -120,7 +120,9 @@ def serve_cmd(
             db, executor = kube, OperatorHandoff(kube)
         else:
             db = SqlJobStore(settings.data_dir / "jobs.sqlite")
-            executor = local = LocalExecutor(db, settings.data_dir)
+            executor = local = LocalExecutor(
+                db, settings.data_dir, read_only=settings.read_only_roots, limits=settings.driver_limits
+            )
         application = create_app(settings, db, executor=executor)
     except (ValueError, TokenFileError) as err:
         typer.echo(f"error: {err}", err=True)

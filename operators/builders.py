@@ -20,7 +20,9 @@ import shlex
 from typing import Any
 
 from operators.settings import OperatorSettings
+from rljob import paths
 from rljob import resource as rl
+from rljob.paths import POD_HOME
 from rljob.resource import ClusterSpec, Pool, RLJobSpec
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fp8rl-operator"}
@@ -113,6 +115,7 @@ def _pod(
             {
                 "image": cluster.image or s.image,
                 "imagePullPolicy": s.image_pull_policy,
+                "workingDir": str(POD_HOME),  # the job's relative paths resolve here (rljob.paths)
                 "securityContext": _security(),
                 "volumeMounts": mounts,
                 **container,
@@ -252,6 +255,13 @@ def placement_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
                 f"{most}; ask for at most {most}, or name a larger pool in spec.cluster.{group}.nodeSelector"
             )
     return out
+
+
+def path_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
+    """Files the job names outside its pods' /data and the read-only roots (:mod:`rljob.paths`):
+    the same rule the service applies at POST, here for RLJobs created with kubectl."""
+    found = paths.path_problems(spec.job, POD_HOME, s.model_roots, resolve=False)
+    return [f"spec.job.{p.field}: {p.message}" for p in found]
 
 
 def _pick(own: int | None, default: int) -> int:

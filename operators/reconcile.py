@@ -148,9 +148,11 @@ class Reconciler:
             problems = "; ".join(describe_errors(err))
             self._fail_invalid(rljob, problems)
             return
-        unplaceable = builders.placement_problems(spec, self.settings)
-        if unplaceable:
-            self._fail_invalid(rljob, "; ".join(unplaceable))
+        refused = builders.placement_problems(spec, self.settings) + builders.path_problems(
+            spec, self.settings
+        )
+        if refused:
+            self._fail_invalid(rljob, "; ".join(refused))
             return
         status = rl.status_of(rljob)
         if status.phase in TERMINAL:

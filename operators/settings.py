@@ -42,6 +42,11 @@ class OperatorSettings(BaseSettings):
     head_memory: str = Field("8Gi", description="Memory of the head pod.")
     worker_memory: str = Field("64Gi", description="Memory of each GPU worker pod.")
     shm_size: str = Field("16Gi", description="Memory-backed /dev/shm of each pod (NCCL, Ray).")
+    model_roots: list[str] = Field(
+        default_factory=list,
+        description="Read-only directories in the job's pods that every tenant's jobs may name by absolute "
+        "path (shared checkpoints); everything else must be under the pods' /data, where the driver runs.",
+    )
     nccl_env: dict[str, str] = Field(
         default_factory=lambda: {
             "NCCL_DEBUG": "WARN",

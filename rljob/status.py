@@ -30,6 +30,10 @@ class Phase(StrEnum):
 
 
 TERMINAL = frozenset({Phase.SUCCEEDED, Phase.CANCELLED})
+# The driver's exit code when an allocation failed (MemoryError, e.g. over the RLIMIT_AS the
+# service sets per tenant): the service reads it as reason OutOfMemory.
+EXIT_OUT_OF_MEMORY = 3
+
 ACTIVE = frozenset({Phase.PENDING, Phase.STARTING, Phase.RUNNING})
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {

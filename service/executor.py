@@ -21,15 +21,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import threading
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from rljob.status import TERMINAL, IllegalTransition, JobStatus, Phase, Progress
+from rljob.paths import path_problems
+from rljob.status import EXIT_OUT_OF_MEMORY, TERMINAL, IllegalTransition, JobStatus, Phase, Progress
 from service.store import Job, JobNotFound, JobStore
 from workers.metrics import MetricsLog
 
@@ -101,8 +105,42 @@ class _Running:
     offset: int = 0  # bytes of metrics.jsonl already read
 
 
+@dataclass(frozen=True)
+class DriverLimits:
+    """What one driver (and the local Ray processes it starts, which inherit all three) may take."""
+
+    memory_bytes: int | None = None  # address space of each process (RLIMIT_AS); None: no limit
+    cpus: int | None = None  # CPUs it may run on (affinity); None: all
+    nice: int = 10  # added to the service's niceness, so the API answers while drivers compute
+
+
+def _confine(pid: int, tenant: str, limits: DriverLimits) -> None:
+    """Apply ``limits`` to a just-started driver, before it starts Ray (its imports take seconds)."""
+    with contextlib.suppress(ProcessLookupError):
+        if limits.memory_bytes:
+            resource.prlimit(pid, resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        # niceness relative to the service's own (raising it needs no privilege)
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + limits.nice))
+        if limits.cpus:
+            allowed = sorted(os.sched_getaffinity(0))
+            start = zlib.crc32(tenant.encode()) % len(allowed)  # tenants spread over the CPUs
+            picked = {allowed[(start + i) % len(allowed)] for i in range(min(limits.cpus, len(allowed)))}
+            os.sched_setaffinity(pid, picked)
+
+
+def driver_command(spec_file: Path, out: Path, job: Job, resume: bool) -> list[str]:
+    """The driver process of ``job``."""
+    cmd = [sys.executable, "-m", "workers.driver", str(spec_file), "--output", str(out)]
+    return cmd + ["--job", job.name, "--namespace", job.tenant] + (["--resume"] if resume else [])
+
+
 def run_dir(data_dir: Path, tenant: str, name: str) -> Path:
     return data_dir / "runs" / tenant / name
+
+
+def tenant_home(data_dir: Path, tenant: str) -> Path:
+    """Where a tenant's drivers run and its jobs' relative paths resolve (:mod:`rljob.paths`)."""
+    return data_dir / "tenants" / tenant
 
 
 def _finished(job: Job, metrics: MetricsLog) -> bool:
@@ -113,8 +151,17 @@ def _finished(job: Job, metrics: MetricsLog) -> bool:
 class LocalExecutor:
     runs_locally = True
 
-    def __init__(self, store: JobStore, data_dir: Path, poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        data_dir: Path,
+        poll_s: float = 0.5,
+        read_only: list[Path] | None = None,
+        limits: Callable[[str], DriverLimits] = lambda tenant: DriverLimits(),
+    ) -> None:
         self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
+        self.read_only = read_only or []  # the service's read-only roots (FP8RL_MODEL_ROOTS)
+        self.limits = limits  # what a tenant's drivers may take of this machine
         self._procs: dict[tuple[str, str], _Running] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -161,16 +208,27 @@ class LocalExecutor:
     # -- actions (called by the routes) ---------------------------------------------------------
 
     def submit(self, job: Job) -> None:
+        home = tenant_home(self.data_dir, job.tenant)
+        home.mkdir(parents=True, exist_ok=True)
+        # checked at POST; again here, since a symlink may have changed since (nothing is opened)
+        outside = path_problems(job.spec, home, self.read_only)
+        if outside:
+            problem = "; ".join(f"{p.field}: {p.message}" for p in outside)
+            self._move(job, Phase.FAILED, "PathOutsideTenant", problem)
+            return
         out = run_dir(self.data_dir, job.tenant, job.name)
         out.mkdir(parents=True, exist_ok=True)
         spec_file = out / "job.json"
         spec_file.write_text(job.spec.model_dump_json())
         resume = (out / "checkpoints").exists() or (out / "metrics.jsonl").exists()
-        cmd = [sys.executable, "-m", "workers.driver", str(spec_file), "--output", str(out)]
-        cmd += ["--job", job.name, "--namespace", job.tenant] + (["--resume"] if resume else [])
+        cmd = driver_command(spec_file, out, job, resume)
         log = out / "driver.log"
         with log.open("ab") as f:
-            popen = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            # in the tenant's directory: the job's relative paths resolve there (rljob.paths)
+            popen = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=home
+            )
+        _confine(popen.pid, job.tenant, self.limits(job.tenant))
         proc = _Process(popen.pid, popen)
         (out / "driver.pid").write_text(json.dumps({"pid": proc.pid, "started": proc.started}))
         with self._lock:
@@ -236,6 +294,14 @@ class LocalExecutor:
             return
         if code == 0 or (code == UNKNOWN_EXIT and _finished(r.job, r.metrics)):
             self._move(r.job, Phase.SUCCEEDED, "Completed", f"finished step {r.seen_step}")
+        elif code == EXIT_OUT_OF_MEMORY:
+            limit = self.limits(r.job.tenant).memory_bytes
+            what = (
+                f"its memory limit of {limit // 2**20} MiB (max_memory_mb)"
+                if limit
+                else "the machine's memory"
+            )
+            self._move(r.job, Phase.FAILED, "OutOfMemory", f"the driver ran out of memory: over {what}")
         else:
             lines = r.log.read_text(errors="replace").strip().splitlines() if r.log.exists() else []
             last = lines[-1][:300] if lines else ""

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.executor import DriverLimits
+
 
 class TenantLimits(BaseModel):
     """Limits of one tenant; unset fields take the service-wide ``max_*`` settings."""
@@ -16,6 +18,13 @@ class TenantLimits(BaseModel):
 
     max_concurrent_jobs: int | None = Field(None, ge=0, description="Jobs Pending/Starting/Running.")
     max_gpus: int | None = Field(None, ge=0, description="GPUs requested by its active jobs.")
+    max_problems: int | None = Field(None, ge=1, description="task.size + validation.size of one job.")
+    max_new_tokens: int | None = Field(None, ge=1, description="rollout.max_new_tokens of one job.")
+    max_actors: int | None = Field(None, ge=2, description="resources.trainers + generators of one job.")
+    max_memory_mb: int | None = Field(
+        None, ge=0, description="Address space of each of a local job's processes, MiB (0: none)."
+    )
+    max_cpus: int | None = Field(None, ge=0, description="CPUs a local job's processes may run on (0: all).")
 
 
 class Settings(BaseSettings):
@@ -33,6 +42,38 @@ class Settings(BaseSettings):
         4, ge=0, description="Each tenant's default: jobs Pending/Starting/Running at once."
     )
     max_gpus: int = Field(8, ge=0, description="Each tenant's default: GPUs requested by its active jobs.")
+    max_problems: int = Field(
+        1_000_000,
+        ge=1,
+        description="Each tenant's default: task.size + validation.size of one job (generated in memory).",
+    )
+    max_new_tokens: int = Field(
+        32_768, ge=1, description="Each tenant's default: rollout.max_new_tokens of one job."
+    )
+    max_actors: int = Field(
+        64, ge=2, description="Each tenant's default: resources.trainers + generators of one job."
+    )
+    max_memory_mb: int = Field(
+        0,
+        ge=0,
+        description="Each tenant's default: address space (RLIMIT_AS) of each process of a local job "
+        "(driver and its Ray processes), MiB; 0 = no limit. For CPU jobs: CUDA reserves far more "
+        "address space than it uses, so leave it 0 where jobs use GPUs.",
+    )
+    max_cpus: int = Field(
+        0,
+        ge=0,
+        description="Each tenant's default: CPUs a local job's processes may run on (affinity); 0 = all.",
+    )
+    driver_nice: int = Field(
+        10, ge=0, le=19, description="Scheduling priority of local drivers: below the service's own (0)."
+    )
+    model_roots: str = Field(
+        "",
+        description="Read-only directories every tenant's jobs may name by absolute path (shared "
+        "checkpoints, datasets), separated by ':'; a tenant's own files are under "
+        "<data-dir>/tenants/<tenant>/.",
+    )
     tenant_limits: dict[str, TenantLimits] = Field(
         default_factory=dict,
         description='Per-tenant overrides, e.g. {"team-a": {"max_gpus": 32}} (JSON in FP8RL_TENANT_LIMITS).',
@@ -40,6 +81,28 @@ class Settings(BaseSettings):
     kubeconfig: str | None = Field(
         None, description="--store kubernetes outside a pod: kubeconfig file (default: KUBECONFIG)."
     )
+
+    @property
+    def read_only_roots(self) -> list[Path]:
+        return [Path(p) for p in self.model_roots.split(":") if p]
+
+    def tenant_home(self, tenant: str) -> Path:
+        """Where a tenant's jobs run and its relative paths resolve (the embedded default; the
+        executor's ``tenant_home`` is the same directory)."""
+        return self.data_dir / "tenants" / tenant
+
+    def caps(self, tenant: str) -> dict[str, int]:
+        """The size caps of ``tenant``'s jobs: max_problems, max_new_tokens, max_actors."""
+        own = self.tenant_limits.get(tenant, TenantLimits())
+        names = ("max_problems", "max_new_tokens", "max_actors")
+        return {n: getattr(own, n) if getattr(own, n) is not None else getattr(self, n) for n in names}
+
+    def driver_limits(self, tenant: str) -> DriverLimits:
+        """What each of ``tenant``'s local drivers may take (memory, CPUs, priority)."""
+        own = self.tenant_limits.get(tenant, TenantLimits())
+        mib = own.max_memory_mb if own.max_memory_mb is not None else self.max_memory_mb
+        cpus = own.max_cpus if own.max_cpus is not None else self.max_cpus
+        return DriverLimits(mib * 2**20 if mib else None, cpus or None, self.driver_nice)
 
     def limits(self, tenant: str) -> tuple[int, int]:
         """(max concurrent jobs, max GPUs) of ``tenant``."""

@@ -28,6 +28,7 @@ import torch
 
 from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
+from rljob.status import EXIT_OUT_OF_MEMORY
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.factory import check_engines, uses_weight_channel
@@ -432,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         result = run(spec, args.output, opts)
+    except MemoryError:
+        # over the process's memory limit (the service sets RLIMIT_AS per tenant): say so, and exit
+        # with the code the service reads as OutOfMemory
+        print("error: out of memory: the driver went over its memory limit", flush=True)
+        return EXIT_OUT_OF_MEMORY
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

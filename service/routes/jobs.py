@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from rljob.status import ACTIONS, IllegalTransition, Phase
+from service.admission import admission_problems
 from service.deps import JOB, SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
 from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
@@ -64,8 +65,17 @@ def create_job(
     request: Request,
     response: Response,
 ) -> JobPublic:
-    """Record a job (201, with its URL in ``Location``). 409 if the name exists for this tenant;
-    403 over the tenant's limits."""
+    """Record a job (201, with its URL in ``Location``). 422 for files outside the tenant's reach
+    or sizes over its caps (:mod:`service.admission`); 409 if the name exists for this tenant;
+    403 over the tenant's job or GPU limits."""
+    refused = admission_problems(body.spec, tenant, settings)
+    if refused:  # files outside the tenant's reach, or sizes over its caps: invalid fields, 422
+        raise RequestValidationError(
+            [
+                {"loc": ("body", *field.split(".")), "msg": message, "type": "tenant_policy"}
+                for field, message in refused
+            ]
+        )
     max_jobs, max_gpus = settings.limits(tenant)
     active, used = store.usage(tenant)
     if active >= max_jobs:

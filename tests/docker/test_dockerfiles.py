@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import typer.core
 import typer.main
+import yaml
 
 from fp8rl.cli import app
 from operators.settings import OperatorSettings
@@ -548,6 +549,20 @@ def test_final_stage_runs_as_a_non_root_user(image: str) -> None:
             ), f"{df.path.name}: USER {part} is not created in the final stage"
 
 
+@pytest.mark.parametrize("image", ["controlplane", "operator"])
+def test_service_images_run_as_the_charts_user(image: str) -> None:
+    """The chart runs these pods as podSecurityContext.runAsUser/runAsGroup (>= 10000, as security
+    scanners ask); the image's USER is that same uid, which exists in its /etc/passwd."""
+    values = yaml.safe_load((REPO / "helm" / "fp8rl" / "values.yaml").read_text())["podSecurityContext"]
+    df = dockerfile(image)
+    [user] = [ins.args for ins in df.final.instructions if ins.keyword == "USER"][-1:]
+    assert user == f"{values['runAsUser']}:{values['runAsGroup']}" and values["runAsUser"] >= 10000
+    created = " ".join(ins.args for ins in df.final.instructions if ins.keyword == "RUN")
+    assert f"useradd --uid {values['runAsUser']} " in created, (
+        f"{df.path.name}: no user {values['runAsUser']}"
+    )
+
+
 def _cli_commands() -> set[str]:
     group = typer.main.get_command(app)
     assert isinstance(group, typer.core.TyperGroup)
@@ -603,7 +618,7 @@ def test_control_plane_listens_where_it_says() -> None:
     assert env["FP8RL_HOST"] == "0.0.0.0"  # the default, loopback, is unreachable from outside
     data_dir = env["FP8RL_DATA_DIR"]
     assert any(
-        ins.keyword == "RUN" and data_dir in ins.args and "1000" in ins.args for ins in final.instructions
+        ins.keyword == "RUN" and data_dir in ins.args and "-o 10001" in ins.args for ins in final.instructions
     ), "the data directory must exist and belong to the image's user"
 
 

@@ -231,3 +231,21 @@ def test_the_operator_refuses_share_gpu() -> None:
     job = {"resources": {"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1}}
     problems = placement_problems(RLJobSpec.model_validate({"job": job}), OperatorSettings())
     assert problems and problems[0].startswith("spec.job.resources.share_gpu")
+
+
+def test_files_outside_the_pods_data_are_refused_and_jobs_run_in_data() -> None:
+    """The service's path rule (rljob.paths) for RLJobs created with kubectl: relative paths and
+    Hugging Face ids resolve under /data, where the driver runs; absolute paths must be under /data
+    or a read-only root of the operator's settings."""
+    obj = rljob()  # model Qwen/Qwen2.5-1.5B-Instruct: relative, a Hugging Face id
+    settings = OperatorSettings(model_roots=["/models"])
+    assert builders.path_problems(rl.spec_of(obj), settings) == []
+    for template in [build(obj)["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]]:
+        assert template["spec"]["containers"][0]["workingDir"] == "/data"
+    obj["spec"]["job"]["task"] = {"dataset": "/etc/passwd"}
+    obj["spec"]["job"]["model"] = {"name": "/models/../root/.cache/x", "pretrained": False}
+    problems = builders.path_problems(rl.spec_of(obj), settings)
+    assert [p.split(":")[0] for p in problems] == ["spec.job.task.dataset", "spec.job.model.name"]
+    obj["spec"]["job"]["model"] = {"name": "/models/llama-8b"}  # a shared root
+    obj["spec"]["job"]["task"] = {"dataset": "data/addition.jsonl"}
+    assert builders.path_problems(rl.spec_of(obj), settings) == []

@@ -47,11 +47,39 @@ app.kubernetes.io/instance: {{ $ctx.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
-{{/* An image reference: include "fp8rl.image" (list . .Values.images.operator) */}}
+{{/* An image reference: include "fp8rl.image" (list . .Values.images.operator).
+repository@digest when a digest is set (the image that was scanned is the one that runs; a tag
+can be pushed again), else repository:tag, the tag defaulting to the chart's appVersion. */}}
 {{- define "fp8rl.image" -}}
 {{- $ctx := index . 0 }}
 {{- $img := index . 1 }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
 {{- printf "%s:%s" $img.repository (default $ctx.Chart.AppVersion $img.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The Kubernetes API credentials of a pod that calls the API server (the control plane with
+store "kubernetes", the operator). The pods set automountServiceAccountToken: false and mount
+this instead: the same files the kubelet's automount would put at the same path (a bound token
+it refreshes, the cluster CA, the namespace), but only in the pods that need them. The in-cluster
+clients (kubernetes, kopf) re-read the token file, so its rotation needs nothing of them. */}}
+{{- define "fp8rl.apiAccessVolume" -}}
+- name: kube-api-access
+  projected:
+    sources:
+      - serviceAccountToken: {path: token, expirationSeconds: 3607}  # what the kubelet requests
+      - configMap:
+          name: kube-root-ca.crt
+          items: [{key: ca.crt, path: ca.crt}]
+      - downwardAPI:
+          items:
+            - {path: namespace, fieldRef: {apiVersion: v1, fieldPath: metadata.namespace}}
+{{- end }}
+
+{{- define "fp8rl.apiAccessMount" -}}
+- {name: kube-api-access, mountPath: /var/run/secrets/kubernetes.io/serviceaccount, readOnly: true}
 {{- end }}
 
 {{/* Render the monitoring.coreos.com objects? "auto": when the API exists. */}}
@@ -88,6 +116,15 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" (toString .name)) }}
 {{- fail (printf "tenants: %q is not a DNS label (a-z, 0-9, '-', at most 63 characters)" (toString .name)) }}
 {{- end }}
+{{- end }}
+{{- range $name := list "controlPlane" "operator" "worker" }}
+{{- $digest := (index $.Values.images $name).digest | default "" | toString }}
+{{- if and $digest (not (regexMatch "^sha256:[a-f0-9]{64}$" $digest)) }}
+{{- fail (printf "images.%s.digest must be sha256: and 64 lowercase hex digits (docker buildx imagetools inspect <image> prints it), not %q" $name $digest) }}
+{{- end }}
+{{- end }}
+{{- if not (has .Values.images.pullPolicy (list "Always" "IfNotPresent" "Never")) }}
+{{- fail (printf "images.pullPolicy must be Always, IfNotPresent or Never, not %q" (toString .Values.images.pullPolicy)) }}
 {{- end }}
 {{- range $token, $tenant := .Values.auth.tokens }}
 {{- if lt (len $token) 16 }}

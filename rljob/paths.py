@@ -1,0 +1,84 @@
+"""Which files a job submitted to the service may name: its tenant's directory and shared read-only roots.
+
+A job spec names files the driver opens: ``task.dataset``, and ``model.name`` / ``tokenizer.name``
+when they are local checkpoints rather than Hugging Face ids. ``fp8rl run`` on a laptop opens
+whatever its user names. A job that arrives through the service (REST, or an RLJob that the
+operator runs) is confined:
+
+- a relative path resolves under the tenant's home (``<data-dir>/tenants/<tenant>/`` for the
+  embedded default, ``/data`` in a job's pods on Kubernetes); the driver runs there, so a Hugging
+  Face id such as ``Qwen/Qwen2.5-1.5B`` is read from the home if it is there, else downloaded;
+- an absolute path must lie under the home or one of the service's read-only roots (e.g.
+  ``FP8RL_MODEL_ROOTS`` for shared checkpoints);
+- ``..`` that climbs out, and (where the files can be seen: the embedded default) symlinks that
+  lead out, are refused.
+
+The check never opens a file, and its message is the same whether the path exists or not, so it
+tells a tenant nothing about files outside its reach. Shared by the service (at POST) and the
+operator (when it builds a RayJob from an RLJob created with kubectl): both tiers read it here.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Sequence
+from pathlib import PurePath, PurePosixPath
+from typing import NamedTuple
+
+from rljob.spec import JobSpec
+
+# the spec fields the driver opens as files (or Hugging Face ids), as (section, field)
+PATH_FIELDS: tuple[tuple[str, str], ...] = (("task", "dataset"), ("model", "name"), ("tokenizer", "name"))
+
+
+class PathProblem(NamedTuple):
+    field: str  # dotted path in the job spec, e.g. task.dataset
+    message: str
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def path_problems(
+    spec: JobSpec, home: str | PurePath, read_only: Sequence[str | PurePath] = (), resolve: bool = True
+) -> list[PathProblem]:
+    """The path fields of ``spec`` that lead outside ``home`` and ``read_only``.
+
+    ``resolve``: follow symlinks on this machine's file system (the service runs the driver here);
+    ``False`` normalizes the text only (the files are in pods this process cannot see).
+    """
+
+    def norm(p: str) -> str:
+        return os.path.realpath(p) if resolve else posixpath.normpath(p)
+
+    home_s = norm(str(home))
+    roots = [home_s, *(norm(str(r)) for r in read_only)]
+    out = []
+    for section, name in PATH_FIELDS:
+        value = getattr(getattr(spec, section), name)
+        if value is None:
+            continue
+        field = f"{section}.{name}"
+        if "\x00" in value:
+            out.append(PathProblem(field, "contains a NUL character"))
+            continue
+        joined = value if posixpath.isabs(value) else posixpath.join(str(home), value)
+        if not any(_inside(norm(joined), root) for root in roots):
+            shared = (
+                f" or under a shared read-only root ({', '.join(str(r) for r in read_only)})"
+                if read_only
+                else ""
+            )
+            out.append(
+                PathProblem(
+                    field,
+                    f"{value!r} leads outside the tenant's files: give a path relative to the tenant's "
+                    f"directory ({home}), where the job runs{shared}; '..' and symlinks may not lead out",
+                )
+            )
+    return out
+
+
+POD_HOME = PurePosixPath("/data")  # a job's working directory in its pods on Kubernetes
