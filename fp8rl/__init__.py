@@ -4,4 +4,6 @@ This package holds the ``fp8rl`` command line only; the system lives in rljob/, 
 service/ and operators/ (see the README's architecture section).
 """
 
-__version__ = "0.1.0"
+from rljob.version import __version__
+
+__all__ = ["__version__"]

@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
-from fp8rl import __version__
+from rljob.version import __version__
 from service import problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
