@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
+from rljob.status import Phase
 from rljob.version import __version__
 from service import problems
 from service.auth import TokenAuth, load_tokens
@@ -122,7 +123,8 @@ def create_app(
         registry = CollectorRegistry()
         gauge = Gauge("fp8rl_jobs", "Jobs by tenant and phase", ("namespace", "phase"), registry=registry)
         jobs_, _ = app.state.store.query(None, None, limit=1_000_000)
-        counts: dict[tuple[str, str], int] = {}
+        # every tenant and phase from the start: "Jobs by phase" shows 0, not "no data"
+        counts = {(t, p.value): 0 for t in app.state.auth.tenants for p in Phase}
         for j in jobs_:
             key = (j.tenant, j.status.phase.value)
             counts[key] = counts.get(key, 0) + 1

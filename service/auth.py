@@ -42,6 +42,11 @@ class TokenAuth:
     def __init__(self, tokens: dict[str, str]) -> None:
         self._tokens = list(tokens.items())
 
+    @property
+    def tenants(self) -> list[str]:
+        """Every tenant a token maps to (names, never tokens)."""
+        return sorted({tenant for _, tenant in self._tokens})
+
     def tenant(self, authorization: str | None) -> str | None:
         if not authorization or not authorization.startswith("Bearer "):
             return None

@@ -206,3 +206,14 @@ def test_tokens_file(tmp_path: Path) -> None:
         load_tokens(bad_tenant)
     with pytest.raises(TokenFileError, match="tokens file"):
         load_tokens(tmp_path / "missing.yaml")
+
+
+def test_an_empty_control_plane_exports_zero_jobs_per_phase(api: TestClient) -> None:
+    text = api.get("/metrics").text
+    for tenant in ("team-a", "team-b"):
+        for phase in ("Pending", "Running", "Succeeded", "Failed", "Suspended", "Cancelled"):
+            assert f'fp8rl_jobs{{namespace="{tenant}",phase="{phase}"}} 0.0' in text, (tenant, phase)
+    api.post("/v1/jobs", json={"name": "one"}, headers=auth(ALICE))
+    text = api.get("/metrics").text
+    assert 'fp8rl_jobs{namespace="team-a",phase="Pending"} 1.0' in text
+    assert 'fp8rl_jobs{namespace="team-b",phase="Pending"} 0.0' in text
