@@ -39,7 +39,7 @@ from workers.engines.megatron_config import (
 )
 from workers.engines.protocols import Rollouts
 from workers.fp8.linear import Fp8LinearConfig
-from workers.fp8.quant import Fp8Tensor, quantize
+from workers.fp8.quant import Fp8Tensor
 
 # -- names and layouts (full model) ------------------------------------------------------------------
 
@@ -377,13 +377,7 @@ def hf_payload(
     payload: dict[str, Fp8Tensor | torch.Tensor] = {}
     for name, w in hf_state.items():
         if name in names:
-            payload[name] = quantize(
-                w.detach(),
-                config.forward_fmt,
-                config.weight_block,
-                power_of_two=config.power_of_two_scales,
-                where=name,
-            )
+            payload[name] = config.quantize_weight(w, name)
         else:
             payload[name] = w.detach().to(torch.bfloat16)
     return payload

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
-from workers.fp8.quant import Fp8Tensor, quantize
+from workers.fp8.quant import Fp8Tensor
 
 Payload = dict[str, Fp8Tensor | torch.Tensor]
 
@@ -54,12 +54,7 @@ def export_weights(
         if isinstance(module, Fp8Linear) and attr == "weight":
             payload[name] = module.fp8_weight()
         elif name in quantize_now:
-            payload[name] = quantize(
-                param.detach(),
-                cfg.forward_fmt,
-                cfg.weight_block,
-                power_of_two=cfg.power_of_two_scales,
-            )
+            payload[name] = cfg.quantize_weight(param, name)
         else:
             payload[name] = param.detach()
     unknown = quantize_now - payload.keys()

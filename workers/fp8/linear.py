@@ -76,6 +76,17 @@ class Fp8LinearConfig:
         """``block`` of a tensor seen through its transpose."""
         return None if block is None else (block[1], block[0])
 
+    def quantize_weight(self, w: torch.Tensor, where: str = "weight") -> Fp8Tensor:
+        """A weight as every FP8 path of fp8rl holds it (an FP8 layer's own copy, an exported or
+        synced weight): ``forward_fmt`` in ``weight_block`` blocks, with this config's scales."""
+        return quantize(
+            w.detach(),
+            self.forward_fmt,
+            self.weight_block,
+            power_of_two=self.power_of_two_scales,
+            where=where,
+        )
+
 
 def _fprop(
     x2d: torch.Tensor, w_q: Fp8Tensor, bias: torch.Tensor | None, cfg: Fp8LinearConfig, name: str
@@ -209,13 +220,7 @@ class Fp8Linear(nn.Module):
         key = self._weight_key()
         if self._w_q is None or self._w_q_key != key:
             cfg = self.config
-            self._w_q = quantize(
-                self.weight.detach(),
-                cfg.forward_fmt,
-                cfg.weight_block,
-                power_of_two=cfg.power_of_two_scales,
-                where=f"{self.name}: weight",
-            ).with_dequant_cache()
+            self._w_q = cfg.quantize_weight(self.weight, f"{self.name}: weight").with_dequant_cache()
             self._w_q_key = key
             self._w_q_cm = None
             self.fp8_weight_updates += 1
