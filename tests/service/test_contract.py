@@ -11,69 +11,18 @@ repeatable (run it by hand without ``--seed`` to explore further).
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from operators.emulator import KubeEmulator
+from tests.service.servers import serve
 
 TOKEN = "contract-token-0123456789"
 TENANT = "team-a"
 SEED = 20261123
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A real ``fp8rl serve`` on a free port; its base URL once /readyz answers. On exit every job
-    is deleted (which stops its driver), the server stops, and any driver left is killed."""
-    tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({TOKEN: TENANT}))
-    port = _free_port()
-    data = tmp_path / "data"
-    cmd = [sys.executable, "-m", "fp8rl", "serve", "--port", str(port), "--tokens-file", str(tokens)]
-    cmd += ["--data-dir", str(data), *args]
-    log = (tmp_path / "serve.log").open("wb")
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "fp8rl serve did not become ready"
-            time.sleep(0.2)
-        yield url
-    finally:
-        with contextlib.suppress(httpx.HTTPError):
-            jobs = httpx.get(f"{url}/v1/jobs", params={"limit": 500}, headers=headers).json()["items"]
-            for job in jobs:
-                httpx.delete(f"{url}/v1/jobs/{job['name']}", headers=headers, timeout=30)
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-        for pid_file in data.glob("runs/*/*/driver.pid"):  # drivers run in sessions of their own
-            with contextlib.suppress(ValueError, ProcessLookupError, PermissionError):
-                os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
 
 
 def schemathesis(url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -96,7 +45,7 @@ def _assert_clean(result: subprocess.CompletedProcess[str]) -> None:
 @pytest.mark.slow
 def test_the_sql_store_answers_as_documented(tmp_path: Path) -> None:
     # one job at a time for the tenant: the fuzzing cannot start more than one training process
-    with serve(tmp_path, "--store", "sql", env={"FP8RL_MAX_CONCURRENT_JOBS": "1"}) as url:
+    with serve(tmp_path, {TOKEN: TENANT}, "--store", "sql", env={"FP8RL_MAX_CONCURRENT_JOBS": "1"}) as url:
         result = schemathesis(url, tmp_path)
     _assert_clean(result)
 
@@ -105,7 +54,9 @@ def test_the_sql_store_answers_as_documented(tmp_path: Path) -> None:
 def test_the_kubernetes_store_answers_as_documented(tmp_path: Path) -> None:
     with (
         KubeEmulator(tmp_path, namespaces=[TENANT]) as kube,
-        serve(tmp_path, "--store", "kubernetes", "--kubeconfig", str(kube.kubeconfig)) as url,
+        serve(
+            tmp_path, {TOKEN: TENANT}, "--store", "kubernetes", "--kubeconfig", str(kube.kubeconfig)
+        ) as url,
     ):
         result = schemathesis(url, tmp_path)
     _assert_clean(result)

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +25,7 @@ import httpx
 import pytest
 
 from operators.emulator import KubeEmulator
+from tests.service import servers
 
 TOKENS = {
     "gen-client-a-0123456789": "team-a",  # the lifecycle
@@ -45,48 +42,12 @@ TINY = {"model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_lay
 PROBLEM_JSON = "application/problem+json"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def serve(workdir: Path, kubeconfig: Path, ready: str) -> Iterator[str]:
-    """``fp8rl serve --store kubernetes`` as a process; yields its URL once ``ready`` answers 200."""
-    tokens = workdir / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
-    port = _free_port()
-    cmd = [sys.executable, "-m", "fp8rl", "serve", "--store", "kubernetes", "--kubeconfig", str(kubeconfig)]
-    cmd += ["--tokens-file", str(tokens), "--port", str(port)]
-    env = {
-        **os.environ,
-        "FP8RL_DATA_DIR": str(workdir / "unused"),
-        "FP8RL_MAX_BODY_BYTES": str(MAX_BODY_BYTES),
-    }
-    log = workdir / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"fp8rl serve exited:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}{ready}").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"fp8rl serve did not answer {ready}:\n{log.read_text()}"
-            time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def serve(workdir: Path, kubeconfig: Path, ready: str) -> Any:
+    """``fp8rl serve --store kubernetes`` on kmock with this file's tenants and body limit."""
+    args = ("--store", "kubernetes", "--kubeconfig", str(kubeconfig))
+    return servers.serve(
+        workdir, TOKENS, *args, env={"FP8RL_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}, ready=ready
+    )
 
 
 @pytest.fixture(scope="module")

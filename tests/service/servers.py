@@ -1,0 +1,72 @@
+"""A real ``fp8rl serve`` process for the tests that talk to the service over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def serve(
+    workdir: Path,
+    tokens: dict[str, str],
+    *args: str,
+    env: dict[str, str] | None = None,
+    ready: str = "/readyz",
+) -> Iterator[str]:
+    """``fp8rl serve ARGS`` on a free port with ``tokens`` ({token: tenant}) and its data under
+    ``workdir/data``; yields its URL once ``ready`` answers 200. On exit every tenant's jobs are
+    deleted (which stops their drivers), the server stops, and any driver left is killed."""
+    tokens_file = workdir / "tokens.json"
+    tokens_file.write_text(json.dumps(tokens))
+    port = free_port()
+    data = workdir / "data"
+    cmd = [sys.executable, "-m", "fp8rl", "serve", "--port", str(port), "--tokens-file", str(tokens_file)]
+    cmd += ["--data-dir", str(data), *args]
+    log_path = workdir / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"fp8rl serve exited:\n{log_path.read_text()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}{ready}").status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"fp8rl serve did not answer {ready}:\n{log_path.read_text()}"
+            time.sleep(0.1)
+        yield url
+    finally:
+        for token in tokens:
+            headers = {"Authorization": f"Bearer {token}"}
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                jobs = httpx.get(f"{url}/v1/jobs", params={"limit": 500}, headers=headers).json()["items"]
+                for job in jobs:
+                    httpx.delete(f"{url}/v1/jobs/{job['name']}", headers=headers, timeout=30)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pid_file in data.glob("runs/*/*/driver.pid"):  # drivers run in sessions of their own
+            with contextlib.suppress(ValueError, KeyError, ProcessLookupError, PermissionError):
+                os.killpg(int(json.loads(pid_file.read_text())["pid"]), signal.SIGKILL)
