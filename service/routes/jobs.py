@@ -5,7 +5,6 @@ A tenant only ever sees its own jobs: another tenant's job is 404, as if it did 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
@@ -40,15 +39,13 @@ async def strict_json(request: Request) -> None:
     """The body's JSON types exactly as the schema states them: ``0`` is not a boolean and ``"5"``
     not an integer over the API (``fp8rl run`` keeps YAML's looser reading: ``lr: 1e-5`` is a
     string there). Unparsable bodies are left to FastAPI's 400."""
-    body = await request.body()
     try:
-        json.loads(body)
-    except ValueError:
-        return
-    try:
-        JobCreate.model_validate_json(body, strict=True)
+        JobCreate.model_validate_json(await request.body(), strict=True)
     except ValidationError as err:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from None
+        errors = err.errors()
+        if any(e["type"] == "json_invalid" for e in errors):
+            return  # not JSON at all: FastAPI's own parse answers 400
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
 
 
 @router.post(
