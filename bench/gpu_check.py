@@ -281,6 +281,8 @@ def run_recipes(quick: bool) -> str:
     import importlib.util
     import json
 
+    from rljob import metrics as m
+
     if importlib.util.find_spec("ray") is None:
         return "skipped: ray is not installed in this Python (the GPU worker image has it)"
     if not Path("examples/arithmetic-gpu.yaml").is_file():
@@ -302,8 +304,8 @@ def run_recipes(quick: bool) -> str:
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
         if rows:
             last = rows[-1]
-            mismatch = sum(r["mismatch/token_mult_prob_error"] for r in rows) / len(rows)
-            mib = [last.get(k, 0) / 2**20 for k in ("weight_sync/bytes", "kv_cache/bytes", "weights/bytes")]
+            mismatch = sum(r[m.TOKEN_MULT_PROB_ERROR] for r in rows) / len(rows)
+            mib = [last.get(k, 0) / 2**20 for k in (m.WEIGHT_SYNC_BYTES, m.KV_CACHE_BYTES, m.WEIGHTS_BYTES)]
             lines.append(
                 f"| {recipe} | {res.returncode} | {len(rows)} | {last['reward/mean']:.3f} | {mismatch:.5f} | "
                 f"{last['throughput/generation_tokens_per_s']:.0f} | "

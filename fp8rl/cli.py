@@ -94,11 +94,12 @@ def serve_cmd(
     --store kubernetes: each job is an RLJob in the tenant's namespace, run by `fp8rl operator`."""
     import uvicorn
 
+    from rljob.jobs import JobStore
     from service.app import create_app
     from service.auth import TokenFileError
     from service.executor import Executor, LocalExecutor
     from service.settings import Settings
-    from service.store import JobStore, SqlJobStore
+    from service.store import SqlJobStore
 
     given = {
         "host": host,
@@ -114,7 +115,8 @@ def serve_cmd(
         db: JobStore
         executor: Executor
         if settings.store == "kubernetes":
-            from service.kube_store import KubernetesJobStore, OperatorHandoff, api_client
+            from rljob.kube import KubernetesJobStore, api_client
+            from service.executor import OperatorHandoff
 
             kube = KubernetesJobStore(api_client(settings.kubeconfig))
             db, executor = kube, OperatorHandoff(kube)

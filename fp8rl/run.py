@@ -5,10 +5,12 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from rljob import metrics as m
 from rljob.spec import JobSpec, SpecError, load_spec, parse_spec
 
 
@@ -26,14 +28,14 @@ def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
     return parse_spec(data, "(after command-line overrides)")
 
 
-def _format_row(row: dict[str, Any]) -> str:
+def _format_row(row: Mapping[str, Any]) -> str:
     return (
         f"step {row['step']}: reward {row['reward/mean']:.3f}  "
         f"mismatch {row['mismatch/token_mult_prob_error']:.4f}  "
         f"gen {row['throughput/generation_tokens_per_s']:.0f} tok/s  "
         f"train {row['throughput/train_tokens_per_s']:.0f} tok/s  "
         f"step {row['timing/step_s']:.2f}s"
-        + (f"  val accuracy {row['val/accuracy']:.3f}" if "val/accuracy" in row else "")
+        + (f"  val accuracy {row['val/accuracy']:.3f}" if m.VAL_ACCURACY in row else "")
     )
 
 
@@ -75,7 +77,7 @@ def run_from_cli(
     )
     task_id = bar.add_task(spec.precision.recipe, total=spec.steps, info="starting Ray")
 
-    def on_step(row: dict[str, Any]) -> None:
+    def on_step(row: Mapping[str, Any]) -> None:
         bar.update(task_id, completed=row["step"], info=_format_row(row))
         if not live:
             console.print(_format_row(row), highlight=False)

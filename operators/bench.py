@@ -53,8 +53,8 @@ def _baseline(kube: Any, n: int) -> float:
     from operators import builders
     from operators.settings import OperatorSettings
     from rljob import resource as rl
+    from rljob.kube import KubernetesJobStore, api_client
     from rljob.spec import JobSpec
-    from service.kube_store import KubernetesJobStore, api_client
 
     api = api_client(str(kube.kubeconfig))
     objects: Any = client.CustomObjectsApi(api)
@@ -91,8 +91,8 @@ def run(jobs: int = 100, workdir: Path | None = None, verbose: bool = False) -> 
 
     from operators.emulator import KubeEmulator, start_operator, wait_for
     from rljob import resource as rl
+    from rljob.kube import api_client
     from rljob.spec import JobSpec
-    from service.kube_store import api_client
 
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)

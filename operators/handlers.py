@@ -29,7 +29,7 @@ SETTINGS = OperatorSettings.load(Path(_config) if _config else None)
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    from service.kube_store import api_client
+    from rljob.kube import api_client
 
     settings.persistence.finalizer = "fp8rl.io/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="fp8rl.io")

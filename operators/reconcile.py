@@ -19,15 +19,13 @@ from operators import builders
 from operators.settings import OperatorSettings
 from operators.status import advance, progress_of, target_of
 from rljob import resource as rl
+from rljob.jobs import JobNotFound
+from rljob.kube import KubernetesJobStore
 from rljob.spec import describe_errors
-from rljob.status import TERMINAL, Condition, JobStatus, Phase
-from service.kube_store import KubernetesJobStore
-from service.store import JobNotFound
+from rljob.status import TERMINAL, Condition, JobStatus, Phase, Reason
 
 log = logging.getLogger("fp8rl.operator")
 RAY = ("ray.io", "v1")
-SPEC_REFUSED = "SpecChangeRefused"
-RESUMED = "UserResumed"  # the reason the control plane's resume records (routes/jobs.py)
 
 
 def unless_missing(call: Callable[..., Any], *args: Any) -> Any:
@@ -166,15 +164,17 @@ class Reconciler:
 
     def _fail_invalid(self, rljob: dict[str, Any], problems: str) -> None:
         def change(s: JobStatus) -> JobStatus:
-            if s.phase is Phase.FAILED and s.reason == "InvalidSpec" and s.message == problems:
+            if s.phase is Phase.FAILED and s.reason == Reason.INVALID_SPEC and s.message == problems:
                 return s
-            moved, _ = advance(s, (Phase.FAILED, "InvalidSpec", problems))
+            moved, _ = advance(s, (Phase.FAILED, Reason.INVALID_SPEC, problems))
             return moved
 
         before = rl.status_of(rljob)
         after = self._set_status(rljob, change)
         if after is not None and (after.phase, after.message) != (before.phase, before.message):
-            self.event(rljob, "Warning", "InvalidSpec", f"spec refused: {problems}; fix it with kubectl edit")
+            self.event(
+                rljob, "Warning", Reason.INVALID_SPEC, f"spec refused: {problems}; fix it with kubectl edit"
+            )
 
     def _ensure_configmap(self, rljob: dict[str, Any], spec: rl.RLJobSpec, replace: bool = False) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -202,7 +202,7 @@ class Reconciler:
             raise
         self.event(
             rljob,
-            "Normal" if why == "RayJobCreated" else "Warning",
+            "Normal" if why == Reason.RAYJOB_CREATED else "Warning",
             why,
             f"RayJob {ns}/{body['metadata']['name']}",
         )
@@ -219,7 +219,7 @@ class Reconciler:
         if rayjob is None:
             # a RayJob deleted by someone else while the job should run is recreated
             ran = status.phase in (Phase.STARTING, Phase.RUNNING)
-            return self._create_rayjob(rljob, spec, "RayJobRecreated" if ran else "RayJobCreated")
+            return self._create_rayjob(rljob, spec, Reason.RAYJOB_RECREATED if ran else Reason.RAYJOB_CREATED)
         rayjob_status = (rayjob.get("status") or {}).get("jobDeploymentStatus") or ""
         built_from = ((rayjob.get("metadata") or {}).get("annotations") or {}).get(builders.SPEC_HASH)
         wanted = builders.spec_hash(spec)
@@ -232,24 +232,27 @@ class Reconciler:
                 newly: list[bool] = []
 
                 def refuse(s: JobStatus) -> JobStatus:
-                    was = any(c.type == SPEC_REFUSED and c.status for c in s.conditions)
+                    was = any(c.type == Reason.SPEC_CHANGE_REFUSED and c.status for c in s.conditions)
                     newly[:] = [not was]  # the write that wins decides: one event per refusal
-                    return _condition(s, SPEC_REFUSED, True, "JobRunning", message)
+                    return _condition(s, Reason.SPEC_CHANGE_REFUSED, True, Reason.JOB_RUNNING, message)
 
                 self._set_status(rljob, refuse)
                 if newly == [True]:
-                    self.event(rljob, "Warning", SPEC_REFUSED, message)
+                    self.event(rljob, "Warning", Reason.SPEC_CHANGE_REFUSED, message)
                 return rayjob
             self._delete_rayjob(ns, name)  # not running: rebuild it from the new spec
             self._ensure_configmap(rljob, spec, replace=True)
-            self._set_status(rljob, lambda s: _condition(s, SPEC_REFUSED, False, "Applied", "spec applied"))
-            self.event(rljob, "Normal", "SpecApplied", "RayJob rebuilt from the changed spec")
-            return self._create_rayjob(rljob, spec, "RayJobCreated")
-        resumed = status.phase is Phase.PENDING and status.reason == RESUMED
+            self._set_status(
+                rljob,
+                lambda s: _condition(s, Reason.SPEC_CHANGE_REFUSED, False, Reason.APPLIED, "spec applied"),
+            )
+            self.event(rljob, "Normal", Reason.SPEC_APPLIED, "RayJob rebuilt from the changed spec")
+            return self._create_rayjob(rljob, spec, Reason.RAYJOB_CREATED)
+        resumed = status.phase is Phase.PENDING and status.reason == Reason.USER_RESUMED
         if resumed and rayjob_status in ("Complete", "Failed") and not spec.suspend:
             # resumed after a failure: a finished RayJob does not run again, a new one does
             self._delete_rayjob(ns, name)
-            return self._create_rayjob(rljob, spec, "RayJobRestarted")
+            return self._create_rayjob(rljob, spec, Reason.RAYJOB_RESTARTED)
         kueue = bool(spec.cluster.queue and spec.cluster.queue.scheduler == "kueue")
         desired = spec.suspend or (kueue and bool((rayjob.get("spec") or {}).get("suspend")))
         if bool((rayjob.get("spec") or {}).get("suspend")) != desired:

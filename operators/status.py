@@ -8,8 +8,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress
-from workers.metrics import PROMETHEUS
+from rljob.metrics import PROMETHEUS
+from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress, Reason
 
 Target = tuple[Phase, str, str]  # phase, reason, message
 
@@ -23,26 +23,26 @@ def target_of(rayjob: dict[str, Any], suspend: bool) -> Target:
     if suspend:
         return (
             Phase.SUSPENDED,
-            "Suspended",
+            Reason.SUSPENDED,
             f"RayJob {deployment or 'suspending'}; resume continues from the checkpoint",
         )
     if deployment in ("Suspending", "Suspended"):
-        return Phase.PENDING, "RayJobSuspended", "the RayJob is still suspended (resuming, or queued)"
+        return Phase.PENDING, Reason.RAYJOB_SUSPENDED, "the RayJob is still suspended (resuming, or queued)"
     if deployment in ("", "Initializing", "Waiting"):
-        return Phase.STARTING, "RayClusterStarting", message or "waiting for the Ray cluster"
+        return Phase.STARTING, Reason.RAY_CLUSTER_STARTING, message or "waiting for the Ray cluster"
     if deployment == "Retrying":
-        return Phase.STARTING, "Retrying", message or "KubeRay is retrying the job"
+        return Phase.STARTING, Reason.RETRYING, message or "KubeRay is retrying the job"
     if deployment == "Running":
         if job == "RUNNING":
-            return Phase.RUNNING, "Training", message or "the driver is running"
-        return Phase.STARTING, "DriverStarting", message or f"driver {job or 'not submitted yet'}"
+            return Phase.RUNNING, Reason.TRAINING, message or "the driver is running"
+        return Phase.STARTING, Reason.DRIVER_STARTING, message or f"driver {job or 'not submitted yet'}"
     if deployment == "Complete" and job == "SUCCEEDED":
-        return Phase.SUCCEEDED, "Completed", message or "the driver finished"
+        return Phase.SUCCEEDED, Reason.COMPLETED, message or "the driver finished"
     if deployment == "Complete":
         return Phase.FAILED, f"Driver{job.capitalize() or 'Failed'}", message or f"driver {job}"
     if deployment in ("Failed", "ValidationFailed"):
         return Phase.FAILED, reason or f"RayJob{deployment}", message or f"RayJob {deployment}"
-    return Phase.STARTING, "Unknown", f"unknown RayJob jobDeploymentStatus {deployment!r}"
+    return Phase.STARTING, Reason.UNKNOWN, f"unknown RayJob jobDeploymentStatus {deployment!r}"
 
 
 # phases the operator may pass through on its way (never Suspended, Failed or a final phase:
@@ -86,7 +86,7 @@ def advance(status: JobStatus, target: Target) -> tuple[JobStatus, list[Phase]]:
 
 def progress_of(exposition: str, total_steps: int) -> Progress | None:
     """Progress from the driver's ``/metrics`` text (None before its first step): each
-    ``fp8rl_*`` gauge is read back as its JSONL key (``workers.metrics.PROMETHEUS``)."""
+    ``fp8rl_*`` gauge is read back as its JSONL key (``rljob.metrics.PROMETHEUS``)."""
     keys = {m.name: m.key for m in PROMETHEUS if m.kind == "gauge"}
     row: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):

@@ -18,6 +18,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rljob import metrics as m
+
 
 class Phase(StrEnum):
     PENDING = "Pending"
@@ -35,6 +37,49 @@ TERMINAL = frozenset({Phase.SUCCEEDED, Phase.CANCELLED})
 EXIT_OUT_OF_MEMORY = 3
 
 ACTIVE = frozenset({Phase.PENDING, Phase.STARTING, Phase.RUNNING})
+
+
+class Reason(StrEnum):
+    """The fixed reasons a status records (``status.reason``, a condition's ``reason``, an
+    event's reason). A few are built from what KubeRay reports (``Driver<JobStatus>``,
+    ``RayJob<deploymentStatus>``) and are not listed."""
+
+    CREATED = "Created"
+    # the user's actions (REST or kubectl), recorded by the control plane or the operator
+    USER_SUSPENDED = "UserSuspended"
+    USER_RESUMED = "UserResumed"
+    USER_CANCELLED = "UserCancelled"
+    # the embedded executor
+    PROCESS_STARTED = "ProcessStarted"
+    SERVICE_RESTARTED = "ServiceRestarted"
+    PATH_OUTSIDE_TENANT = "PathOutsideTenant"
+    OUT_OF_MEMORY = "OutOfMemory"
+    WORKER_EXITED = "WorkerExited"
+    # the operator, reading the RLJob and its RayJob
+    INVALID_SPEC = "InvalidSpec"
+    SPEC_CHANGE_REFUSED = "SpecChangeRefused"
+    SPEC_APPLIED = "SpecApplied"
+    APPLIED = "Applied"  # the SpecChangeRefused condition cleared
+    JOB_RUNNING = "JobRunning"
+    RAYJOB_CREATED = "RayJobCreated"
+    RAYJOB_RECREATED = "RayJobRecreated"
+    RAYJOB_RESTARTED = "RayJobRestarted"
+    RAYJOB_SUSPENDED = "RayJobSuspended"
+    RAY_CLUSTER_STARTING = "RayClusterStarting"
+    RETRYING = "Retrying"
+    TRAINING = "Training"
+    DRIVER_STARTING = "DriverStarting"
+    SUSPENDED = "Suspended"
+    COMPLETED = "Completed"
+    UNKNOWN = "Unknown"
+
+    @classmethod
+    def of_action(cls, action: str) -> Reason:
+        """The reason a user's ``suspend``, ``resume`` or ``cancel`` records."""
+        return {"suspend": cls.USER_SUSPENDED, "resume": cls.USER_RESUMED, "cancel": cls.USER_CANCELLED}[
+            action
+        ]
+
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {
     Phase.PENDING: frozenset({Phase.STARTING, Phase.SUSPENDED, Phase.FAILED, Phase.CANCELLED}),
@@ -103,11 +148,11 @@ class Progress(BaseModel):
     def from_row(cls, row: dict[str, float], total_steps: int) -> Progress:
         """From a ``metrics.jsonl`` line."""
         return cls(
-            step=int(row["step"]),
+            step=int(row[m.STEP]),
             total_steps=total_steps,
-            reward=row.get("reward/mean"),
-            generation_tokens_per_s=row.get("throughput/generation_tokens_per_s"),
-            token_mult_prob_error=row.get("mismatch/token_mult_prob_error"),
+            reward=row.get(m.REWARD_MEAN),
+            generation_tokens_per_s=row.get(m.GENERATION_TOKENS_PER_S),
+            token_mult_prob_error=row.get(m.TOKEN_MULT_PROB_ERROR),
             updated=datetime.now(UTC),
         )
 
@@ -118,7 +163,7 @@ class JobStatus(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     phase: Phase = Phase.PENDING
-    reason: str = "Created"
+    reason: str = Reason.CREATED
     message: str = ""
     conditions: list[Condition] = Field(default_factory=list)
     progress: Progress = Field(default_factory=Progress)

@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 from starlette.responses import Response
 
+from rljob.jobs import InvalidRecord, JobStore
 from rljob.status import Phase
 from rljob.version import __version__
 from service import problems
@@ -19,7 +20,7 @@ from service.executor import Executor
 from service.problems import RETRY_AFTER_S, problem_response
 from service.routes import jobs, runs
 from service.settings import Settings
-from service.store import InvalidRecord, JobStore, SqlJobStore
+from service.store import SqlJobStore
 
 
 class BodyLimit(BaseHTTPMiddleware):

@@ -7,9 +7,9 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from starlette.convertors import Convertor, register_url_convertor
 
+from rljob.jobs import JobStore
 from service.auth import TokenAuth
 from service.settings import Settings
-from service.store import JobStore
 
 
 class JobName(Convertor[str]):

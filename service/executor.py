@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from rljob.jobs import Job, JobNotFound, JobStore
+from rljob.kube import KubernetesJobStore
+from rljob.metrics import MetricsLog
 from rljob.paths import path_problems
-from rljob.status import EXIT_OUT_OF_MEMORY, TERMINAL, IllegalTransition, JobStatus, Phase, Progress
-from service.store import Job, JobNotFound, JobStore
-from workers.metrics import MetricsLog
+from rljob.status import EXIT_OUT_OF_MEMORY, TERMINAL, IllegalTransition, JobStatus, Phase, Progress, Reason
 
 
 class Executor(Protocol):
@@ -191,12 +192,12 @@ class LocalExecutor:
             with self._lock:
                 self._procs[(job.tenant, job.name)] = _Running(job, proc, out / "driver.log", metrics)
         elif _finished(job, metrics):
-            self._move(job, Phase.SUCCEEDED, "Completed", "finished while the control plane was down")
+            self._move(job, Phase.SUCCEEDED, Reason.COMPLETED, "finished while the control plane was down")
         else:
             self._move(
                 job,
                 Phase.FAILED,
-                "ServiceRestarted",
+                Reason.SERVICE_RESTARTED,
                 "the driver stopped while the control plane was down; resume the job",
             )
 
@@ -214,7 +215,7 @@ class LocalExecutor:
         outside = path_problems(job.spec, home, self.read_only)
         if outside:
             problem = "; ".join(f"{p.field}: {p.message}" for p in outside)
-            self._move(job, Phase.FAILED, "PathOutsideTenant", problem)
+            self._move(job, Phase.FAILED, Reason.PATH_OUTSIDE_TENANT, problem)
             return
         out = run_dir(self.data_dir, job.tenant, job.name)
         out.mkdir(parents=True, exist_ok=True)
@@ -233,7 +234,7 @@ class LocalExecutor:
         (out / "driver.pid").write_text(json.dumps({"pid": proc.pid, "started": proc.started}))
         with self._lock:
             self._procs[(job.tenant, job.name)] = _Running(job, proc, log, MetricsLog(out / "metrics.jsonl"))
-        self._move(job, Phase.STARTING, "ProcessStarted", f"driver pid {proc.pid}")
+        self._move(job, Phase.STARTING, Reason.PROCESS_STARTED, f"driver pid {proc.pid}")
 
     def suspend(self, job: Job) -> None:
         self._signal(job, signal.SIGINT)
@@ -247,7 +248,7 @@ class LocalExecutor:
         if running is not None:
             running.proc.kill()
         if job.status.phase not in TERMINAL:
-            self._move(job, Phase.CANCELLED, "UserCancelled", "cancelled")
+            self._move(job, Phase.CANCELLED, Reason.USER_CANCELLED, "cancelled")
 
     def _signal(self, job: Job, sig: int) -> None:
         with self._lock:
@@ -274,7 +275,7 @@ class LocalExecutor:
             def change(s: JobStatus) -> JobStatus:
                 s = s.model_copy(update={"progress": progress})
                 return (
-                    s.moved(Phase.RUNNING, "Training", f"step {progress.step}")
+                    s.moved(Phase.RUNNING, Reason.TRAINING, f"step {progress.step}")
                     if s.phase is Phase.STARTING
                     else s
                 )
@@ -293,7 +294,7 @@ class LocalExecutor:
         if current is Phase.SUSPENDED or current is Phase.CANCELLED:
             return
         if code == 0 or (code == UNKNOWN_EXIT and _finished(r.job, r.metrics)):
-            self._move(r.job, Phase.SUCCEEDED, "Completed", f"finished step {r.seen_step}")
+            self._move(r.job, Phase.SUCCEEDED, Reason.COMPLETED, f"finished step {r.seen_step}")
         elif code == EXIT_OUT_OF_MEMORY:
             limit = self.limits(r.job.tenant).memory_bytes
             what = (
@@ -301,12 +302,14 @@ class LocalExecutor:
                 if limit
                 else "the machine's memory"
             )
-            self._move(r.job, Phase.FAILED, "OutOfMemory", f"the driver ran out of memory: over {what}")
+            self._move(
+                r.job, Phase.FAILED, Reason.OUT_OF_MEMORY, f"the driver ran out of memory: over {what}"
+            )
         else:
             lines = r.log.read_text(errors="replace").strip().splitlines() if r.log.exists() else []
             last = lines[-1][:300] if lines else ""
             how = "with an unknown code (re-attached)" if code == UNKNOWN_EXIT else f"with code {code}"
-            self._move(r.job, Phase.FAILED, "WorkerExited", f"driver exited {how}: {last}")
+            self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -318,3 +321,26 @@ class LocalExecutor:
 
 def read_metrics(data_dir: Path, job: Job) -> list[dict[str, object]]:
     return MetricsLog(run_dir(data_dir, job.tenant, job.name) / "metrics.jsonl").rows()
+
+
+class OperatorHandoff:
+    """The executor of ``--store kubernetes``: the operator runs the jobs, so submitting is the
+    create itself; suspend and resume flip ``spec.suspend``; cancel is the delete (the operator's
+    finalizer removes the RayJob)."""
+
+    runs_locally = False
+
+    def __init__(self, store: KubernetesJobStore) -> None:
+        self.store = store
+
+    def submit(self, job: Job) -> None:
+        pass
+
+    def suspend(self, job: Job) -> None:
+        self.store.set_suspend(job.tenant, job.name, True)
+
+    def resume(self, job: Job) -> None:
+        self.store.set_suspend(job.tenant, job.name, False)
+
+    def cancel(self, job: Job) -> None:
+        pass

@@ -1,7 +1,7 @@
 """Job stores behind one protocol, ``JobStore``. ``SqlJobStore`` keeps jobs in SQLite (the embedded
 default): one row per (tenant, name), the spec and status as JSON. A UNIQUE constraint makes
 concurrent creates of one name record it exactly once; status changes are read-check-write under
-one lock, through the state machine in ``rljob.status``. ``service.kube_store.KubernetesJobStore``
+one lock, through the state machine in ``rljob.status``. ``rljob.kube.KubernetesJobStore``
 keeps each job as an RLJob custom resource instead."""
 
 from __future__ import annotations
@@ -9,62 +9,12 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Protocol
 
+from rljob.jobs import Job, JobExists, JobNotFound, gpus_of
 from rljob.spec import JobSpec
 from rljob.status import ACTIVE, JobStatus, Phase
-
-
-class JobExists(Exception):
-    pass
-
-
-class JobNotFound(Exception):
-    pass
-
-
-class InvalidRecord(Exception):
-    """A stored job whose spec the models reject (an RLJob written with kubectl past the CRD)."""
-
-
-class TenantNamespaceMissing(Exception):
-    """``--store kubernetes``: the tenant's namespace does not exist on the cluster."""
-
-
-@dataclass
-class Job:
-    tenant: str
-    name: str
-    spec: JobSpec
-    status: JobStatus
-    created: datetime
-    updated: datetime
-
-
-class JobStore(Protocol):
-    """What the routes and executors need from a store. ``tenant=None`` in ``query`` means all."""
-
-    def create(self, tenant: str, name: str, spec: JobSpec) -> Job: ...
-
-    def get(self, tenant: str, name: str) -> Job: ...
-
-    def query(
-        self, tenant: str | None, phase: Phase | None = None, limit: int = 50, offset: int = 0
-    ) -> tuple[list[Job], int]: ...
-
-    def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job: ...
-
-    def delete(self, tenant: str, name: str) -> None: ...
-
-    def usage(self, tenant: str) -> tuple[int, int]: ...
-
-    def ping(self) -> None: ...
-
-    def close(self) -> None: ...
-
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -79,12 +29,6 @@ CREATE TABLE IF NOT EXISTS jobs (
     PRIMARY KEY (tenant, name)
 )
 """
-
-
-def gpus_of(spec: JobSpec) -> int:
-    """GPUs a job requests: generators and trainers times their GPUs each."""
-    r = spec.resources
-    return r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
 
 
 def _now() -> datetime:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from rljob.metrics import TrainMetrics
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel, weight_receivers
 from workers.engines.nccl_channel import channel_ranks
@@ -102,7 +103,7 @@ class TrainerWorker(_Member):
     def sft_step(self, batch: Rollouts) -> float:
         return self.engine.sft_step(batch)
 
-    def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> tuple[torch.Tensor, TrainMetrics]:
         out = self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
         return out.logprobs_old, out.stats
 

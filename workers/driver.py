@@ -19,13 +19,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rljob import metrics as m
+from rljob.metrics import MetricsLog, StepMetrics, TrainMetrics, ValidatedStepMetrics, ValidationMetrics
 from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from rljob.status import EXIT_OUT_OF_MEMORY
@@ -33,7 +35,7 @@ from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.factory import check_engines, uses_weight_channel
 from workers.engines.protocols import Rollouts, concat_rollouts, even_split, left_pad, split_rows
-from workers.metrics import MetricsLog, PromExporter
+from workers.metrics import PromExporter
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer, build_tokenizer
 
@@ -47,7 +49,7 @@ class RunOptions:
     job: str = ""
     namespace: str = "default"
     stop: threading.Event = field(default_factory=threading.Event)
-    on_step: Callable[[dict[str, Any]], None] | None = None  # progress display
+    on_step: Callable[[StepMetrics], None] | None = None  # progress display
     log: Callable[[str], None] = print
     ray_address: str | None = None
 
@@ -57,7 +59,7 @@ class RunResult:
     output_dir: Path
     last_step: int
     stopped: bool
-    rows: list[dict[str, Any]]
+    rows: list[Mapping[str, Any]]  # the log's lines: resumed ones as read, then this run's
     metrics_port: int | None
 
 
@@ -186,7 +188,7 @@ def validation_due(spec: JobSpec, step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == spec.steps)
 
 
-def _validate(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step: int) -> dict[str, float]:
+def _validate(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step: int) -> ValidationMetrics:
     """``val/*`` of the held-out problems: one response each, shared out between the generators
     like rollouts, at ``validation.temperature`` (0: greedy) with a seed fixed per step."""
     import ray
@@ -208,13 +210,13 @@ def _validate(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step
     )
     batch = concat_rollouts([o[0] for o in outs], tok.pad_id)
     rewards = [
-        task.score(tok.decode(row[: int(m.sum())].tolist()), p)
-        for row, m, p in zip(batch.response_ids, batch.response_mask, problems, strict=True)
+        task.score(tok.decode(row[: int(mask.sum())].tolist()), p)
+        for row, mask, p in zip(batch.response_ids, batch.response_mask, problems, strict=True)
     ]
     return {
-        "val/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-        "val/reward_mean": sum(rewards) / len(rewards),
-        "timing/validation_s": time.perf_counter() - t0,
+        m.VAL_ACCURACY: sum(r >= 1.0 for r in rewards) / len(rewards),
+        m.VAL_REWARD_MEAN: sum(rewards) / len(rewards),
+        m.TIMING_VALIDATION_S: time.perf_counter() - t0,
     }
 
 
@@ -230,7 +232,7 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     first_step, ckpt = _prepare_output(spec, out, opts.resume)
     _write_json(out / "spec.resolved.json", spec.model_dump(mode="json"))
     log = MetricsLog(out / "metrics.jsonl")
-    rows = log.truncate(first_step - 1) if opts.resume else []
+    rows: list[Mapping[str, Any]] = list(log.truncate(first_step - 1)) if opts.resume else []
     prom = PromExporter(opts.job or out.name, opts.namespace, spec.precision.recipe)
     port = prom.serve(opts.metrics_port) if opts.metrics_port is not None else None
     if port is not None:
@@ -255,9 +257,10 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
             _warmup(spec, task, tok, cluster, out, opts)
         _sync(cluster)  # generators start from the trainer's weights
         for step in range(first_step, spec.steps + 1):
-            row = _rl_step(spec, task, tok, cluster, step)
+            row: StepMetrics = _rl_step(spec, task, tok, cluster, step)
             if validation_due(spec, step):  # after the step's weight sync: the updated policy
-                row.update(_validate(spec, task, tok, cluster, step))
+                validated: ValidatedStepMetrics = {**row, **_validate(spec, task, tok, cluster, step)}
+                row = validated
             due = step % spec.checkpoint_interval == 0 or step == spec.steps
             if due:  # before the metrics line: a line never refers to weights that were not saved
                 _save(cluster, out, step)
@@ -320,7 +323,7 @@ def _save(cluster: _Cluster, out: Path, step: int) -> None:
     checkpoint.commit(out, tmp, step, {})
 
 
-def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step: int) -> dict[str, Any]:
+def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step: int) -> StepMetrics:
     import ray
 
     r = spec.rollout
@@ -344,8 +347,8 @@ def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step:
     t1 = time.perf_counter()
 
     texts = [
-        tok.decode(row[: int(m.sum())].tolist())
-        for row, m in zip(batch.response_ids, batch.response_mask, strict=True)
+        tok.decode(row[: int(mask.sum())].tolist())
+        for row, mask in zip(batch.response_ids, batch.response_mask, strict=True)
     ]
     rewards = torch.tensor([task.score(t, p) for t, p in zip(texts, expanded, strict=True)])  # [B]
     t2 = time.perf_counter()
@@ -353,12 +356,11 @@ def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step:
     tsizes = even_split(r.prompts_per_step, r.group_size, len(cluster.trainers))
     parts = split_rows(batch, tsizes)
     rparts = torch.split(rewards, tsizes)
-    results = ray.get(
+    results: list[tuple[torch.Tensor, TrainMetrics]] = ray.get(
         [t.train_step.remote(b, rw) for t, b, rw in zip(cluster.trainers, parts, rparts, strict=True)]
     )
     logp_old = torch.cat([x[0] for x in results])
     stats = results[0][1]  # each trainer's stats already cover the whole batch (all-reduced)
-    stats.pop("train/tokens", None)  # tokens/trained below says it
     t3 = time.perf_counter()
 
     sync = _sync(cluster)
@@ -369,25 +371,25 @@ def _rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: _Cluster, step:
     gen_tokens = float(batch.response_mask.sum())
     train_tokens = gen_tokens + float(batch.prompt_mask.sum())
     return {
-        "step": step,
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "response_length/mean": gen_tokens / max(len(expanded), 1),
+        m.STEP: step,
+        m.REWARD_MEAN: float(rewards.mean()),
+        m.REWARD_STD: float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        m.RESPONSE_LENGTH_MEAN: gen_tokens / max(len(expanded), 1),
         **mismatch,
         **stats,
-        "tokens/generated": gen_tokens,
-        "tokens/trained": train_tokens,
-        "throughput/generation_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
-        "throughput/train_tokens_per_s": train_tokens / max(t3 - t2, 1e-9),
-        "timing/generation_s": t1 - t0,
-        "timing/reward_s": t2 - t1,
-        "timing/train_s": t3 - t2,
-        "timing/weight_sync_s": t4 - t3,
-        "timing/step_s": t4 - t0,
-        "weight_sync/bytes": float(sync.get("bytes", 0)),
-        "kv_cache/bytes": float(sum(o[1]["kv_cache"] for o in outs)),
-        "weights/bytes": float(sum(o[1]["weights"] for o in outs)),
-        "time": time.time(),
+        m.TOKENS_GENERATED: gen_tokens,
+        m.TOKENS_TRAINED: train_tokens,
+        m.GENERATION_TOKENS_PER_S: gen_tokens / max(t1 - t0, 1e-9),
+        m.TRAIN_TOKENS_PER_S: train_tokens / max(t3 - t2, 1e-9),
+        m.TIMING_GENERATION_S: t1 - t0,
+        m.TIMING_REWARD_S: t2 - t1,
+        m.TIMING_TRAIN_S: t3 - t2,
+        m.TIMING_WEIGHT_SYNC_S: t4 - t3,
+        m.TIMING_STEP_S: t4 - t0,
+        m.WEIGHT_SYNC_BYTES: float(sync.get("bytes", 0)),
+        m.KV_CACHE_BYTES: float(sum(o[1]["kv_cache"] for o in outs)),
+        m.WEIGHTS_BYTES: float(sum(o[1]["weights"] for o in outs)),
+        m.TIME: time.time(),
     }
 
 
@@ -411,9 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", flush=True)
         return 2
 
-    def line(row: dict[str, Any]) -> None:
+    def line(row: StepMetrics) -> None:
         print(
-            json.dumps({k: row[k] for k in ("step", "reward/mean", "mismatch/token_mult_prob_error")}),
+            json.dumps({k: row[k] for k in (m.STEP, m.REWARD_MEAN, m.TOKEN_MULT_PROB_ERROR)}),
             flush=True,
         )
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rljob import metrics as m
+from rljob.algorithms import RECIPES
 from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
 from workers.checkpoint import load_master_weights
@@ -17,8 +19,6 @@ from workers.engines.factory import native_pair
 from workers.report import mean_std
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
-
-RECIPES = ("bf16", "fp8-gen", "fp8-e2e")
 
 
 def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str, list[float]]:
@@ -30,7 +30,7 @@ def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str,
     out: dict[str, list[float]] = {}
     for recipe in RECIPES:
         s = spec.model_copy(deep=True)
-        s.precision.recipe = recipe  # type: ignore[assignment]
+        s.precision.recipe = recipe
         trainer, gen = native_pair(s, tok.vocab_size, tok.eos_id, tok.pad_id, state)
         values = []
         for b in range(batches):
@@ -38,8 +38,10 @@ def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str,
             batch = gen.generate(
                 [tok.encode(task.prompt(p)) for p in problems], r.max_new_tokens, r.temperature, r.top_p, b
             )
-            m = mismatch_metrics(trainer.logprobs(batch, r.temperature), batch.logprobs, batch.response_mask)
-            values.append(m["mismatch/token_mult_prob_error"])
+            row = mismatch_metrics(
+                trainer.logprobs(batch, r.temperature), batch.logprobs, batch.response_mask
+            )
+            values.append(row[m.TOKEN_MULT_PROB_ERROR])
         out[recipe] = values
     return out
 

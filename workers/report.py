@@ -12,15 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.metrics import MetricsLog
+from rljob import metrics as m
+from rljob.metrics import MetricsLog
 
 PANELS: tuple[tuple[str, str, float | None], ...] = (
-    ("reward/mean", "reward (mean)", None),
-    ("mismatch/token_mult_prob_error", "token_mult_prob_error (1.0 = no mismatch)", 1.05),
-    ("throughput/generation_tokens_per_s", "generation tokens/s", None),
-    ("throughput/train_tokens_per_s", "training tokens/s", None),
-    ("mismatch/gen_kl_error", "gen KL error (k3)", None),
-    ("mismatch/is_oob_ratio", "IS out-of-bounds fraction", None),
+    (m.REWARD_MEAN, "reward (mean)", None),
+    (m.TOKEN_MULT_PROB_ERROR, "token_mult_prob_error (1.0 = no mismatch)", 1.05),
+    (m.GENERATION_TOKENS_PER_S, "generation tokens/s", None),
+    (m.TRAIN_TOKENS_PER_S, "training tokens/s", None),
+    (m.GEN_KL_ERROR, "gen KL error (k3)", None),
+    (m.IS_OOB_RATIO, "IS out-of-bounds fraction", None),
 )
 
 
@@ -71,7 +72,7 @@ def report(runs: list[Run], output: Path, window: int = 5) -> Path:
             steps = [int(r["step"]) for r in rows]
             values = [float(r.get(key, math.nan)) for r in rows]
             (curve,) = ax.plot(steps, smooth(values, window), label=label)
-            val = validation_points(rows) if key == "reward/mean" else []
+            val = validation_points(rows) if key == m.REWARD_MEAN else []
             if val:
                 ax.plot(
                     *zip(*val, strict=True), "o--", color=curve.get_color(), label=f"{label} val accuracy"
@@ -92,7 +93,7 @@ def report(runs: list[Run], output: Path, window: int = 5) -> Path:
 
 def validation_points(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
     """``(step, val/accuracy)`` of the steps that validated."""
-    return [(int(r["step"]), float(r["val/accuracy"])) for r in rows if r.get("val/accuracy") is not None]
+    return [(int(r["step"]), float(r[m.VAL_ACCURACY])) for r in rows if r.get(m.VAL_ACCURACY) is not None]
 
 
 def summary(runs: list[Run], last: int = 10) -> list[dict[str, Any]]:
@@ -102,15 +103,15 @@ def summary(runs: list[Run], last: int = 10) -> list[dict[str, Any]]:
     for run in runs:
         rows = run.rows
         tail = rows[-last:]
-        tmpe = [float(r["mismatch/token_mult_prob_error"]) for r in rows]
+        tmpe = [float(r[m.TOKEN_MULT_PROB_ERROR]) for r in rows]
         val = validation_points(rows)
         out.append(
             {
                 "run": run.label,
                 "recipe": run.recipe or run.label,
                 "steps": int(rows[-1]["step"]),
-                "first_reward": sum(float(r["reward/mean"]) for r in rows[:last]) / len(rows[:last]),
-                "final_reward": sum(float(r["reward/mean"]) for r in tail) / len(tail),
+                "first_reward": sum(float(r[m.REWARD_MEAN]) for r in rows[:last]) / len(rows[:last]),
+                "final_reward": sum(float(r[m.REWARD_MEAN]) for r in tail) / len(tail),
                 "token_mult_prob_error": sum(tmpe) / len(tmpe),
                 "val_accuracy": val[-1][1] if val else None,
             }

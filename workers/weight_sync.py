@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from workers.fp8.export import Payload
 from workers.fp8.formats import get_format
 from workers.fp8.quant import Fp8Tensor
 
-Payload = dict[str, Any]
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 

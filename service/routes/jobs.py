@@ -11,11 +11,11 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response,
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from rljob.status import ACTIONS, IllegalTransition, Phase
+from rljob.jobs import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
 from service.deps import JOB, SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
-from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -150,7 +150,7 @@ def _action(name: str, action: str, tenant: str, store: StoreDep, request: Reque
         job = store.update(
             tenant,
             name,
-            lambda s: s.moved(target, f"User{action.capitalize()}d", f"{action} requested", action),
+            lambda s: s.moved(target, Reason.of_action(action), f"{action} requested", action),
         )
     except JobNotFound:
         raise _not_found(name) from None

@@ -9,11 +9,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
+from rljob.jobs import JobNotFound
 from rljob.status import ACTIVE
 from service.deps import JOB, SettingsDep, StoreDep, TenantDep
 from service.executor import read_metrics, run_dir
 from service.problems import ProblemError
-from service.store import JobNotFound
 
 router = APIRouter(prefix="/v1/jobs", tags=["runs"])
 

@@ -55,7 +55,7 @@ def driver_exposition() -> str:
         if m:
             ports.append(int(m.group(1)))
 
-    def scrape(row: dict[str, Any]) -> None:
+    def scrape(row: Mapping[str, Any]) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=10) as r:
             scraped.append(r.read().decode())
 

@@ -255,7 +255,7 @@ def test_rbac_is_least_privilege() -> None:
     assert rules(named(objects, "ClusterRole", "fp8rl-operator")) == operator
     discovery = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
     assert rules(named(objects, "ClusterRole", "fp8rl-operator-discovery")) == discovery
-    # what service/kube_store.py calls
+    # what rljob/kube.py calls
     api = {("fp8rl.io", "rljobs", v) for v in ("create", "get", "list", "patch", "delete")} | {
         ("fp8rl.io", "rljobs/status", "patch")
     }

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from rljob.metrics import LABELS, PHASES, PROMETHEUS
 from tests.helm.exported import exported, parse_exposition, unknown_metrics
 from tests.helm.promql import selectors
-from workers.metrics import LABELS, PHASES, PROMETHEUS
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fp8rl" / "dashboards" / "fp8rl.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

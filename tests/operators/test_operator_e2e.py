@@ -17,10 +17,11 @@ from kubernetes import client
 from operators.builders import SPEC_HASH
 from operators.emulator import KubeEmulator, start_operator, wait_for
 from rljob import resource as rl
+from rljob.kube import KubernetesJobStore, api_client
 from rljob.spec import JobSpec
 from rljob.status import Phase
 from service.app import create_app
-from service.kube_store import KubernetesJobStore, OperatorHandoff, api_client
+from service.executor import OperatorHandoff
 from service.settings import Settings
 from workers.metrics import PromExporter
 

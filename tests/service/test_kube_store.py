@@ -12,12 +12,13 @@ from fastapi.testclient import TestClient
 
 from operators.emulator import KubeEmulator
 from rljob import resource as rl
+from rljob.jobs import JobExists, JobNotFound, TenantNamespaceMissing
+from rljob.kube import KubernetesJobStore, api_client
 from rljob.spec import JobSpec, load_spec
 from rljob.status import JobStatus, Phase
 from service.app import create_app
-from service.kube_store import KubernetesJobStore, OperatorHandoff, api_client
+from service.executor import OperatorHandoff
 from service.settings import Settings
-from service.store import JobExists, JobNotFound, TenantNamespaceMissing
 
 ALICE, BOB, CAROL = "alice-token-0123456789", "bob-token-0123456789ab", "carol-token-0123456789"
 TOKENS = {ALICE: "team-a", BOB: "team-b", CAROL: "team-c"}  # team-c has no namespace

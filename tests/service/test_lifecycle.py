@@ -14,13 +14,13 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from rljob.metrics import MetricsLog
 from rljob.spec import JobSpec
 from rljob.status import JobStatus, Phase
 from service.app import create_app
 from service.executor import LocalExecutor, run_dir
 from service.settings import Settings
 from service.store import SqlJobStore
-from workers.metrics import MetricsLog
 
 TOKEN = "lifecycle-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,9 @@ import pytest
 import ray
 
 from rljob import JobSpec, parse_spec
+from rljob.metrics import REQUIRED_KEYS, MetricsLog
 from workers import checkpoint
 from workers.driver import RunOptions, run
-from workers.metrics import REQUIRED_KEYS, MetricsLog
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +60,7 @@ def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     scraped: list[str] = []
     port: list[int] = []
 
-    def scrape(row: dict[str, Any]) -> None:
+    def scrape(row: Mapping[str, Any]) -> None:
         if port:
             with urllib.request.urlopen(f"http://127.0.0.1:{port[0]}/metrics", timeout=10) as r:
                 scraped.append(r.read().decode())
@@ -128,9 +128,9 @@ def test_stop_checkpoints_and_resume_continues_at_the_next_step(tmp_path: Path) 
 def test_crash_after_a_checkpoint_resumes_without_duplicate_or_missing_steps(tmp_path: Path) -> None:
     """Crash in step 3 (checkpoint at 2, metrics line 3 written): resume drops line 3, recomputes
     step 3 from the step-2 checkpoint, and gets the same rollouts (seeds are per step)."""
-    seen: list[dict[str, Any]] = []
+    seen: list[Mapping[str, Any]] = []
 
-    def crash(row: dict[str, Any]) -> None:
+    def crash(row: Mapping[str, Any]) -> None:
         seen.append(row)
         if row["step"] == 3:
             raise RuntimeError("simulated worker crash")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from workers.metrics import MetricsLog
+from rljob.metrics import MetricsLog
 
 
 def test_read_new_returns_complete_lines_once(tmp_path: Path) -> None:

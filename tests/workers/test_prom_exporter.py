@@ -6,7 +6,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.metrics import PROMETHEUS, PromExporter
+from rljob.metrics import PROMETHEUS
+from workers.metrics import PromExporter
 
 LABELS = {"job": "j", "namespace": "team-a", "recipe": "fp8-e2e"}
 

@@ -17,9 +17,10 @@ and padding may hold any value (inf, nan) without leaking into results or gradie
 docstring gives its maths.
 """
 
+from rljob.algorithms import AGGREGATIONS, IS_MODES
 from workers.algo.advantages import grpo_advantages
-from workers.algo.importance import IS_MODES, IsCorrection, importance_weights
-from workers.algo.losses import AGGREGATIONS, PolicyLossTerms, aggregate, clipped_policy_loss, kl_penalty
+from workers.algo.importance import IsCorrection, importance_weights
+from workers.algo.losses import PolicyLossTerms, aggregate, clipped_policy_loss, kl_penalty
 from workers.algo.mismatch import mismatch_metrics
 
 __all__ = [

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-IS_MODES = ("none", "tis", "icepop", "seq-tis", "seq-mask-tis", "geo-mask")
+from rljob.algorithms import IS_MODES
 
 _MAX_LOG_RATIO = 20.0
 

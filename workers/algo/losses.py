@@ -36,7 +36,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+from rljob.algorithms import AGGREGATIONS
+
 KL_KINDS = ("k1", "k2", "k3")
 
 # exp(20) ~ 4.9e8: far beyond any bound used in practice, far below float32 overflow.

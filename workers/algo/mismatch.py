@@ -42,9 +42,10 @@ import math
 import torch
 from torch import Tensor
 
-from workers.algo.importance import IS_MODES, importance_weights
+from rljob import metrics as m
+from rljob.algorithms import IS_MODES
+from workers.algo.importance import importance_weights
 
-_PREFIX = "mismatch/"
 _SEQUENCE_MODES = ("seq-tis", "seq-mask-tis", "geo-mask")
 
 
@@ -63,7 +64,7 @@ def mismatch_metrics(
     low: float = 0.5,
     high: float = 2.0,
     mode: str = "none",
-) -> dict[str, float]:
+) -> m.MismatchMetrics:
     """Mismatch metrics between trainer and generator log-probs of the same sampled tokens.
 
     Args:
@@ -129,16 +130,15 @@ def _named(
     js_divergence_error: float = 0.0,
     is_oob_ratio: float = 0.0,
     chi2_token: float = 0.0,
-) -> dict[str, float]:
-    """The metrics dict with its fixed keys and order."""
-    values = {
-        "token_mult_prob_error": token_mult_prob_error,
-        "gen_kl_error": gen_kl_error,
-        "policy_kl_error": policy_kl_error,
-        "js_divergence_error": js_divergence_error,
-        "sampling_importance_ratio": sampling_importance_ratio,
-        "is_oob_ratio": is_oob_ratio,
-        "chi2_token": chi2_token,
-        "num_tokens": num_tokens,
+) -> m.MismatchMetrics:
+    """The metrics row with its fixed keys and order."""
+    return {
+        m.TOKEN_MULT_PROB_ERROR: float(token_mult_prob_error),
+        m.GEN_KL_ERROR: float(gen_kl_error),
+        m.POLICY_KL_ERROR: float(policy_kl_error),
+        m.JS_DIVERGENCE_ERROR: float(js_divergence_error),
+        m.SAMPLING_IMPORTANCE_RATIO: float(sampling_importance_ratio),
+        m.IS_OOB_RATIO: float(is_oob_ratio),
+        m.CHI2_TOKEN: float(chi2_token),
+        m.MISMATCH_TOKENS: float(num_tokens),
     }
-    return {_PREFIX + name: float(value) for name, value in values.items()}

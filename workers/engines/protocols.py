@@ -12,10 +12,10 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from rljob import metrics as m
 from workers.fp8.convert import Fp8Audit
+from workers.fp8.export import Payload as Payload  # re-exported: what the engines exchange
 from workers.weight_sync import SyncResult
-
-Payload = dict[str, Any]  # name -> Fp8Tensor | Tensor (see workers.fp8.export)
 
 
 class Rollouts(NamedTuple):
@@ -39,7 +39,7 @@ class TrainStats(NamedTuple):
     """One RL update: the trainer's log-probs before it, and scalar statistics."""
 
     logprobs_old: torch.Tensor  # [B, L] float32: trainer log-probs with the weights that generated
-    stats: dict[str, float]
+    stats: m.TrainMetrics  # crosses Ray as a plain dict
 
 
 # Step statistics every trainer sums over the trainers on the device (plus the maxima ``is_max``
@@ -47,20 +47,20 @@ class TrainStats(NamedTuple):
 STEP_SUMS = ("loss", "clipped", "is_sum", "kl", "tokens", "adv_abs_sum", "sequences")
 
 
-def train_stats(totals: dict[str, torch.Tensor]) -> dict[str, float]:
+def train_stats(totals: dict[str, torch.Tensor]) -> m.TrainMetrics:
     """The ``train/*`` and ``is/*`` statistics of one RL step from its totals (0-d tensors on the
     device, already reduced over the trainers), read back in one transfer."""
     values = dict(zip(totals, torch.stack(list(totals.values())).tolist(), strict=True))
     tokens = max(values["tokens"], 1.0)
     return {
-        "train/loss": values["loss"],
-        "train/grad_norm": values["grad_norm"],
-        "train/clip_fraction": values["clipped"] / tokens,
-        "train/kl": values["kl"] / tokens,
-        "is/weight_mean": values["is_sum"] / tokens,
-        "is/weight_max": values["is_max"],
-        "train/advantage_abs_mean": values["adv_abs_sum"] / max(values["sequences"], 1.0),
-        "train/tokens": values["tokens"],
+        m.TRAIN_LOSS: values["loss"],
+        m.TRAIN_GRAD_NORM: values["grad_norm"],
+        m.TRAIN_CLIP_FRACTION: values["clipped"] / tokens,
+        m.TRAIN_KL: values["kl"] / tokens,
+        m.IS_WEIGHT_MEAN: values["is_sum"] / tokens,
+        m.IS_WEIGHT_MAX: values["is_max"],
+        m.TRAIN_ADVANTAGE_ABS_MEAN: values["adv_abs_sum"] / max(values["sequences"], 1.0),
+        m.TRAIN_TOKENS: values["tokens"],
     }
 
 

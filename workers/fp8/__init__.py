@@ -12,7 +12,8 @@ Usable on its own::
     print(audit.format())
 """
 
-from workers.fp8.convert import RECIPES, AuditRow, Fp8Audit, convert_model
+from rljob.algorithms import RECIPES
+from workers.fp8.convert import AuditRow, Fp8Audit, convert_model
 from workers.fp8.dispatch import PROFILES, DeviceProfile, GemmPlan, parse_profile, plan_gemm, simulate
 from workers.fp8.export import export_weights, fp8_weight_names, load_weights, payload_bytes
 from workers.fp8.formats import E4M3, E5M2, Fp8Format, get_format

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from rljob.algorithms import RECIPES
 from workers.fp8.dispatch import profile_of
 from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
 
-RECIPES: tuple[str, ...] = ("bf16", "fp8-gen", "fp8-e2e")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -40,6 +40,8 @@ row 0 2, row 1 4; row 2 has no valid token and is not a sequence):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -131,7 +133,8 @@ def test_no_clamp_on_large_log_ratios() -> None:
     # JS = m - (prev + gen) / 2 (the two e^(a - m) average to 1), m = log((1 + e^-100) / 2):
     # -ln 2 + 50, to 1e-43
     assert out["mismatch/js_divergence_error"] == pytest.approx(50.0 - LN2)
-    assert all(math.isfinite(v) for v in out.values())
+    values: Mapping[str, Any] = out
+    assert all(math.isfinite(v) for v in values.values())
 
 
 def test_inputs_with_grad_and_bad_arguments() -> None:

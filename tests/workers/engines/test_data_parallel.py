@@ -14,6 +14,7 @@ group tokens differently and round them differently (that is FP8, not data paral
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,7 @@ def test_two_trainers_equal_one_on_the_same_batch(tmp_path: Path, minibatches: i
         batch = Rollouts(*(t[order] for t in batch))
         rewards = rewards[order]
     alone = NativeTrainer(spec(minibatches), TOK.vocab_size)
-    stats = alone.train_step(batch, rewards, 1.0).stats
+    stats: Mapping[str, Any] = alone.train_step(batch, rewards, 1.0).stats
     assert stats["train/tokens"] == 29.0  # by hand: 5+2+4+5+1+3+5+4
     for key in KEYS:
         assert pair["stats"][key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), key

@@ -1,4 +1,5 @@
-"""``--store kubernetes``: each job is an RLJob custom resource in its tenant's namespace.
+"""The RLJob client both the service (``--store kubernetes``) and the operator use: each job is an
+RLJob custom resource in its tenant's namespace.
 
 The RLJob is the record; there is no second copy. Creating a job creates the object (a name taken
 in that namespace is 409 from the API server, surfaced as ``JobExists``); status changes write the
@@ -22,11 +23,11 @@ from typing import Any, cast
 from pydantic import ValidationError
 
 from rljob import resource as rl
+from rljob.jobs import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 from rljob.spec import JobSpec, describe_errors
 from rljob.status import ACTIVE, JobStatus, Phase
-from service.store import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 
-log = logging.getLogger("fp8rl.service")
+log = logging.getLogger("fp8rl.rljob")
 
 CONFLICT_RETRIES = 8
 
@@ -197,26 +198,3 @@ class KubernetesJobStore:
 
     def close(self) -> None:
         self._api.close()
-
-
-class OperatorHandoff:
-    """The executor of ``--store kubernetes``: the operator runs the jobs, so submitting is the
-    create itself; suspend and resume flip ``spec.suspend``; cancel is the delete (the operator's
-    finalizer removes the RayJob)."""
-
-    runs_locally = False
-
-    def __init__(self, store: KubernetesJobStore) -> None:
-        self.store = store
-
-    def submit(self, job: Job) -> None:
-        pass
-
-    def suspend(self, job: Job) -> None:
-        self.store.set_suspend(job.tenant, job.name, True)
-
-    def resume(self, job: Job) -> None:
-        self.store.set_suspend(job.tenant, job.name, False)
-
-    def cancel(self, job: Job) -> None:
-        pass

@@ -1,0 +1,236 @@
+"""The metrics contract: one JSON line per RL step (``metrics.jsonl``) and the same facts as
+Prometheus ``fp8rl_*`` metrics. Every tier that reads or writes a step reads it from here: the
+driver writes rows, the trainers' statistics cross Ray in them, the operator reads the Prometheus
+gauges back into RLJob status, the control plane serves the log, and the report plots it.
+
+- The key names are constants (``REWARD_MEAN = "reward/mean"``) and a step row is a typed
+  ``StepMetrics`` (a ``TypedDict``: still a plain dict in JSON and across Ray; mypy checks every
+  key spelled against it). ``REQUIRED_KEYS`` are the keys every row has.
+- ``PROMETHEUS`` is the single table from JSONL keys to Prometheus names; the Grafana dashboard and
+  the alert rules use only names from it. Every series carries the labels ``job``, ``namespace``
+  and ``recipe``. Keys only some steps have (``val/*``: validation every N steps) are exported
+  from the first step that has them and then keep their last value, so a job without validation
+  shows no validation series instead of a misleading 0.
+- ``MetricsLog`` reads and appends ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypedDict
+
+# -- keys ------------------------------------------------------------------------------------------
+STEP: Final = "step"
+TIME: Final = "time"  # wall clock (Unix seconds) when the step ended
+REWARD_MEAN: Final = "reward/mean"
+REWARD_STD: Final = "reward/std"
+RESPONSE_LENGTH_MEAN: Final = "response_length/mean"
+# train/generation mismatch (NeMo RL's definitions: workers.algo.mismatch)
+TOKEN_MULT_PROB_ERROR: Final = "mismatch/token_mult_prob_error"
+GEN_KL_ERROR: Final = "mismatch/gen_kl_error"
+POLICY_KL_ERROR: Final = "mismatch/policy_kl_error"
+JS_DIVERGENCE_ERROR: Final = "mismatch/js_divergence_error"
+SAMPLING_IMPORTANCE_RATIO: Final = "mismatch/sampling_importance_ratio"
+IS_OOB_RATIO: Final = "mismatch/is_oob_ratio"
+CHI2_TOKEN: Final = "mismatch/chi2_token"
+MISMATCH_TOKENS: Final = "mismatch/num_tokens"
+# the trainers' statistics (workers.engines.protocols.train_stats)
+TRAIN_LOSS: Final = "train/loss"
+TRAIN_GRAD_NORM: Final = "train/grad_norm"
+TRAIN_CLIP_FRACTION: Final = "train/clip_fraction"
+TRAIN_KL: Final = "train/kl"
+TRAIN_ADVANTAGE_ABS_MEAN: Final = "train/advantage_abs_mean"
+TRAIN_TOKENS: Final = "train/tokens"
+IS_WEIGHT_MEAN: Final = "is/weight_mean"
+IS_WEIGHT_MAX: Final = "is/weight_max"
+# volume, speed and memory
+TOKENS_GENERATED: Final = "tokens/generated"
+TOKENS_TRAINED: Final = "tokens/trained"
+GENERATION_TOKENS_PER_S: Final = "throughput/generation_tokens_per_s"
+TRAIN_TOKENS_PER_S: Final = "throughput/train_tokens_per_s"
+TIMING_GENERATION_S: Final = "timing/generation_s"
+TIMING_REWARD_S: Final = "timing/reward_s"
+TIMING_TRAIN_S: Final = "timing/train_s"
+TIMING_WEIGHT_SYNC_S: Final = "timing/weight_sync_s"
+TIMING_VALIDATION_S: Final = "timing/validation_s"
+TIMING_STEP_S: Final = "timing/step_s"
+WEIGHT_SYNC_BYTES: Final = "weight_sync/bytes"
+KV_CACHE_BYTES: Final = "kv_cache/bytes"
+WEIGHTS_BYTES: Final = "weights/bytes"
+# validation (every ``validation.interval`` steps)
+VAL_ACCURACY: Final = "val/accuracy"
+VAL_REWARD_MEAN: Final = "val/reward_mean"
+
+# -- typed rows ------------------------------------------------------------------------------------
+# The TypedDicts spell each key once more, as a literal (Python's TypedDict takes no constants);
+# tests/rljob/test_metrics.py checks that the constants and the TypedDicts name the same keys.
+MismatchMetrics = TypedDict(
+    "MismatchMetrics",
+    {
+        "mismatch/token_mult_prob_error": float,
+        "mismatch/gen_kl_error": float,
+        "mismatch/policy_kl_error": float,
+        "mismatch/js_divergence_error": float,
+        "mismatch/sampling_importance_ratio": float,
+        "mismatch/is_oob_ratio": float,
+        "mismatch/chi2_token": float,
+        "mismatch/num_tokens": float,
+    },
+)
+TrainMetrics = TypedDict(
+    "TrainMetrics",
+    {
+        "train/loss": float,
+        "train/grad_norm": float,
+        "train/clip_fraction": float,
+        "train/kl": float,
+        "train/advantage_abs_mean": float,
+        "train/tokens": float,
+        "is/weight_mean": float,
+        "is/weight_max": float,
+    },
+)
+ValidationMetrics = TypedDict(
+    "ValidationMetrics",
+    {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
+    total=False,  # only on the steps that validate
+)
+_StepCore = TypedDict(
+    "_StepCore",
+    {
+        "step": int,
+        "time": float,
+        "reward/mean": float,
+        "reward/std": float,
+        "response_length/mean": float,
+        "tokens/generated": float,
+        "tokens/trained": float,
+        "throughput/generation_tokens_per_s": float,
+        "throughput/train_tokens_per_s": float,
+        "timing/generation_s": float,
+        "timing/reward_s": float,
+        "timing/train_s": float,
+        "timing/weight_sync_s": float,
+        "timing/step_s": float,
+        "weight_sync/bytes": float,
+        "kv_cache/bytes": float,
+        "weights/bytes": float,
+    },
+)
+
+
+class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics):
+    """One line of ``metrics.jsonl``: everything measured in one RL step."""
+
+
+class ValidatedStepMetrics(StepMetrics, ValidationMetrics, total=False):
+    """The line of a step that also validated."""
+
+
+# The keys every step line has (README "Metrics"), in the order of the schema.
+REQUIRED_KEYS: tuple[str, ...] = tuple(StepMetrics.__annotations__)
+
+# -- Prometheus --------------------------------------------------------------------------------------
+LABELS = ("job", "namespace", "recipe")
+
+
+@dataclass(frozen=True)
+class PromMetric:
+    key: str  # JSONL key
+    name: str  # Prometheus name
+    kind: str  # gauge | counter (a counter is incremented by the step's value)
+    help: str
+    every_step: bool = True  # False: only some steps have it; exported from the first that does
+
+
+PROMETHEUS: tuple[PromMetric, ...] = (
+    PromMetric("step", "fp8rl_step", "gauge", "Last completed RL step"),
+    PromMetric("reward/mean", "fp8rl_reward_mean", "gauge", "Mean reward of the step's rollouts"),
+    PromMetric("mismatch/token_mult_prob_error", "fp8rl_token_mult_prob_error", "gauge",
+               "Mean exp(|logp_trainer - logp_gen|) over response tokens (1.0 = identical)"),
+    PromMetric("mismatch/gen_kl_error", "fp8rl_gen_kl_error", "gauge", "k3 KL(gen || trainer)"),
+    PromMetric("mismatch/policy_kl_error", "fp8rl_policy_kl_error", "gauge", "k3 KL(trainer || gen)"),
+    PromMetric("mismatch/js_divergence_error", "fp8rl_js_divergence_error", "gauge", "Token JS divergence"),
+    PromMetric("mismatch/sampling_importance_ratio", "fp8rl_sampling_importance_ratio", "gauge",
+               "Mean exp(logp_trainer - logp_gen)"),
+    PromMetric("mismatch/is_oob_ratio", "fp8rl_is_oob_ratio", "gauge",
+               "Fraction of tokens whose IS weight is outside the bounds"),
+    PromMetric("mismatch/chi2_token", "fp8rl_chi2_token", "gauge", "Mean (w - 1)^2 per token"),
+    PromMetric("is/weight_mean", "fp8rl_is_weight_mean", "gauge", "Mean applied IS weight"),
+    PromMetric("is/weight_max", "fp8rl_is_weight_max", "gauge", "Largest applied IS weight"),
+    PromMetric("throughput/generation_tokens_per_s", "fp8rl_generation_tokens_per_second", "gauge",
+               "Generated tokens per second in the last step"),
+    PromMetric("throughput/train_tokens_per_s", "fp8rl_train_tokens_per_second", "gauge",
+               "Trained tokens (prompt + response) per second in the last step"),
+    PromMetric("tokens/generated", "fp8rl_generation_tokens_total", "counter", "Generated tokens"),
+    PromMetric("tokens/trained", "fp8rl_train_tokens_total", "counter", "Trained tokens"),
+    PromMetric("weight_sync/bytes", "fp8rl_weight_sync_bytes_total", "counter", "Bytes sent to generators"),
+    PromMetric("timing/weight_sync_s", "fp8rl_weight_sync_seconds", "gauge", "Last weight sync, s"),
+    PromMetric("kv_cache/bytes", "fp8rl_kv_cache_bytes", "gauge",
+               "KV-cache bytes allocated at the end of the last generation, all generators"),
+    PromMetric("weights/bytes", "fp8rl_weight_bytes", "gauge",
+               "Bytes the generators' weights hold (FP8 layers: data + scales), all generators"),
+    PromMetric("train/loss", "fp8rl_train_loss", "gauge", "Policy loss"),
+    PromMetric("train/grad_norm", "fp8rl_grad_norm", "gauge", "Gradient norm before clipping"),
+    PromMetric("response_length/mean", "fp8rl_response_length_mean", "gauge", "Mean response tokens"),
+    PromMetric("val/accuracy", "fp8rl_val_accuracy", "gauge",
+               "Fraction of held-out problems answered fully correctly (reward 1) at the last validation",
+               every_step=False),
+    PromMetric("val/reward_mean", "fp8rl_val_reward_mean", "gauge",
+               "Mean reward on the held-out problems at the last validation", every_step=False),
+)  # fmt: skip
+
+# fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
+# once a step has validated)
+PHASES = ("generation", "reward", "train", "weight_sync", "validation")
+
+
+# -- the log -----------------------------------------------------------------------------------------
+class MetricsLog:
+    """``metrics.jsonl``: appended and flushed every step; truncated to a step on resume."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def rows(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a crash: everything after it is lost anyway
+        return out
+
+    def read_new(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """Complete lines after byte ``offset`` and the offset after them, for a reader that
+        polls a growing log without re-reading it. A file shorter than ``offset`` (truncated by
+        a resume) is read from the start."""
+        if not self.path.exists():
+            return [], 0
+        with self.path.open("rb") as f:
+            if f.seek(0, os.SEEK_END) < offset:
+                offset = 0
+            f.seek(offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()], offset + end
+
+    def truncate(self, last_step: int) -> list[dict[str, Any]]:
+        """Keep rows with ``step <= last_step`` (atomically); return them."""
+        kept = [r for r in self.rows() if int(r.get("step", 0)) <= last_step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        return kept
+
+    def append(self, row: Mapping[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
