@@ -13,18 +13,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+# ResourcesSpec lives in its own module and is re-exported here
+from rljob.resources_spec import ResourcesSpec as ResourcesSpec
+from rljob.spec_base import StrictModel
 
 Recipe = Literal["bf16", "fp8-gen", "fp8-e2e"]
 IsMode = Literal["none", "tis", "icepop", "seq-tis", "seq-mask-tis", "geo-mask"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class TinyModel(_Strict):
+class TinyModel(StrictModel):
     """A small randomly initialised Llama/Qwen2 built from a config (no download): for CPU runs."""
 
     arch: Literal["llama", "qwen2"] = Field("llama", description="Hugging Face architecture.")
@@ -49,7 +49,7 @@ class TinyModel(_Strict):
         return self
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """The policy. Exactly one of ``name`` (Hugging Face) or ``tiny`` (inline config)."""
 
     name: str | None = Field(
@@ -70,7 +70,7 @@ class ModelSpec(_Strict):
         return self
 
 
-class TokenizerSpec(_Strict):
+class TokenizerSpec(StrictModel):
     """How text becomes token ids."""
 
     kind: Literal["bytes", "huggingface"] = Field(
@@ -79,7 +79,7 @@ class TokenizerSpec(_Strict):
     name: str | None = Field(None, description="Hugging Face tokenizer id/path; default: model.name.")
 
 
-class TaskSpec(_Strict):
+class TaskSpec(StrictModel):
     """Prompts and rewards: a reasoning-gym generator, or a JSONL file of {question, answer}."""
 
     reasoning_gym: str | None = Field(
@@ -127,7 +127,7 @@ class TaskSpec(_Strict):
         return self
 
 
-class RolloutSpec(_Strict):
+class RolloutSpec(StrictModel):
     """Generation settings."""
 
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Distinct prompts per RL step.")
@@ -138,14 +138,14 @@ class RolloutSpec(_Strict):
     seed: int = Field(0, ge=0, description="Seed of prompt order and sampling.")
 
 
-class KlSpec(_Strict):
+class KlSpec(StrictModel):
     """Optional KL penalty against the initial policy."""
 
     coef: float = Field(0.0, ge=0.0, le=10.0, description="Weight of the KL term; 0 disables it.")
     kind: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
 
 
-class ImportanceSamplingSpec(_Strict):
+class ImportanceSamplingSpec(StrictModel):
     """Correction for the trainer/generator mismatch; w = exp(logp_trainer - logp_gen) per token."""
 
     mode: IsMode = Field("tis", description="none | tis | icepop | seq-tis | seq-mask-tis | geo-mask.")
@@ -161,7 +161,7 @@ class ImportanceSamplingSpec(_Strict):
         return self
 
 
-class AlgorithmSpec(_Strict):
+class AlgorithmSpec(StrictModel):
     """GRPO and its loss."""
 
     name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
@@ -176,7 +176,7 @@ class AlgorithmSpec(_Strict):
     minibatches: int = Field(1, ge=1, le=1024, description="Optimizer steps per RL step.")
 
 
-class OptimizerSpec(_Strict):
+class OptimizerSpec(StrictModel):
     """AdamW on the master weights."""
 
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate.")
@@ -186,7 +186,7 @@ class OptimizerSpec(_Strict):
     micro_batch_size: int = Field(32, ge=1, le=65536, description="Sequences per forward/backward pass.")
 
 
-class WarmupSpec(_Strict):
+class WarmupSpec(StrictModel):
     """Optional supervised warm-up on the task's reference answers, before RL starts."""
 
     sft_steps: int = Field(0, ge=0, le=100_000, description="Supervised steps; 0 disables the warm-up.")
@@ -194,7 +194,7 @@ class WarmupSpec(_Strict):
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="Supervised learning rate.")
 
 
-class ValidationSpec(_Strict):
+class ValidationSpec(StrictModel):
     """Accuracy on held-out problems of the task, which training never sees (NeMo RL's validation).
     Off by default: holding problems out of a dataset file shrinks its training set."""
 
@@ -219,7 +219,7 @@ class ValidationSpec(_Strict):
     )
 
 
-class PrecisionSpec(_Strict):
+class PrecisionSpec(StrictModel):
     """Where FP8 is used (see README: precision recipes)."""
 
     recipe: Recipe = Field("fp8-e2e", description="bf16 | fp8-gen | fp8-e2e.")
@@ -245,118 +245,7 @@ class PrecisionSpec(_Strict):
         return v
 
 
-class ResourcesSpec(_Strict):
-    """Ray actors and the devices each gets."""
-
-    generators: int = Field(1, ge=1, le=1024, description="Generator actors.")
-    trainers: int = Field(1, ge=1, le=1024, description="Trainer actors (data parallel).")
-    gpus_per_generator: int = Field(0, ge=0, le=16, description="GPUs per generator; 0 = CPU.")
-    gpus_per_trainer: int = Field(0, ge=0, le=16, description="GPUs per trainer; 0 = CPU.")
-    cpus_per_actor: float = Field(1.0, gt=0.0, le=256, description="Ray CPUs reserved per actor.")
-    threads_per_actor: int = Field(
-        0, ge=0, le=256, description="torch threads per actor; 0 = the cores shared out between the actors."
-    )
-    generator_engine: Literal["native", "vllm"] = Field(
-        "native",
-        description="`native` (torch, CPU or GPU) or `vllm` (GPU worker image): what generates the rollouts.",
-    )
-    trainer_engine: Literal["native", "megatron"] = Field(
-        "native",
-        description="`native` (torch, CPU or GPU) or `megatron` (Megatron-Core + Transformer Engine, GPU "
-        "worker image): what trains the policy.",
-    )
-    generator_tensor_parallel_size: int = Field(
-        1,
-        ge=1,
-        le=16,
-        description="vLLM's tensor_parallel_size: the GPUs one generator splits its model over; equals "
-        "gpus_per_generator with generator_engine vllm, 1 with native.",
-    )
-    trainer_tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="Megatron's tensor_model_parallel_size (trainer_engine megatron; else 1)."
-    )
-    trainer_pipeline_parallel_size: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="Megatron's pipeline_model_parallel_size (trainer_engine megatron; else 1).",
-    )
-    share_gpu: bool = Field(
-        False,
-        description="Every actor on one shared GPU (a one-GPU machine, `fp8rl run` only): each asks Ray "
-        "for 1/N of it, and weight sync and statistics go over gloo (NCCL cannot put two ranks on one "
-        "GPU). Needs gpus_per_generator = gpus_per_trainer = 1.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _engine_renamed(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "engine" in data:
-            raise ValueError(
-                "resources.engine was split in two: set resources.generator_engine (native | vllm) and "
-                "resources.trainer_engine (native | megatron)"
-            )
-        return data
-
-    @property
-    def trainer_data_parallel_size(self) -> int:
-        """Data-parallel replicas of the trainer: trainers / (tensor x pipeline parallel)."""
-        return self.trainers // (self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size)
-
-    @model_validator(mode="after")
-    def _shared(self) -> ResourcesSpec:
-        if self.share_gpu and (self.gpus_per_generator != 1 or self.gpus_per_trainer != 1):
-            raise ValueError(
-                "share_gpu needs gpus_per_generator: 1 and gpus_per_trainer: 1 (the one GPU they share), "
-                f"got {self.gpus_per_generator} and {self.gpus_per_trainer}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _engines(self) -> ResourcesSpec:
-        problems = []
-        if self.generator_engine == "vllm":
-            if self.gpus_per_generator == 0:
-                problems.append("generator_engine vllm needs GPUs: set gpus_per_generator >= 1")
-            elif self.generator_tensor_parallel_size != self.gpus_per_generator:
-                problems.append(
-                    f"generator_tensor_parallel_size ({self.generator_tensor_parallel_size}) must equal "
-                    f"gpus_per_generator ({self.gpus_per_generator}): vLLM splits the model over every "
-                    "GPU of its generator"
-                )
-        elif self.generator_tensor_parallel_size != 1:
-            problems.append(
-                "generator_tensor_parallel_size > 1 needs generator_engine vllm (the native generator "
-                "runs one GPU per generator: raise generators instead)"
-            )
-        if self.trainer_engine == "megatron":
-            model_parallel = self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size
-            if self.gpus_per_trainer != 1:
-                problems.append(
-                    f"trainer_engine megatron runs one rank per GPU: set gpus_per_trainer 1 (got "
-                    f"{self.gpus_per_trainer}) and trainers to the number of training GPUs"
-                )
-            if self.trainers % model_parallel:
-                problems.append(
-                    f"trainers ({self.trainers}) must be a multiple of trainer_tensor_parallel_size x "
-                    f"trainer_pipeline_parallel_size ({model_parallel}); the quotient is the "
-                    "data-parallel size"
-                )
-        elif self.trainer_tensor_parallel_size != 1 or self.trainer_pipeline_parallel_size != 1:
-            problems.append(
-                "trainer_tensor_parallel_size and trainer_pipeline_parallel_size > 1 need trainer_engine "
-                "megatron (the native trainer is data parallel only: raise trainers instead)"
-            )
-        if self.share_gpu and (self.generator_engine != "native" or self.trainer_engine != "native"):
-            problems.append(
-                "share_gpu is for the native engines: vLLM and Megatron each need GPUs of their own"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     """One RL post-training job."""
 
     model: ModelSpec = Field(default_factory=lambda: ModelSpec(tiny=TinyModel()))

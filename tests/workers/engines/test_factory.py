@@ -98,7 +98,9 @@ def test_adapters_are_not_imported_with_workers() -> None:
     code = (
         "import sys, workers.driver, workers.actors, workers.engines.factory; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'transformer_engine') "
-        "or m in ('workers.engines.vllm_generator', 'workers.engines.megatron_trainer')]; print(bad)"
+        "or m in ('workers.engines.vllm_generator', 'workers.engines.megatron_trainer', "
+        "'workers.engines.megatron_build', 'workers.engines.megatron_schedule', "
+        "'workers.engines.megatron_kv')]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,0 +1,126 @@
+"""The job spec's ``resources``: the Ray actors, the devices each gets, and the engines they run.
+
+Re-exported by :mod:`rljob.spec` (``from rljob.spec import ResourcesSpec`` keeps working). Its
+validators check the engines against the devices and the parallel sizes against each other; the
+checks that need other parts of the spec (the model's layers and heads) are in
+:class:`rljob.spec.JobSpec`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rljob.spec_base import StrictModel
+
+
+class ResourcesSpec(StrictModel):
+    """Ray actors and the devices each gets."""
+
+    generators: int = Field(1, ge=1, le=1024, description="Generator actors.")
+    trainers: int = Field(1, ge=1, le=1024, description="Trainer actors (data parallel).")
+    gpus_per_generator: int = Field(0, ge=0, le=16, description="GPUs per generator; 0 = CPU.")
+    gpus_per_trainer: int = Field(0, ge=0, le=16, description="GPUs per trainer; 0 = CPU.")
+    cpus_per_actor: float = Field(1.0, gt=0.0, le=256, description="Ray CPUs reserved per actor.")
+    threads_per_actor: int = Field(
+        0, ge=0, le=256, description="torch threads per actor; 0 = the cores shared out between the actors."
+    )
+    generator_engine: Literal["native", "vllm"] = Field(
+        "native",
+        description="`native` (torch, CPU or GPU) or `vllm` (GPU worker image): what generates the rollouts.",
+    )
+    trainer_engine: Literal["native", "megatron"] = Field(
+        "native",
+        description="`native` (torch, CPU or GPU) or `megatron` (Megatron-Core + Transformer Engine, GPU "
+        "worker image): what trains the policy.",
+    )
+    generator_tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="vLLM's tensor_parallel_size: the GPUs one generator splits its model over; equals "
+        "gpus_per_generator with generator_engine vllm, 1 with native.",
+    )
+    trainer_tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Megatron's tensor_model_parallel_size (trainer_engine megatron; else 1)."
+    )
+    trainer_pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Megatron's pipeline_model_parallel_size (trainer_engine megatron; else 1).",
+    )
+    share_gpu: bool = Field(
+        False,
+        description="Every actor on one shared GPU (a one-GPU machine, `fp8rl run` only): each asks Ray "
+        "for 1/N of it, and weight sync and statistics go over gloo (NCCL cannot put two ranks on one "
+        "GPU). Needs gpus_per_generator = gpus_per_trainer = 1.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "engine" in data:
+            raise ValueError(
+                "resources.engine was split in two: set resources.generator_engine (native | vllm) and "
+                "resources.trainer_engine (native | megatron)"
+            )
+        return data
+
+    @property
+    def trainer_data_parallel_size(self) -> int:
+        """Data-parallel replicas of the trainer: trainers / (tensor x pipeline parallel)."""
+        return self.trainers // (self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size)
+
+    @model_validator(mode="after")
+    def _shared(self) -> ResourcesSpec:
+        if self.share_gpu and (self.gpus_per_generator != 1 or self.gpus_per_trainer != 1):
+            raise ValueError(
+                "share_gpu needs gpus_per_generator: 1 and gpus_per_trainer: 1 (the one GPU they share), "
+                f"got {self.gpus_per_generator} and {self.gpus_per_trainer}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engines(self) -> ResourcesSpec:
+        problems = []
+        if self.generator_engine == "vllm":
+            if self.gpus_per_generator == 0:
+                problems.append("generator_engine vllm needs GPUs: set gpus_per_generator >= 1")
+            elif self.generator_tensor_parallel_size != self.gpus_per_generator:
+                problems.append(
+                    f"generator_tensor_parallel_size ({self.generator_tensor_parallel_size}) must equal "
+                    f"gpus_per_generator ({self.gpus_per_generator}): vLLM splits the model over every "
+                    "GPU of its generator"
+                )
+        elif self.generator_tensor_parallel_size != 1:
+            problems.append(
+                "generator_tensor_parallel_size > 1 needs generator_engine vllm (the native generator "
+                "runs one GPU per generator: raise generators instead)"
+            )
+        if self.trainer_engine == "megatron":
+            model_parallel = self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size
+            if self.gpus_per_trainer != 1:
+                problems.append(
+                    f"trainer_engine megatron runs one rank per GPU: set gpus_per_trainer 1 (got "
+                    f"{self.gpus_per_trainer}) and trainers to the number of training GPUs"
+                )
+            if self.trainers % model_parallel:
+                problems.append(
+                    f"trainers ({self.trainers}) must be a multiple of trainer_tensor_parallel_size x "
+                    f"trainer_pipeline_parallel_size ({model_parallel}); the quotient is the "
+                    "data-parallel size"
+                )
+        elif self.trainer_tensor_parallel_size != 1 or self.trainer_pipeline_parallel_size != 1:
+            problems.append(
+                "trainer_tensor_parallel_size and trainer_pipeline_parallel_size > 1 need trainer_engine "
+                "megatron (the native trainer is data parallel only: raise trainers instead)"
+            )
+        if self.share_gpu and (self.generator_engine != "native" or self.trainer_engine != "native"):
+            problems.append(
+                "share_gpu is for the native engines: vLLM and Megatron each need GPUs of their own"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
