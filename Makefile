@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# helm, kubectl, promtool, checkov and the Prometheus Operator schemas for the chart tests (.ci/tools)
+# helm, kubectl, promtool, prometheus, checkov and the Prometheus Operator schemas for the chart tests (.ci/tools)
 tools:
 	bash .ci/tools
 

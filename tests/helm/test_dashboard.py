@@ -1,5 +1,7 @@
-"""The Grafana dashboard: valid layout, and every query uses only metrics (and labels) that a real
-driver run and a real control plane export."""
+"""The Grafana dashboard: a valid layout, and every query (panels and variables) asked, as Grafana
+asks it, of a real Prometheus scraping a real run and a real control plane (monitoring.py): each
+answers, with data in range, narrowed by the variables; every metric the run and the control plane
+export is on a panel."""
 
 from __future__ import annotations
 
@@ -12,13 +14,31 @@ from typing import Any
 
 import pytest
 
-from rljob.metrics import LABELS, PHASES, PROMETHEUS
-from tests.helm.exported import exported, parse_exposition, unknown_metrics
-from tests.helm.promql import selectors
+from rljob.metrics import PHASES, PROMETHEUS
+from rljob.status import Phase
+from tests.helm.grafana import (
+    LABEL_VALUES,
+    dashboard_problems,
+    interpolate,
+    panels,
+    targets,
+    variable_query,
+    variables,
+)
+from tests.helm.monitoring import (
+    DRIVER_JOB,
+    DRIVER_NAMESPACE,
+    IDLE_TENANT,
+    MAX_NEW_TOKENS,
+    RECIPE,
+    Prometheus,
+    Sample,
+    metric_names,
+)
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fp8rl" / "dashboards" / "fp8rl.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-FILTER = {"namespace": '=~"$namespace"', "job": '=~"$job"', "recipe": '=~"$recipe"'}
+FILTER = 'namespace=~"$namespace", job=~"$job", recipe=~"$recipe"'
 MISMATCH = "fp8rl_token_mult_prob_error"
 GRAFANA_UNITS = {"short", "none", "s", "ms", "bytes", "Bps", "percentunit", "percent"}
 
@@ -29,33 +49,8 @@ def load() -> dict[str, Any]:
     return data
 
 
-def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    """All panels, rows included, with the panels of collapsed rows."""
-    out: list[dict[str, Any]] = []
-    for p in dashboard["panels"]:
-        out.append(p)
-        out.extend(p.get("panels", []))
-    return out
-
-
-def variable_query(variable: dict[str, Any]) -> str:
-    query = variable["query"]
-    return str(query["query"] if isinstance(query, dict) else query)
-
-
-def variables(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {v["name"]: v for v in dashboard["templating"]["list"]}
-
-
-def exprs(dashboard: dict[str, Any]) -> list[str]:
-    """Every PromQL expression: panel targets and query-variable queries."""
-    out = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
-    out += [variable_query(v) for v in variables(dashboard).values() if v["type"] == "query"]
-    return out
-
-
 def panel_metrics(panel: dict[str, Any]) -> set[str]:
-    return {name for t in panel.get("targets", []) for name, _ in selectors(t["expr"])}
+    return {name for t in panel.get("targets", []) for name in metric_names(t["expr"])}
 
 
 # --- layout and metadata (no driver run needed) ---------------------------------------------------
@@ -66,16 +61,18 @@ def test_dashboard_identity_and_variables() -> None:
     assert (d["schemaVersion"], d["uid"], d["title"]) == (39, "fp8rl-rl", "fp8rl: FP8 RL jobs")
     v = variables(d)
     assert v["datasource"]["type"] == "datasource" and v["datasource"]["query"] == "prometheus"
+    selectors = {}
     for name in ("namespace", "job", "recipe"):
         assert v[name]["type"] == "query" and v[name]["multi"] and v[name]["includeAll"], name
-        assert v[name]["datasource"] == DATASOURCE
-        [(metric, matchers)] = selectors(variable_query(v[name]))
-        assert metric == "fp8rl_step" and matchers[name] == '!=""', "label_values(fp8rl_step..., name)"
-    # each variable narrows by the ones before it
-    assert selectors(variable_query(v["job"]))[0][1]["namespace"] == FILTER["namespace"]
-    assert {k: selectors(variable_query(v["recipe"]))[0][1][k] for k in ("namespace", "job")} == {
-        "namespace": FILTER["namespace"],
-        "job": FILTER["job"],
+        assert v[name]["datasource"] == DATASOURCE and v[name]["allValue"] == ".*", name
+        m = LABEL_VALUES.match(variable_query(v[name]))
+        assert m is not None and m.group(2) == name, variable_query(v[name])
+        selectors[name] = m.group(1)
+    # each variable narrows by the ones before it (that they really do: test_every_query_...)
+    assert selectors == {
+        "namespace": "fp8rl_step",
+        "job": 'fp8rl_step{namespace=~"$namespace"}',
+        "recipe": 'fp8rl_step{namespace=~"$namespace", job=~"$job"}',
     }
 
 
@@ -145,7 +142,7 @@ def test_validation_panels_show_accuracy_and_reward_per_job_and_recipe() -> None
     ):
         p = by_title[title]
         [target] = p["targets"]
-        assert selectors(target["expr"]) == [(metric, FILTER)], title
+        assert target["expr"] == f"{metric}{{{FILTER}}}", title
         assert {"job", "recipe"} <= set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target["legendFormat"]))
         defaults = p["fieldConfig"]["defaults"]
         assert (p["type"], defaults["unit"], defaults["min"], defaults["max"]) == ("timeseries", unit, 0, 1)
@@ -155,105 +152,146 @@ def test_validation_panels_show_accuracy_and_reward_per_job_and_recipe() -> None
     assert rows[rows.index("Progress and reward") + 1] == "Validation (held-out problems)"
 
 
-# --- against the real expositions ----------------------------------------------------------------
+# --- asked of a real Prometheus (monitoring.py) --------------------------------------------------
+
+ALL = {"namespace": ".*", "job": ".*", "recipe": ".*"}  # each variable at "All" (its allValue)
 
 
-def test_the_real_run_exports_the_whole_table() -> None:
-    """The exposition the checks use is complete: every PROMETHEUS name, with its labels."""
-    known = exported()
+def ask(prom: Prometheus, title: str, values: dict[str, str] = ALL) -> list[list[Sample]]:
+    """The answers to the targets of the panel ``title``, the variables set to ``values``."""
+    return [prom.query(interpolate(t["expr"], values)) for p, t in targets(load()) if p["title"] == title]
+
+
+@pytest.mark.slow
+def test_every_query_answers_in_range_and_is_narrowed_by_the_variables(prom: Prometheus) -> None:
+    assert dashboard_problems(prom, load()) == []
+
+
+@pytest.mark.slow
+def test_the_run_and_the_control_plane_export_the_whole_table(prom: Prometheus) -> None:
+    """The series the checks see are the complete set, with the labels fp8rl gives them."""
+    own = {
+        "job": DRIVER_JOB,
+        "namespace": DRIVER_NAMESPACE,
+        "recipe": RECIPE,
+        "instance": prom.driver_instance,
+    }
     for m in PROMETHEUS:
-        assert set(LABELS) <= known.get(m.name, set()), m.name
-    assert known["fp8rl_step_duration_seconds"] == {*LABELS, "phase"}
-    assert known["fp8rl_jobs"] == {"namespace", "phase"}
-    assert "fp8rl_not_a_metric" not in known
+        assert prom.series(m.name) == [{"__name__": m.name, **own}], m.name
+    phases = prom.series("fp8rl_step_duration_seconds")
+    assert sorted(s.pop("phase") for s in phases) == sorted(PHASES)
+    assert phases == [{"__name__": "fp8rl_step_duration_seconds", **own}] * len(PHASES)
+    # the control plane counts jobs per tenant and phase, 0 where it has none (the idle tenant: 0
+    # for every phase); its exposition has no job label, so the scrape job's name fills it
+    counts = {(s.labels["namespace"], s.labels["phase"]): s.value for s in prom.query("fp8rl_jobs")}
+    expected = {(tenant, p.value): 0.0 for tenant in (DRIVER_NAMESPACE, IDLE_TENANT) for p in Phase}
+    assert counts == {**expected, (DRIVER_NAMESPACE, "Failed"): 1.0}
+    assert {(s["job"], s["instance"]) for s in prom.series("fp8rl_jobs")} == {
+        ("fp8rl-api", prom.api_instance)
+    }
 
 
-def test_dashboard_uses_only_exported_metrics_and_labels() -> None:
-    assert unknown_metrics(exprs(load())) == []
-
-
-def test_every_panel_is_filtered_by_the_variables() -> None:
-    known = exported()
-    for p in panels(load()):
-        for t in p.get("targets", []):
-            for name, matchers in selectors(t["expr"]):
-                if "job" in known[name]:  # driver metrics
-                    assert {k: matchers.get(k) for k in FILTER} == FILTER, (p["title"], t["expr"])
-                else:  # the control plane's fp8rl_jobs has no job or recipe label
-                    assert matchers.get("namespace") == FILTER["namespace"], (p["title"], t["expr"])
-
-
-def test_dashboard_shows_every_exported_metric() -> None:
-    used = {name for e in exprs(load()) for name, _ in selectors(e)}
-    wanted = {m.name for m in PROMETHEUS} | {"fp8rl_step_duration_seconds", "fp8rl_jobs"}
-    assert wanted <= set(exported())
+@pytest.mark.slow
+def test_dashboard_shows_every_exported_metric(prom: Prometheus) -> None:
+    exported = set(prom.label_values("__name__", '{__name__=~"fp8rl_.*"}'))
+    # prometheus_client adds a `_created` series (the creation time) to each counter: not for a panel
+    wanted = {name for name in exported if not name.endswith("_created")}
+    assert wanted == {m.name for m in PROMETHEUS} | {"fp8rl_step_duration_seconds", "fp8rl_jobs"}
+    used = {name for _, t in targets(load()) for name in metric_names(t["expr"])}
     assert wanted - used == set()
     step_time = [p for p in panels(load()) if "fp8rl_step_duration_seconds" in panel_metrics(p)]
     assert [p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] for p in step_time] == ["normal"]
     assert all(phase in step_time[0]["description"] for phase in PHASES)
 
 
-def test_legends_name_labels_of_the_selected_metrics() -> None:
-    for p in panels(load()):
-        for t in p.get("targets", []):
-            used = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", t.get("legendFormat", "")))
-            labels = {label for name, _ in selectors(t["expr"]) for label in exported().get(name, set())}
-            assert used <= labels, (p["title"], used - labels)
+@pytest.mark.slow
+def test_panels_show_what_the_run_and_the_control_plane_did(prom: Prometheus) -> None:
+    # no job of the control plane runs; one of tenant `default` failed; the idle tenant has none
+    assert ask(prom, "Running jobs") == [[({}, 0.0)]]
+    [by_phase] = ask(prom, "Jobs by phase")
+    assert {s.labels["phase"]: s.value for s in by_phase} == {
+        p.value: float(p is Phase.FAILED) for p in Phase
+    }
+    [idle] = ask(prom, "Jobs by phase", {**ALL, "namespace": IDLE_TENANT})
+    assert {s.labels["phase"]: s.value for s in idle} == {p.value: 0.0 for p in Phase}
+    # the run: a whole step count, at least the 3 steps the stack waited for
+    [[step]] = ask(prom, "Step progress")
+    assert step.value >= 3 and step.value.is_integer()
+    # exp(|logp_train - logp_gen|) is at least 1; a response has 1 to max_new_tokens tokens
+    [[mismatch]] = ask(prom, "Token multiplicative probability error")
+    assert mismatch.value >= 1.0
+    [[length]] = ask(prom, "Mean response length")
+    assert 1.0 <= length.value <= MAX_NEW_TOKENS
+    [by_phase] = ask(prom, "Step time by phase")
+    assert sorted(s.labels["phase"] for s in by_phase) == sorted(PHASES)
+    [[kv_cache], [weights]] = ask(prom, "Generator memory: KV cache and weights")
+    assert kv_cache.value > 0 and weights.value > 0
 
 
 # --- the check itself fails when it should --------------------------------------------------------
 
+MISMATCH_PANEL = "Token multiplicative probability error"
 
-def with_expr(dashboard: dict[str, Any], title: str, expr: str) -> dict[str, Any]:
+
+def with_target(dashboard: dict[str, Any], title: str, change: dict[str, str]) -> dict[str, Any]:
     changed = copy.deepcopy(dashboard)
     [panel] = [p for p in panels(changed) if p["title"] == title]
-    panel["targets"][0]["expr"] = expr
+    panel["targets"][0].update(change)
     return changed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("expr", "reason"),
+    ("title", "change", "reason"),
     [
-        ('fp8rl_not_a_metric{namespace=~"$namespace"}', "fp8rl_not_a_metric, which is not exported"),
-        ("fp8rl_token_mult_prob_error_total", "not exported"),  # a real name with a wrong suffix
-        ('fp8rl_step{tenant="a"}', "on ['tenant']"),
-        ('fp8rl_jobs{job=~"$job"}', "on ['job']"),  # the control plane's metric has no job label
-        ("sum(rate(fp8rl_step[5m])", "does not parse"),
-        ("vector(1)", "selects no metric"),
+        (MISMATCH_PANEL, {"expr": f"fp8rl_not_a_metric{{{FILTER}}}"}, "no data"),
+        (MISMATCH_PANEL, {"expr": f"{MISMATCH}_total{{{FILTER}}}"}, "no data"),  # a real name, wrong suffix
+        (MISMATCH_PANEL, {"expr": f'{MISMATCH}{{tenant="a", {FILTER}}}'}, "no data"),  # a label it lacks
+        # the control plane's metric has no job of its own: nothing for job "dash"
+        (MISMATCH_PANEL, {"expr": 'fp8rl_jobs{namespace=~"$namespace", job=~"$job"}'}, "no data"),
+        (MISMATCH_PANEL, {"expr": "sum(rate(fp8rl_step[5m])"}, "parse error"),
+        (MISMATCH_PANEL, {"expr": "vector(1)"}, "$namespace matching nothing leaves"),
+        (
+            MISMATCH_PANEL,
+            {"expr": f'{MISMATCH}{{namespace=~"$namespace", recipe=~"$recipe"}}'},
+            "$job matching",
+        ),
+        (MISMATCH_PANEL, {"expr": f'{MISMATCH}{{namespace=~"$namespace", job=~"$jobs"}}'}, "uses $jobs"),
+        (MISMATCH_PANEL, {"legendFormat": "{{namespace}}/{{tenant}}"}, "legend names ['tenant']"),
+        # a ratio panel showing tokens/s
+        (
+            "IS weights out of bounds",
+            {"expr": f"fp8rl_train_tokens_per_second{{{FILTER}}}"},
+            "outside [0.0, 1.0]",
+        ),
+        ("Step progress", {"expr": f"-fp8rl_step{{{FILTER}}}"}, "outside [0.0, inf]"),
     ],
 )
-def test_the_check_catches_a_bad_expr(expr: str, reason: str) -> None:
-    d = load()
-    assert unknown_metrics(exprs(d)) == []
-    problems = unknown_metrics(exprs(with_expr(d, "Token multiplicative probability error", expr)))
-    assert len(problems) == 1 and reason in problems[0], problems
+def test_the_check_catches_a_bad_target(
+    prom: Prometheus, title: str, change: dict[str, str], reason: str
+) -> None:
+    problems = dashboard_problems(prom, with_target(load(), title, change))
+    assert problems and all(p.startswith(title) for p in problems), problems
+    assert any(reason in p for p in problems), problems
 
 
-def test_the_check_catches_a_bad_variable_query() -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "query", "reason"),
+    [
+        ("job", "label_values(fp8rl_step, tenant)", "gives no values"),
+        ("job", "label_values(fp8rl_step, job)", "$namespace matching nothing leaves values"),
+        ("recipe", 'label_values(fp8rl_step{namespace=~"$namespace"}, recipe)', "$job matching nothing"),
+        ("recipe", "fp8rl_step", "is not label_values"),
+    ],
+)
+def test_the_check_catches_a_bad_variable(prom: Prometheus, name: str, query: str, reason: str) -> None:
     d = copy.deepcopy(load())
-    variables(d)["job"]["query"] = "label_values(fp8rl_step, tenant)"
-    [problem] = unknown_metrics(exprs(d))
-    assert "tenant" in problem
-
-
-def test_unknown_metrics_on_a_given_table() -> None:
-    known = {"a_total": {"job", "phase"}, "b": {"namespace"}}
-    assert unknown_metrics(['sum by (phase) (rate(a_total{job="x"}[5m])) / on() b'], known) == []
-    assert unknown_metrics(['{__name__="b", namespace="n"}', "label_values(phase)"], known) == []
-    assert len(unknown_metrics(["a", 'b{job="x"}', "label_values(instance)"], known)) == 3
-
-
-def test_parse_exposition_keys_samples_by_name() -> None:
-    text = (
-        "# TYPE t counter\n"
-        't_total{job="j",recipe="r"} 1.0\n'
-        't_created{job="j",recipe="r"} 1.7e9\n'
-        "# TYPE g gauge\n"
-        'g{phase="a"} 1.0\n'
-        'g{phase="b",extra="x"} 2.0\n'
-    )
-    assert parse_exposition(text) == {
-        "t_total": {"job", "recipe"},
-        "t_created": {"job", "recipe"},
-        "g": {"phase", "extra"},
-    }
+    variable = variables(d)[name]
+    if isinstance(variable["query"], dict):
+        variable["query"]["query"] = query
+    else:
+        variable["query"] = query
+    problems = dashboard_problems(prom, d)
+    assert problems and all(p.startswith(f"variable {name}") for p in problems), problems
+    assert any(reason in p for p in problems), problems

@@ -1,5 +1,5 @@
-"""The real tools the chart tests run: helm, promtool and node with the Prometheus Operator's
-schemas. ``make tools`` (``.ci/tools``) puts them in ``.tools/`` when they are not on PATH; a
+"""The real tools the chart tests run: helm, promtool, prometheus and node with the Prometheus
+Operator's schemas. ``make tools`` (``.ci/tools``) puts them in ``.tools/`` when they are not on PATH; a
 missing tool fails the test that needs it, saying how to get it (never a skip)."""
 
 from __future__ import annotations
