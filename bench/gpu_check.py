@@ -153,7 +153,7 @@ def probe() -> str:
 
 
 def plan() -> str:
-    from workers.fp8.bench import LLM_SHAPES, SQUARE_SHAPES
+    from bench.fp8 import LLM_SHAPES, SQUARE_SHAPES
     from workers.fp8.dispatch import profile_of, simulate
     from workers.fp8.linear import Fp8Linear
 
@@ -193,13 +193,13 @@ def run_pytest() -> str:
 
 
 def bench_fp8(quick: bool) -> str:
-    from workers.fp8 import bench
+    from bench import fp8
 
-    shapes = bench.QUICK_SHAPES if quick else bench.LLM_SHAPES + bench.SQUARE_SHAPES
+    shapes = fp8.QUICK_SHAPES if quick else fp8.LLM_SHAPES + fp8.SQUARE_SHAPES
     parts = []
     for mode in ("fwd", "train"):
-        info, rows = bench.run(shapes, device="cuda", mode=mode)
-        parts.append(bench.format_table(info, rows))
+        info, rows = fp8.run(shapes, device="cuda", mode=mode)
+        parts.append(fp8.format_table(info, rows))
     return "```\n" + "\n\n".join(parts) + "\n```"
 
 

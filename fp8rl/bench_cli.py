@@ -34,14 +34,14 @@ def bench_fp8(
     ] = None,
 ) -> None:
     """FP8 linear vs BF16 linear at LLM shapes and 8192^3 (activation quantization included)."""
-    from workers.fp8 import bench
+    from bench import fp8
 
     try:
-        shape_list = bench.parse_shapes(shapes)
+        shape_list = fp8.parse_shapes(shapes)
         if profile is not None:
-            typer.echo(bench.plan_table(shape_list, profile))
+            typer.echo(fp8.plan_table(shape_list, profile))
             return
-        info, rows = bench.run(
+        info, rows = fp8.run(
             shape_list,
             device=device,
             mode=mode,
@@ -52,10 +52,10 @@ def bench_fp8(
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
-    typer.echo(bench.format_table(info, rows))
+    typer.echo(fp8.format_table(info, rows))
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(bench.to_json(info, rows))
+        json_out.write_text(fp8.to_json(info, rows))
         typer.echo(f"wrote {json_out}", err=True)
 
 
@@ -128,7 +128,7 @@ def bench_mismatch(
     batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
-    from fp8rl.cli import load_spec_or_exit
+    from fp8rl.specs import load_spec_or_exit
     from workers.mismatch_probe import probe, summary
 
     spec = load_spec_or_exit(spec_path)
@@ -165,7 +165,7 @@ def bench_gradients(
 ) -> None:
     """Per-layer cosine and relative error of BF16 and FP8 weight gradients against float32."""
     from bench.common import pick_device
-    from fp8rl.cli import load_spec_or_exit
+    from fp8rl.specs import load_spec_or_exit
     from workers import grad_audit
 
     spec = load_spec_or_exit(spec_path)
@@ -195,7 +195,7 @@ def bench_api(
     requests: Annotated[int, typer.Option(help="Requests per client per operation.")] = 20,
 ) -> None:
     """p50/p99 latency of POST and GET /v1/jobs on the embedded default (SQLite)."""
-    from service import bench
+    from bench import api
 
     try:
         levels = tuple(int(x) for x in clients.split(","))
@@ -204,7 +204,7 @@ def bench_api(
     except ValueError as err:
         typer.echo("error: --clients takes positive integers like 1,10,50; --requests >= 1", err=True)
         raise typer.Exit(2) from err
-    typer.echo(bench.format_table(bench.run(levels, requests)))
+    typer.echo(api.format_table(api.run(levels, requests)))
 
 
 @bench_app.command("operator")

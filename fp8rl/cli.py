@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
 from fp8rl import __version__
 from fp8rl.bench_cli import bench_app
-
-if TYPE_CHECKING:
-    from rljob.spec import JobSpec
+from fp8rl.specs import load_spec_or_exit
 
 app = typer.Typer(
     help="fp8rl: end-to-end FP8 reinforcement-learning post-training of LLMs.",
@@ -21,17 +19,6 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(bench_app, name="bench")
-
-
-def load_spec_or_exit(path: Path) -> JobSpec:
-    """The job spec at ``path``, or exit 2 with every bad field listed."""
-    from rljob.spec import SpecError, load_spec
-
-    try:
-        return load_spec(path)
-    except SpecError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from err
 
 
 def _version(value: bool) -> None:
@@ -283,7 +270,7 @@ def report_cmd(
 ) -> None:
     """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table
     (with the last validation accuracy when a run has validation)."""
-    from workers.report import by_recipe, load_run, report, summary
+    from fp8rl.report import by_recipe, load_run, report, summary
 
     try:
         runs = [load_run(d) for d in run_dirs]

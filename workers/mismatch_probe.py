@@ -8,6 +8,7 @@ trainer scores them: only the precision recipe differs.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from rljob import metrics as m
@@ -16,7 +17,6 @@ from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
 from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_pair
-from workers.report import mean_std
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 
@@ -50,6 +50,6 @@ def summary(values: dict[str, list[float]]) -> str:
     """One line per recipe: the mean over batches, their spread (sample std) and range."""
     lines = [f"{'recipe':<8} {'token_mult_prob_error':>22} {'std over batches':>17} {'min':>9} {'max':>9}"]
     for recipe, v in values.items():
-        mean, std = mean_std(v)
+        mean, std = statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
         lines.append(f"{recipe:<8} {mean:>22.5f} {std:>17.5f} {min(v):>9.5f} {max(v):>9.5f}")
     return "\n".join(lines)

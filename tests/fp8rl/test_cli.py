@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.fp8 import LLM_SHAPES, SQUARE_SHAPES, parse_shapes
 from fp8rl.cli import app
-from workers.fp8.bench import LLM_SHAPES, SQUARE_SHAPES, parse_shapes
 
 runner = CliRunner()
 

@@ -97,7 +97,7 @@ def test_bench_api_prints_percentiles_for_each_level() -> None:
 
 
 def test_nearest_rank_percentile_by_hand() -> None:
-    from service.bench import percentile
+    from bench.api import percentile
 
     values = [5.0, 1.0, 4.0, 2.0, 3.0]  # sorted 1..5; p50: rank ceil(2.5)=3 -> 3; p99: rank 5 -> 5
     assert (percentile(values, 50), percentile(values, 99), percentile(values, 20)) == (3.0, 5.0, 1.0)
