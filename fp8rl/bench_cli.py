@@ -128,8 +128,8 @@ def bench_mismatch(
     batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
+    from bench.mismatch import probe, summary
     from fp8rl.specs import load_spec_or_exit
-    from workers.mismatch_probe import probe, summary
 
     spec = load_spec_or_exit(spec_path)
     try:
@@ -164,9 +164,9 @@ def bench_gradients(
     ),
 ) -> None:
     """Per-layer cosine and relative error of BF16 and FP8 weight gradients against float32."""
+    from bench import gradients as grad_audit
     from bench.common import pick_device
     from fp8rl.specs import load_spec_or_exit
-    from workers import grad_audit
 
     spec = load_spec_or_exit(spec_path)
     try:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import gradients as ga
 from rljob import JobSpec, parse_spec
-from workers import grad_audit as ga
 from workers.checkpoint import load_master_weights
 from workers.engines.native_trainer import NativeTrainer
 from workers.tokenizer import ByteTokenizer
