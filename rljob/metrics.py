@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypedDict
+from typing import Any, Final, NotRequired, TypedDict
 
 # -- keys ------------------------------------------------------------------------------------------
 STEP: Final = "step"
@@ -89,7 +89,7 @@ TrainMetrics = TypedDict(
         "train/clip_fraction": float,
         "train/kl": float,
         "train/advantage_abs_mean": float,
-        "train/tokens": float,
+        "train/tokens": NotRequired[float],  # the driver drops it from the row (tokens/trained says it)
         "is/weight_mean": float,
         "is/weight_max": float,
     },
@@ -132,7 +132,9 @@ class ValidatedStepMetrics(StepMetrics, ValidationMetrics, total=False):
 
 
 # The keys every step line has (README "Metrics"), in the order of the schema.
-REQUIRED_KEYS: tuple[str, ...] = tuple(StepMetrics.__annotations__)
+REQUIRED_KEYS: tuple[str, ...] = tuple(
+    k for k in StepMetrics.__annotations__ if k in StepMetrics.__required_keys__
+)
 
 # -- Prometheus --------------------------------------------------------------------------------------
 LABELS = ("job", "namespace", "recipe")

@@ -164,6 +164,7 @@ def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: Cluster, step: i
     )
     logp_old = torch.cat([x[0] for x in results])
     stats = results[0][1]  # each trainer's stats already cover the whole batch (all-reduced)
+    stats.pop(m.TRAIN_TOKENS, None)  # tokens/trained below says it
     t3 = time.perf_counter()
 
     sync = sync_weights(cluster)
