@@ -164,21 +164,21 @@ def bench_gradients(
     ),
 ) -> None:
     """Per-layer cosine and relative error of BF16 and FP8 weight gradients against float32."""
-    from bench import gradients as grad_audit
+    from bench import gradients
     from bench.common import pick_device
     from fp8rl.specs import load_spec_or_exit
 
     spec = load_spec_or_exit(spec_path)
     try:
-        names = grad_audit.parse_variants(variants)
-        keep = grad_audit.parse_keep_layers(keep_bf16_layers)
-        result = grad_audit.audit(spec, checkpoint, names, batches, keep, str(pick_device(device)))
+        names = gradients.parse_variants(variants)
+        keep = gradients.parse_keep_layers(keep_bf16_layers)
+        result = gradients.audit(spec, checkpoint, names, batches, keep, str(pick_device(device)))
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
     spec_keep = ",".join(str(n) for n in result.spec_keep_bf16_layers)
     typer.echo(
-        f"gradient fidelity against {grad_audit.REFERENCE}\n"
+        f"gradient fidelity against {gradients.REFERENCE}\n"
         f"spec {spec_path}, checkpoint {checkpoint or '(initial weights)'}; batch: {result.sequences} "
         f"sequences, {result.tokens} response tokens, mean reward {result.reward_mean:.3f}\n"
         f"FP8 variants keep {keep[0]},{keep[1]} decoder layers in BF16 (first,last; the spec says "
