@@ -213,7 +213,7 @@ def bench_operator(
 ) -> None:
     """Time for N RLJobs to have their RayJobs on kmock, against the bare API calls as baseline."""
     try:
-        from operators import bench
+        from bench import operator as bench
     except ImportError as err:  # kmock is a development dependency
         typer.echo(f"error: {err}; install the dev extras: pip install -e '.[dev]'", err=True)
         raise typer.Exit(2) from err

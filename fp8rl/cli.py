@@ -145,13 +145,13 @@ def operator_cmd(
     from operators.settings import OperatorSettings
 
     try:
-        OperatorSettings.load(config)  # fail here, with the field, not inside kopf
+        settings = OperatorSettings.load(config)  # fail here, with the field, not inside kopf
     except (OSError, ValidationError) as err:
         typer.echo(f"error: operator config: {err}", err=True)
         raise typer.Exit(2) from err
     from operators.main import run
 
-    run(namespace or (), kubeconfig, config, liveness, verbose)
+    run(settings, namespace or (), kubeconfig, liveness, verbose)
 
 
 Server = Annotated[str | None, typer.Option(help="Control-plane URL (FP8RL_SERVER).")]

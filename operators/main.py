@@ -5,23 +5,21 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
+
+from operators.settings import OperatorSettings
 
 
 def run(
+    settings: OperatorSettings,
     namespaces: Sequence[str] = (),
     kubeconfig: str | None = None,
-    config: Path | None = None,
     liveness: str | None = None,
     verbose: bool = False,
 ) -> None:
-    """Watch RLJobs in ``namespaces`` (all namespaces when empty) until interrupted."""
+    """Watch RLJobs in ``namespaces`` (all namespaces when empty) until interrupted, applying
+    ``settings`` (the operator's defaults and poll interval)."""
     if kubeconfig:
-        os.environ["KUBECONFIG"] = str(kubeconfig)
-    if config is not None:
-        from operators.handlers import CONFIG_ENV
-
-        os.environ[CONFIG_ENV] = str(config)
+        os.environ["KUBECONFIG"] = str(kubeconfig)  # kopf's own login reads it
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -30,9 +28,10 @@ def run(
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     import kopf
 
-    import operators.handlers  # noqa: F401  (registers the handlers)
+    from operators.handlers import registry
 
     kopf.run(
+        registry=registry(settings, kubeconfig),
         standalone=True,
         clusterwide=not namespaces,
         namespaces=list(namespaces),

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
+from bench.kube_emulator import KubeEmulator
 from fp8rl.cli import app
-from operators.emulator import KubeEmulator
 
 TOKEN = "serve-kube-token-0123456789"
 EXAMPLE = Path(__file__).parents[2] / "examples" / "arithmetic-cpu.yaml"

@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 from kubernetes import client
 
+from bench.kube_emulator import KubeEmulator, start_operator, wait_for
 from operators.builders import SPEC_HASH
-from operators.emulator import KubeEmulator, start_operator, wait_for
 from rljob import resource as rl
 from rljob.kube import KubernetesJobStore, api_client
 from rljob.spec import JobSpec

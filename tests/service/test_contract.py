@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.emulator import KubeEmulator
+from bench.kube_emulator import KubeEmulator
 from tests.service.servers import serve
 
 TOKEN = "contract-token-0123456789"

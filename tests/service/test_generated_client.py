@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from operators.emulator import KubeEmulator
+from bench.kube_emulator import KubeEmulator
 from tests.service import servers
 
 TOKENS = {

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from operators.emulator import KubeEmulator
+from bench.kube_emulator import KubeEmulator
 from rljob import resource as rl
 from rljob.jobs import JobExists, JobNotFound, TenantNamespaceMissing
 from rljob.kube import KubernetesJobStore, api_client

@@ -3,8 +3,10 @@
 ``KubeEmulator`` runs kmock's ``KubernetesEmulator`` on a random local port in a background thread
 with its own event loop, declares the resources fp8rl touches (namespaces, ConfigMaps, Events,
 RLJobs, RayJobs) and writes a kubeconfig pointing at it, so the real ``kubernetes`` client, kopf
-and kubectl all talk to it as to a cluster. kmock is a development dependency: import this module
-only from tests and benchmarks.
+and kubectl all talk to it as to a cluster. ``requests(...)`` lists the API calls it served (kmock
+records every request), e.g. to count status writes. kmock is a development dependency, used
+through its public API only: this module lives in the tooling tier (``bench``), never imported by
+the runtime packages.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -25,7 +28,6 @@ from typing import Any
 
 import kmock
 import yaml
-from kmock._internal.rendering import Request
 
 # (group/version/plural, kind, namespaced, short names, subresources)
 RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] = (
@@ -43,6 +45,17 @@ RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] =
 VERBS = ("create", "delete", "get", "list", "patch", "update", "watch")
 
 
+@dataclass(frozen=True)
+class Call:
+    """One request the emulated API server served."""
+
+    method: str  # GET, POST, PATCH, DELETE, ...
+    plural: str | None  # e.g. "rljobs"; None for discovery and other non-resource paths
+    namespace: str | None
+    name: str | None
+    subresource: str | None  # e.g. "status"
+
+
 class _Cluster(kmock.KubernetesEmulator):
     """kmock's emulator plus four behaviours of a real API server that fp8rl relies on: creating
     in a missing namespace is 404; a create answers 201; created objects get uid,
@@ -52,7 +65,7 @@ class _Cluster(kmock.KubernetesEmulator):
     known_namespaces: set[str]
     _versions: itertools.count[int]
 
-    async def _handle(self, request: Request) -> Any:
+    async def _handle(self, request: kmock.Request) -> Any:
         res = request.resource
         if res is not None and request.action is not None and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {}) if request.data else {}
@@ -155,6 +168,31 @@ class KubeEmulator:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=10)
         self._loop.close()
+
+    def requests(
+        self,
+        method: str | None = None,
+        plural: str | None = None,
+        name: str | None = None,
+        subresource: str | None = None,
+    ) -> list[Call]:
+        """The requests served so far, oldest first, those matching every argument given (e.g.
+        ``requests("PATCH", "rljobs", "j1", "status")``: the status writes of RLJob j1)."""
+        assert self.handler is not None
+        out = []
+        for r in list(self.handler):  # kmock's own log of every request (the handler is a view)
+            call = Call(
+                method=str(r.method.value),
+                plural=None if r.resource is None else r.resource.plural,
+                namespace=r.namespace,
+                name=r.name,
+                subresource=r.subresource,
+            )
+            wanted = (method, plural, name, subresource)
+            got = (call.method, call.plural, call.name, call.subresource)
+            if all(w is None or w == g for w, g in zip(wanted, got, strict=True)):
+                out.append(call)
+        return out
 
     def objects(self, resource: str, namespace: str | None = None) -> list[dict[str, Any]]:
         """The stored live objects of ``resource`` (e.g. ``"ray.io/v1/rayjobs"``), for assertions."""

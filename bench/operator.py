@@ -89,7 +89,7 @@ def stop(proc: Any) -> None:
 def run(jobs: int = 100, workdir: Path | None = None, verbose: bool = False) -> OperatorBench:
     from kubernetes import client
 
-    from operators.emulator import KubeEmulator, start_operator, wait_for
+    from bench.kube_emulator import KubeEmulator, start_operator, wait_for
     from rljob import resource as rl
     from rljob.kube import api_client
     from rljob.spec import JobSpec

@@ -1,0 +1,282 @@
+"""The operator's decisions for one RLJob, as a pure function: what it read in, actions out.
+
+``plan(rljob, rayjob, configmap, settings, metrics, now)`` looks at the RLJob, its RayJob and its
+ConfigMap as read from the API server (None where absent) and the driver's Prometheus text, and
+returns the actions that bring the cluster to what the RLJob asks, in the order they must run.
+``operators.reconcile`` reads, plans and executes; nothing here talks to the API server, so every
+branch is tested with plain dicts (``tests/operators/test_plan.py``).
+
+The decisions, in order:
+
+1. A deleted (finalizing) or finished (Succeeded, Cancelled) RLJob: nothing.
+2. A spec that does not validate, or that no default node can host, or naming files outside the
+   pods' /data: Failed with reason InvalidSpec and the fields (one Warning event).
+3. No RayJob: create it (and its ConfigMap); ``RayJobRecreated`` when the job was Starting or
+   Running (someone deleted it), else ``RayJobCreated``.
+4. A RayJob built from another spec (``spec.job``/``spec.cluster`` changed): while the job is
+   Starting or Running the change is refused (condition ``SpecChangeRefused``, one Warning event);
+   otherwise the RayJob is rebuilt from the new spec.
+5. A job the user resumed (Pending, ``UserResumed``) whose RayJob finished: a new RayJob
+   (``RayJobRestarted``); a finished RayJob does not run again.
+6. ``spec.suspend`` differs from the RayJob's: patch it (with Kueue a suspended RayJob is left for
+   Kueue to admit).
+7. Status mirrors the RayJob (``operators.status``), through the state machine, one event per
+   phase passed; progress from the driver's metrics. The status is written only when a field
+   changed: condition times and ``progress.updated`` move only with what they stamp.
+
+A status write carries the ``resourceVersion`` that was read: if another writer came first the
+executor plans again from fresh reads, so events always describe the write that landed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from operators import builders
+from operators.settings import OperatorSettings
+from operators.status import Target, advance, progress_of, target_of
+from rljob import resource as rl
+from rljob.spec import describe_errors
+from rljob.status import TERMINAL, Condition, JobStatus, Phase, Progress, Reason
+
+REFUSED_MESSAGE = (
+    "spec.job/spec.cluster changed while the job runs: refused (the RayJob keeps the spec "
+    "it started with). Suspend it (spec.suspend: true), change it, then resume."
+)
+RUNNING = frozenset({Phase.STARTING, Phase.RUNNING})  # a spec change is refused in these
+_WITH_PROGRESS = frozenset({Phase.RUNNING, Phase.SUCCEEDED})  # the driver's metrics are read in these
+
+
+# -- the actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """A core/v1 Event on the RLJob (``kubectl describe rljob``)."""
+
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CreateConfigMap:
+    """Create the job-spec ConfigMap (one that exists already is left as it is)."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReplaceConfigMap:
+    """Replace the data of the existing job-spec ConfigMap."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CreateRayJob:
+    """Create the RayJob; ``event`` is posted only if this call created it (not on 409: another
+    operator run was first)."""
+
+    body: dict[str, Any]
+    event: Event
+
+
+@dataclass(frozen=True)
+class DeleteRayJob:
+    """Delete the RLJob's RayJob (same name and namespace); one already gone is fine."""
+
+
+@dataclass(frozen=True)
+class PatchRayJobSuspend:
+    """Set the RayJob's ``spec.suspend``."""
+
+    suspend: bool
+
+
+@dataclass(frozen=True)
+class WriteStatus:
+    """Write the RLJob's whole status, at the ``resourceVersion`` that was read."""
+
+    status: JobStatus
+
+
+Action = (
+    CreateConfigMap
+    | ReplaceConfigMap
+    | CreateRayJob
+    | DeleteRayJob
+    | PatchRayJobSuspend
+    | WriteStatus
+    | Event
+)
+
+
+# -- what to read ----------------------------------------------------------------------------------
+
+
+def settled(rljob: dict[str, Any]) -> bool:
+    """Nothing to do for this RLJob (being deleted, or finished): its RayJob need not be read."""
+    if (rljob.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    return rl.status_of(rljob).phase in TERMINAL
+
+
+def wants_progress(rljob: dict[str, Any], rayjob: dict[str, Any] | None) -> bool:
+    """Whether the driver's metrics are worth reading: only while the RayJob says it trains or
+    has finished (scraping is a pod list and an HTTP call)."""
+    if rayjob is None:
+        return False
+    suspend = bool((rljob.get("spec") or {}).get("suspend"))
+    return target_of(rayjob, suspend)[0] in _WITH_PROGRESS
+
+
+# -- the plan --------------------------------------------------------------------------------------
+
+
+def plan(
+    rljob: dict[str, Any],
+    rayjob: dict[str, Any] | None,
+    configmap: dict[str, Any] | None,
+    settings: OperatorSettings,
+    metrics: str | None = None,
+    now: datetime | None = None,
+) -> list[Action]:
+    """The actions for ``rljob`` given its ``rayjob`` and ``configmap`` as read (None: absent) and
+    the driver's ``/metrics`` text (None: not read or unreachable). ``now`` stamps new condition
+    times and progress."""
+    now = now or datetime.now(UTC)
+    if settled(rljob):
+        return []
+    status = rl.status_of(rljob)
+    try:
+        spec = rl.spec_of(rljob)
+    except ValidationError as err:
+        return _fail_invalid(status, "; ".join(describe_errors(err)), now)
+    refused = builders.placement_problems(spec, settings) + builders.path_problems(spec, settings)
+    if refused:
+        return _fail_invalid(status, "; ".join(refused), now)
+
+    actions: list[Action] = []
+    after: list[Event] = []  # events that describe the status write: posted once it landed
+    new, observed = status, rayjob
+    ns, name = rljob["metadata"]["namespace"], rljob["metadata"]["name"]
+    configmap_actions = _configmap(configmap, builders.spec_configmap(rljob, spec))
+
+    def create(reason: Reason) -> CreateRayJob:
+        nonlocal observed
+        observed = builders.rayjob(rljob, spec, settings)
+        kind = "Normal" if reason == Reason.RAYJOB_CREATED else "Warning"
+        return CreateRayJob(observed, Event(kind, reason, f"RayJob {ns}/{name}"))
+
+    if rayjob is None:
+        why = Reason.RAYJOB_RECREATED if status.phase in RUNNING else Reason.RAYJOB_CREATED
+        actions += [*configmap_actions, create(why)]
+    elif _annotation(rayjob, builders.SPEC_HASH) != builders.spec_hash(spec):
+        if status.phase in RUNNING:
+            if not any(c.type == Reason.SPEC_CHANGE_REFUSED and c.status for c in status.conditions):
+                after.append(Event("Warning", Reason.SPEC_CHANGE_REFUSED, REFUSED_MESSAGE))
+            new = _condition(new, Reason.SPEC_CHANGE_REFUSED, True, Reason.JOB_RUNNING, REFUSED_MESSAGE)
+        else:  # not running: rebuild it from the new spec
+            new = _condition(new, Reason.SPEC_CHANGE_REFUSED, False, Reason.APPLIED, "spec applied")
+            applied = Event("Normal", Reason.SPEC_APPLIED, "RayJob rebuilt from the changed spec")
+            actions += [DeleteRayJob(), *configmap_actions, applied, create(Reason.RAYJOB_CREATED)]
+    elif (
+        status.phase is Phase.PENDING
+        and status.reason == Reason.USER_RESUMED
+        and _deployment(rayjob) in ("Complete", "Failed")
+        and not spec.suspend
+    ):
+        # resumed after a failure: a finished RayJob does not run again, a new one does
+        actions += [DeleteRayJob(), *configmap_actions, create(Reason.RAYJOB_RESTARTED)]
+    else:
+        suspended = bool((rayjob.get("spec") or {}).get("suspend"))
+        kueue = bool(spec.cluster.queue and spec.cluster.queue.scheduler == "kueue")
+        desired = spec.suspend or (kueue and suspended)  # Kueue admits a job by unsuspending it
+        if suspended != desired:
+            how = "Suspending" if desired else "Resuming"
+            actions += [PatchRayJobSuspend(desired), Event("Normal", how, f"RayJob spec.suspend={desired}")]
+
+    assert observed is not None  # created or read above
+    target = target_of(observed, spec.suspend)
+    new, passed = advance(new, target)
+    if metrics and target[0] in _WITH_PROGRESS:
+        new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
+    new = _stamped(status, new, now)
+    if new != status:
+        actions.append(WriteStatus(new))
+    actions.extend(after)
+    actions.extend(_phase_event(phase, target) for phase in passed)
+    return actions
+
+
+def _phase_event(phase: Phase, target: Target) -> Event:
+    return Event("Warning" if phase is Phase.FAILED else "Normal", phase.value, f"{target[1]}: {target[2]}")
+
+
+def _with_progress(status: JobStatus, progress: Progress | None, now: datetime) -> JobStatus:
+    """``status`` with the driver's latest ``progress`` (never an older step), stamped ``now``
+    only when a value changed: an unchanged scrape leaves the status equal."""
+    if progress is None or progress.step < status.progress.step:
+        return status
+    if progress.model_copy(update={"updated": status.progress.updated}) == status.progress:
+        return status
+    return status.model_copy(update={"progress": progress.model_copy(update={"updated": now})})
+
+
+def _fail_invalid(status: JobStatus, problems: str, now: datetime) -> list[Action]:
+    """Failed with reason InvalidSpec (once: an unchanged refusal writes nothing)."""
+    moved, _ = advance(status, (Phase.FAILED, Reason.INVALID_SPEC, problems))
+    moved = _stamped(status, moved, now)
+    if moved == status:
+        return []
+    actions: list[Action] = [WriteStatus(moved)]
+    if (moved.phase, moved.message) != (status.phase, status.message):
+        message = f"spec refused: {problems}; fix it with kubectl edit"
+        actions.append(Event("Warning", Reason.INVALID_SPEC, message))
+    return actions
+
+
+def _deployment(rayjob: dict[str, Any]) -> str:
+    return str((rayjob.get("status") or {}).get("jobDeploymentStatus") or "")
+
+
+def _annotation(obj: dict[str, Any], key: str) -> str | None:
+    found = ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
+    return None if found is None else str(found)
+
+
+def _configmap(current: dict[str, Any] | None, wanted: dict[str, Any]) -> list[Action]:
+    """The ConfigMap as the builders say, before a RayJob that mounts it is created."""
+    if current is None:
+        return [CreateConfigMap(wanted)]
+    if current.get("data") != wanted["data"]:
+        return [ReplaceConfigMap(wanted)]
+    return []
+
+
+def _condition(status: JobStatus, kind: str, on: bool, reason: str, message: str) -> JobStatus:
+    """``status`` with condition ``kind`` set (its transition time kept if nothing changed)."""
+    old = next((c for c in status.conditions if c.type == kind), None)
+    if old is not None and (old.status, old.reason, old.message) == (on, reason, message):
+        return status
+    rest = [c for c in status.conditions if c.type != kind]
+    return status.model_copy(
+        update={"conditions": [*rest, Condition(type=kind, status=on, reason=reason, message=message)]}
+    )
+
+
+def _stamped(before: JobStatus, after: JobStatus, now: datetime) -> JobStatus:
+    """``after`` with every condition that is not one of ``before``'s stamped ``now`` (the state
+    machine stamps the clock; the plan stamps the time it was given)."""
+    conditions = [
+        c if c in before.conditions else c.model_copy(update={"last_transition": now})
+        for c in after.conditions
+    ]
+    if conditions == after.conditions:
+        return after
+    return after.model_copy(update={"conditions": conditions})

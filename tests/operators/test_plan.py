@@ -1,0 +1,582 @@
+"""The operator's decisions (``operators.plan``): a hand-written table of situations (the RLJob,
+its RayJob and ConfigMap as read, the driver's metrics) and the exact actions each calls for, in
+order. Expected statuses, events and messages are written out from the rules in the README's
+operator section and KubeRay's documented states, not produced by the code under test; object
+bodies come from the builders (tested in ``test_builders.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from operators import builders
+from operators.plan import (
+    REFUSED_MESSAGE,
+    Action,
+    CreateConfigMap,
+    CreateRayJob,
+    DeleteRayJob,
+    Event,
+    PatchRayJobSuspend,
+    ReplaceConfigMap,
+    WriteStatus,
+    plan,
+    settled,
+    wants_progress,
+)
+from operators.settings import OperatorSettings
+from rljob import resource as rl
+from rljob.status import Condition, JobStatus, Progress
+
+SETTINGS = OperatorSettings()
+NOW = datetime(2025, 6, 2, 12, 0, 0, tzinfo=UTC)  # the time the plan is made
+THEN = datetime(2025, 6, 1, 9, 30, 0, tzinfo=UTC)  # when earlier transitions happened
+SUSPEND_MESSAGE = "resume continues from the checkpoint"
+
+
+def cond(kind: str, reason: str, message: str, at: datetime = THEN, on: bool = True) -> Condition:
+    return Condition(type=kind, status=on, reason=reason, message=message, last_transition=at)
+
+
+def status(phase: str, reason: str, message: str, *conditions: Condition, **progress: Any) -> JobStatus:
+    return JobStatus(
+        phase=phase,
+        reason=reason,
+        message=message,
+        conditions=list(conditions),
+        progress=Progress(**progress),
+    )
+
+
+def rljob(
+    st: JobStatus | None = None,
+    steps: int = 10,
+    suspend: bool = False,
+    cluster: dict[str, Any] | None = None,
+    **job: Any,
+) -> dict[str, Any]:
+    """An RLJob as the API server returns it (status as JSON)."""
+    obj: dict[str, Any] = {
+        "apiVersion": "fp8rl.io/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "j", "namespace": "team-a", "uid": "uid-1", "resourceVersion": "41"},
+        "spec": {"job": {"steps": steps, **job}, "suspend": suspend, "cluster": cluster or {}},
+    }
+    if st is not None:
+        obj["status"] = st.model_dump(mode="json")
+    return obj
+
+
+def built(obj: dict[str, Any]) -> dict[str, Any]:
+    """The RayJob the builders make for ``obj``."""
+    return builders.rayjob(obj, rl.spec_of(obj), SETTINGS)
+
+
+def rayjob(
+    obj: dict[str, Any], deployment: str = "", job: str = "", suspend: bool | None = None, **extra: Any
+) -> dict[str, Any]:
+    """``obj``'s RayJob as read back, with KubeRay's status."""
+    body = built(obj)
+    if suspend is not None:
+        body["spec"]["suspend"] = suspend
+    body["status"] = {"jobDeploymentStatus": deployment, "jobStatus": job, **extra}
+    return body
+
+
+def from_other_spec(body: dict[str, Any]) -> dict[str, Any]:
+    body["metadata"]["annotations"][builders.SPEC_HASH] = "0123456789abcdef"
+    return body
+
+
+def configmap(obj: dict[str, Any]) -> dict[str, Any]:
+    return builders.spec_configmap(obj, rl.spec_of(obj))
+
+
+def exposition(step: int, reward: float) -> str:
+    """The driver's /metrics as Prometheus text (names from the README's metrics table)."""
+    return (
+        "# TYPE fp8rl_step gauge\n"
+        f'fp8rl_step{{job="j",namespace="team-a",recipe="fp8-e2e"}} {step}\n'
+        "# TYPE fp8rl_reward_mean gauge\n"
+        f'fp8rl_reward_mean{{job="j",namespace="team-a",recipe="fp8-e2e"}} {reward}\n'
+    )
+
+
+@dataclass
+class Case:
+    rljob: dict[str, Any]
+    rayjob: dict[str, Any] | None
+    configmap: dict[str, Any] | None
+    want: list[Action]
+    metrics: str | None = None
+    settings: OperatorSettings = field(default_factory=OperatorSettings)
+
+
+STARTING = "waiting for the Ray cluster"
+STARTED = cond("Starting", "RayClusterStarting", STARTING)
+RUNNING = cond("Running", "Training", "the driver is running")
+RUN_STATUS = status("Running", "Training", "the driver is running", STARTED, RUNNING)
+RESUMED = status(
+    "Pending",
+    "UserResumed",
+    "resume requested",
+    cond("Failed", "DeadlineExceeded", "ran too long"),
+    cond("Pending", "UserResumed", "resume requested"),
+)
+
+
+def cases() -> dict[str, Case]:
+    new = rljob()
+    new_suspended = rljob(suspend=True)
+    bad = rljob(rollout={"group_size": 0})
+    bad_message = "job.rollout.group_size: Input should be greater than or equal to 1 (got 0)"
+    share = rljob(resources={"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1})
+    share_message = (
+        "spec.job.resources.share_gpu: true puts every actor on one GPU of one machine (fp8rl run); "
+        "on a cluster each pod gets whole GPUs: set it to false"
+    )
+    suspended = status(
+        "Suspended", "Suspended", f"RayJob Suspended; {SUSPEND_MESSAGE}", STARTED, cond("Suspended", "x", "y")
+    )
+    gone = rljob(RUN_STATUS)
+    changed = rljob(RUN_STATUS, steps=99)
+    refused = cond("SpecChangeRefused", "JobRunning", REFUSED_MESSAGE)
+    changed_again = rljob(RUN_STATUS.model_copy(update={"conditions": [STARTED, RUNNING, refused]}), steps=99)
+    rebuilt = rljob(suspended, steps=99, suspend=True)
+    failed = status("Failed", "RayJobFailed", "RayJob Failed", STARTED, cond("Failed", "RayJobFailed", "x"))
+    failed_changed = rljob(failed, steps=99)
+    resumed = rljob(RESUMED)
+    resumed_held = rljob(RESUMED, suspend=True)
+    to_suspend = rljob(RUN_STATUS, suspend=True)
+    to_resume = rljob(suspended)
+    kueue = rljob(status("Pending", "Created", ""), cluster={"queue": {"scheduler": "kueue", "name": "q"}})
+    starting = rljob(status("Starting", "RayClusterStarting", STARTING, STARTED))
+    at_step = RUN_STATUS.model_copy(
+        update={"progress": Progress(step=4, total_steps=10, reward=0.5, updated=THEN)}
+    )
+    steady = rljob(at_step)
+    done = rljob(status("Succeeded", "Completed", "the driver finished", STARTED))
+    deleting = rljob(RUN_STATUS)
+    deleting["metadata"]["deletionTimestamp"] = "2025-06-02T11:00:00Z"
+    small_pool = OperatorSettings(training_max_gpus_per_pod=4)
+    big = rljob(resources={"gpus_per_trainer": 8})
+    big_message = (
+        "spec.job.resources.gpus_per_trainer: 8 GPUs in one pod, but nodes of the training pool have 4; "
+        "ask for at most 4, or name a larger pool in spec.cluster.training.nodeSelector"
+    )
+    held = "the RayJob is still suspended (resuming, or queued)"
+    return {
+        "a new RLJob: its ConfigMap and RayJob, then Starting": Case(
+            new,
+            None,
+            None,
+            [
+                CreateConfigMap(configmap(new)),
+                CreateRayJob(built(new), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
+                WriteStatus(
+                    status(
+                        "Starting",
+                        "RayClusterStarting",
+                        STARTING,
+                        cond("Starting", "RayClusterStarting", STARTING, NOW),
+                    )
+                ),
+                Event("Normal", "Starting", f"RayClusterStarting: {STARTING}"),
+            ],
+        ),
+        "a new RLJob created suspended goes straight to Suspended": Case(
+            new_suspended,
+            None,
+            None,
+            [
+                CreateConfigMap(configmap(new_suspended)),
+                CreateRayJob(built(new_suspended), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
+                WriteStatus(
+                    status(
+                        "Suspended",
+                        "Suspended",
+                        f"RayJob suspending; {SUSPEND_MESSAGE}",
+                        cond("Suspended", "Suspended", f"RayJob suspending; {SUSPEND_MESSAGE}", NOW),
+                    )
+                ),
+                Event("Normal", "Suspended", f"Suspended: RayJob suspending; {SUSPEND_MESSAGE}"),
+            ],
+        ),
+        "an invalid spec fails with the field, nothing is created": Case(
+            bad,
+            None,
+            None,
+            [
+                WriteStatus(
+                    status(
+                        "Failed", "InvalidSpec", bad_message, cond("Failed", "InvalidSpec", bad_message, NOW)
+                    )
+                ),
+                Event("Warning", "InvalidSpec", f"spec refused: {bad_message}; fix it with kubectl edit"),
+            ],
+        ),
+        "an invalid spec already reported: nothing to write": Case(
+            rljob(
+                status("Failed", "InvalidSpec", bad_message, cond("Failed", "InvalidSpec", bad_message)),
+                rollout={"group_size": 0},
+            ),
+            None,
+            None,
+            [],
+        ),
+        "a suspended job turned invalid passes Pending on its way to Failed": Case(
+            rljob(suspended, rollout={"group_size": 0}),
+            None,
+            None,
+            [
+                WriteStatus(
+                    status(
+                        "Failed",
+                        "InvalidSpec",
+                        bad_message,
+                        STARTED,
+                        cond("Suspended", "x", "y"),
+                        cond("Pending", "InvalidSpec", bad_message, NOW),
+                        cond("Failed", "InvalidSpec", bad_message, NOW),
+                    )
+                ),
+                Event("Warning", "InvalidSpec", f"spec refused: {bad_message}; fix it with kubectl edit"),
+            ],
+        ),
+        "share_gpu cannot run on a cluster: refused": Case(
+            share,
+            None,
+            None,
+            [
+                WriteStatus(
+                    status(
+                        "Failed",
+                        "InvalidSpec",
+                        share_message,
+                        cond("Failed", "InvalidSpec", share_message, NOW),
+                    )
+                ),
+                Event("Warning", "InvalidSpec", f"spec refused: {share_message}; fix it with kubectl edit"),
+            ],
+        ),
+        "more GPUs per pod than the default pool's nodes have: refused": Case(
+            big,
+            None,
+            None,
+            [
+                WriteStatus(
+                    status(
+                        "Failed",
+                        "InvalidSpec",
+                        big_message,
+                        cond("Failed", "InvalidSpec", big_message, NOW),
+                    )
+                ),
+                Event("Warning", "InvalidSpec", f"spec refused: {big_message}; fix it with kubectl edit"),
+            ],
+            settings=small_pool,
+        ),
+        "the RayJob deleted while running is recreated; back to Starting": Case(
+            gone,
+            None,
+            configmap(gone),
+            [
+                CreateRayJob(built(gone), Event("Warning", "RayJobRecreated", "RayJob team-a/j")),
+                WriteStatus(
+                    status(
+                        "Starting",
+                        "RayClusterStarting",
+                        STARTING,
+                        RUNNING,
+                        cond("Starting", "RayClusterStarting", STARTING, NOW),
+                    )
+                ),
+                Event("Normal", "Starting", f"RayClusterStarting: {STARTING}"),
+            ],
+        ),
+        "a RayJob missing and a stale ConfigMap: the ConfigMap is rewritten first": Case(
+            starting,
+            None,
+            configmap(rljob(steps=3)),
+            [
+                ReplaceConfigMap(configmap(starting)),
+                CreateRayJob(built(starting), Event("Warning", "RayJobRecreated", "RayJob team-a/j")),
+            ],
+        ),
+        "a spec change while running is refused, once": Case(
+            changed,
+            from_other_spec(rayjob(rljob(), "Running", "RUNNING")),
+            configmap(rljob()),
+            [
+                WriteStatus(
+                    RUN_STATUS.model_copy(
+                        update={
+                            "conditions": [
+                                STARTED,
+                                RUNNING,
+                                cond("SpecChangeRefused", "JobRunning", REFUSED_MESSAGE, NOW),
+                            ]
+                        }
+                    )
+                ),
+                Event("Warning", "SpecChangeRefused", REFUSED_MESSAGE),
+            ],
+        ),
+        "a spec change already refused: no second event, nothing to write": Case(
+            changed_again,
+            from_other_spec(rayjob(rljob(), "Running", "RUNNING")),
+            configmap(rljob()),
+            [],
+        ),
+        "a spec change while suspended rebuilds the RayJob": Case(
+            rebuilt,
+            from_other_spec(rayjob(rljob(suspend=True), "Suspended", suspend=True)),
+            configmap(rljob()),
+            [
+                DeleteRayJob(),
+                ReplaceConfigMap(configmap(rebuilt)),
+                Event("Normal", "SpecApplied", "RayJob rebuilt from the changed spec"),
+                CreateRayJob(built(rebuilt), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
+                WriteStatus(
+                    suspended.model_copy(
+                        update={
+                            "conditions": [
+                                *suspended.conditions,
+                                cond("SpecChangeRefused", "Applied", "spec applied", NOW, on=False),
+                            ]
+                        }
+                    )
+                ),
+            ],
+        ),
+        "a spec change of a failed job rebuilds it, and it starts again": Case(
+            failed_changed,
+            from_other_spec(rayjob(rljob(), "Failed")),
+            configmap(rljob()),
+            [
+                DeleteRayJob(),
+                ReplaceConfigMap(configmap(failed_changed)),
+                Event("Normal", "SpecApplied", "RayJob rebuilt from the changed spec"),
+                CreateRayJob(built(failed_changed), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
+                WriteStatus(
+                    status(
+                        "Starting",
+                        "RayClusterStarting",
+                        STARTING,
+                        cond("Failed", "RayJobFailed", "x"),
+                        cond("SpecChangeRefused", "Applied", "spec applied", NOW, on=False),
+                        cond("Pending", "RayClusterStarting", STARTING, NOW),
+                        cond("Starting", "RayClusterStarting", STARTING, NOW),
+                    )
+                ),
+                Event("Normal", "Pending", f"RayClusterStarting: {STARTING}"),
+                Event("Normal", "Starting", f"RayClusterStarting: {STARTING}"),
+            ],
+        ),
+        "resumed after a failure: the finished RayJob is replaced": Case(
+            resumed,
+            rayjob(resumed, "Failed", reason="DeadlineExceeded", message="ran too long"),
+            configmap(resumed),
+            [
+                DeleteRayJob(),
+                CreateRayJob(built(resumed), Event("Warning", "RayJobRestarted", "RayJob team-a/j")),
+                WriteStatus(
+                    status(
+                        "Starting",
+                        "RayClusterStarting",
+                        STARTING,
+                        *RESUMED.conditions,
+                        cond("Starting", "RayClusterStarting", STARTING, NOW),
+                    )
+                ),
+                Event("Normal", "Starting", f"RayClusterStarting: {STARTING}"),
+            ],
+        ),
+        "resumed but spec.suspend is set: no restart, the RayJob is suspended": Case(
+            resumed_held,
+            rayjob(resumed_held, "Failed", suspend=False),
+            configmap(resumed_held),
+            [
+                PatchRayJobSuspend(True),
+                Event("Normal", "Suspending", "RayJob spec.suspend=True"),
+                WriteStatus(
+                    status(
+                        "Suspended",
+                        "Suspended",
+                        f"RayJob Failed; {SUSPEND_MESSAGE}",
+                        *RESUMED.conditions,
+                        cond("Suspended", "Suspended", f"RayJob Failed; {SUSPEND_MESSAGE}", NOW),
+                    )
+                ),
+                Event("Normal", "Suspended", f"Suspended: RayJob Failed; {SUSPEND_MESSAGE}"),
+            ],
+        ),
+        "spec.suspend set while running: the RayJob is suspended": Case(
+            to_suspend,
+            rayjob(to_suspend, "Running", "RUNNING", suspend=False),
+            configmap(to_suspend),
+            [
+                PatchRayJobSuspend(True),
+                Event("Normal", "Suspending", "RayJob spec.suspend=True"),
+                WriteStatus(
+                    status(
+                        "Suspended",
+                        "Suspended",
+                        f"RayJob Running; {SUSPEND_MESSAGE}",
+                        STARTED,
+                        RUNNING,
+                        cond("Suspended", "Suspended", f"RayJob Running; {SUSPEND_MESSAGE}", NOW),
+                    )
+                ),
+                Event("Normal", "Suspended", f"Suspended: RayJob Running; {SUSPEND_MESSAGE}"),
+            ],
+        ),
+        "spec.suspend cleared: the RayJob is resumed, the job Pending until KubeRay starts it": Case(
+            to_resume,
+            rayjob(to_resume, "Suspended", "STOPPED", suspend=True),
+            configmap(to_resume),
+            [
+                PatchRayJobSuspend(False),
+                Event("Normal", "Resuming", "RayJob spec.suspend=False"),
+                WriteStatus(
+                    status(
+                        "Pending",
+                        "RayJobSuspended",
+                        held,
+                        *suspended.conditions,
+                        cond("Pending", "RayJobSuspended", held, NOW),
+                    )
+                ),
+                Event("Normal", "Pending", f"RayJobSuspended: {held}"),
+            ],
+        ),
+        "Kueue holds the RayJob suspended: left for Kueue, Pending says so": Case(
+            kueue,
+            rayjob(kueue, "Suspended", suspend=True),
+            configmap(kueue),
+            [WriteStatus(status("Pending", "RayJobSuspended", held))],
+        ),
+        "the driver runs: Running, with its progress": Case(
+            starting,
+            rayjob(starting, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(starting),
+            [
+                WriteStatus(
+                    status(
+                        "Running",
+                        "Training",
+                        "the driver is running",
+                        STARTED,
+                        cond("Running", "Training", "the driver is running", NOW),
+                        step=4,
+                        total_steps=10,
+                        reward=0.5,
+                        updated=NOW,
+                    )
+                ),
+                Event("Normal", "Running", "Training: the driver is running"),
+            ],
+            metrics=exposition(4, 0.5),
+        ),
+        "a tick that sees nothing new writes nothing": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [],
+            metrics=exposition(4, 0.5),
+        ),
+        "the driver's next step: progress written, stamped now": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [
+                WriteStatus(
+                    at_step.model_copy(
+                        update={"progress": Progress(step=5, total_steps=10, reward=0.75, updated=NOW)}
+                    )
+                )
+            ],
+            metrics=exposition(5, 0.75),
+        ),
+        "an older step (a restarted driver before its checkpoint) does not go back": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [],
+            metrics=exposition(3, 0.1),
+        ),
+        "the RayJob completes: Succeeded": Case(
+            steady,
+            rayjob(steady, "Complete", "SUCCEEDED"),
+            configmap(steady),
+            [
+                WriteStatus(
+                    at_step.model_copy(
+                        update={
+                            "phase": "Succeeded",
+                            "reason": "Completed",
+                            "message": "the driver finished",
+                            "conditions": [
+                                STARTED,
+                                RUNNING,
+                                cond("Succeeded", "Completed", "the driver finished", NOW),
+                            ],
+                        }
+                    )
+                ),
+                Event("Normal", "Succeeded", "Completed: the driver finished"),
+            ],
+        ),
+        "the RayJob fails: Failed with KubeRay's reason, a Warning": Case(
+            starting,
+            rayjob(starting, "Failed", reason="DeadlineExceeded", message="ran too long"),
+            configmap(starting),
+            [
+                WriteStatus(
+                    status(
+                        "Failed",
+                        "DeadlineExceeded",
+                        "ran too long",
+                        STARTED,
+                        cond("Failed", "DeadlineExceeded", "ran too long", NOW),
+                    )
+                ),
+                Event("Warning", "Failed", "DeadlineExceeded: ran too long"),
+            ],
+        ),
+        "a failed job not resumed: nothing to do": Case(
+            rljob(failed),
+            rayjob(rljob(failed), "Failed"),
+            configmap(rljob()),
+            [],
+        ),
+        "a finished job: nothing, even with its RayJob gone": Case(done, None, None, []),
+        "an RLJob being deleted: nothing (the delete handler cleans up)": Case(deleting, None, None, []),
+    }
+
+
+CASES = cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan(name: str) -> None:
+    c = CASES[name]
+    got = plan(c.rljob, c.rayjob, c.configmap, c.settings, c.metrics, now=NOW)
+    assert got == c.want
+
+
+def test_what_is_read() -> None:
+    running = rljob(RUN_STATUS)
+    assert not settled(running)
+    assert settled(rljob(status("Succeeded", "Completed", "")))
+    assert settled(rljob(status("Cancelled", "UserCancelled", "")))
+    assert not settled(rljob(status("Failed", "RayJobFailed", "")))  # a failed job can be resumed
+    # the driver's metrics only while KubeRay says it runs (or has just finished)
+    assert wants_progress(running, rayjob(running, "Running", "RUNNING"))
+    assert wants_progress(running, rayjob(running, "Complete", "SUCCEEDED"))
+    assert not wants_progress(running, rayjob(running, "Running", "PENDING"))
+    assert not wants_progress(running, None)
+    assert not wants_progress(rljob(RUN_STATUS, suspend=True), rayjob(running, "Running", "RUNNING"))
