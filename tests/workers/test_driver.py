@@ -187,7 +187,7 @@ def test_an_engine_that_is_not_installed_fails_before_ray(
     def no_ray(*args: Any) -> None:
         raise AssertionError("Ray was started")
 
-    monkeypatch.setattr("workers.driver._ray_init", no_ray)
+    monkeypatch.setattr("workers.driver.ray_init", no_ray)
     spec = tiny_spec("bf16", resources={"generator_engine": "vllm", "gpus_per_generator": 1})
     with pytest.raises(
         EngineUnavailable, match=r"resources.generator_engine=vllm: .*needs vllm.*worker image"
