@@ -15,13 +15,14 @@ from fastapi.testclient import TestClient
 from kubernetes import client
 
 from operators.builders import SPEC_HASH
-from operators.emulator import KubeEmulator, start_operator, wait_for
+from operators.emulator import KubeEmulator, start_operator
 from rljob import resource as rl
 from rljob.spec import JobSpec
 from rljob.status import Phase
 from service.app import create_app
 from service.kube_store import KubernetesJobStore, OperatorHandoff, api_client
 from service.settings import Settings
+from tests.helpers import wait_for
 from workers.metrics import PromExporter
 
 NS = "team-a"
@@ -62,9 +63,7 @@ class Cluster:
         return str(((obj or {}).get("status") or {}).get("phase", ""))
 
     def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict[str, Any]:
-        wait_for(
-            lambda: self.phase(name) == phase, f"{name} to be {phase} (is {self.phase(name)!r})", timeout
-        )
+        wait_for(lambda: self.phase(name), f"{name} to be {phase}", lambda got: got == phase, timeout)
         return self.rljob(name) or {}
 
     def kuberay(self, name: str, **status: Any) -> None:

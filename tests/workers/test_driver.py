@@ -16,6 +16,8 @@ import pytest
 import ray
 
 from rljob import JobSpec, parse_spec
+from tests import helpers
+from tests.helpers import ONE_DIGIT_SUMS
 from workers import checkpoint
 from workers.driver import RunOptions, run
 from workers.metrics import REQUIRED_KEYS, MetricsLog
@@ -29,30 +31,16 @@ def ray_cluster() -> Iterator[None]:
 
 
 def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
-    return parse_spec(
-        {
-            "model": {
-                "tiny": {
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 1,
-                    "num_heads": 2,
-                    "num_kv_heads": 1,
-                }
-            },
-            "task": {
-                "reasoning_gym": "basic_arithmetic",
-                "params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-                "size": 50,
-            },
-            "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
-            "warmup": {"sft_steps": 1, "batch_size": 4},
-            "precision": {"recipe": recipe, "fp8_kv_cache": recipe != "bf16"},
-            "steps": steps,
-            "checkpoint_interval": 2,
-            **extra,
-        }
-    )
+    """The shared tiny job with a one-step warm-up, 3-token responses and a checkpoint every 2 steps."""
+    sections: dict[str, Any] = {
+        "task": {"params": ONE_DIGIT_SUMS, "size": 50},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
+        "warmup": {"sft_steps": 1, "batch_size": 4},
+        "precision": {"recipe": recipe, "fp8_kv_cache": recipe != "bf16"},
+        "steps": steps,
+        "checkpoint_interval": 2,
+    }
+    return parse_spec(helpers.tiny_spec(**{**sections, **extra}))
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-gen", "fp8-e2e"])

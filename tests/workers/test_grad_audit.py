@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from workers import grad_audit as ga
 from workers.checkpoint import load_master_weights
 from workers.engines.native_trainer import NativeTrainer
@@ -88,7 +89,7 @@ def test_checkpoint_errors_say_what_to_give(tmp_path: Path) -> None:
 def tiny_spec() -> JobSpec:
     return parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 0},
+            "model": {"tiny": TWO_LAYER_MODEL, "init_seed": 0},
             "task": {"size": 20},
             "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
             # two micro-batches: the audit accumulates them as the trainer does

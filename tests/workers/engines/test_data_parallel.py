@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from workers.engines.native_trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, left_pad, split_rows
 from workers.tokenizer import ByteTokenizer
@@ -37,7 +38,7 @@ KEYS = (
 def spec(minibatches: int) -> JobSpec:
     return parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 3},
+            "model": {"tiny": TWO_LAYER_MODEL, "init_seed": 3},
             "precision": {"recipe": "fp8-e2e"},
             "rollout": {"group_size": 2},
             "algorithm": {"minibatches": minibatches, "kl": {"coef": 0.05}},

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from tests.workers.fp8.reference import round_to_fp8
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.native_generator import Fp8KvCache, NativeGenerator, sample_top_p
@@ -36,7 +37,7 @@ def spec_for(recipe: str, seed: int, **precision: Any) -> JobSpec:
     return parse_spec(
         {
             "model": {
-                "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2},
+                "tiny": TWO_LAYER_MODEL,
                 "init_seed": seed,
             },
             "precision": {"recipe": recipe, **precision},
