@@ -78,6 +78,7 @@ def test_run_rejects_a_bad_override(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "precision.recipe" in result.output
 
 
+@pytest.mark.slow
 def test_run_end_to_end_with_overrides(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec(steps=50)))
@@ -156,6 +157,7 @@ def test_report_gives_mean_and_spread_over_seeds_per_recipe(tmp_path: Path) -> N
     assert e2e[:5] == ["fp8-e2e", "1", "0.300", "+-", "0.000"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (Ray's workers included)."""
     import os

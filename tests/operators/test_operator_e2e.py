@@ -198,6 +198,7 @@ def test_an_invalid_spec_fails_with_the_field(cluster: Cluster) -> None:
     wait_for(lambda: "InvalidSpec" in c.events("bad"), "an InvalidSpec event")
 
 
+@pytest.mark.slow
 def test_a_job_posted_to_the_service_is_picked_up(cluster: Cluster) -> None:
     """`fp8rl serve --store kubernetes` and the operator on one API: POST, suspend, DELETE."""
     c = cluster

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from rljob.spec import JobSpec
@@ -64,6 +65,7 @@ def _reaped(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_submit_progress_suspend_resume_succeed(tmp_path: Path) -> None:
     with local_service(tmp_path) as api:
         assert api.post("/v1/jobs", json={"name": "life", "spec": TINY}, headers=HEADERS).status_code == 201
@@ -114,6 +116,7 @@ def test_restart_marks_orphaned_running_jobs_failed_and_resumable(tmp_path: Path
     assert status.moved(Phase.PENDING, "UserResumed").phase is Phase.PENDING
 
 
+@pytest.mark.slow
 def test_a_dead_driver_fails_the_job_with_a_reason_and_it_resumes(tmp_path: Path) -> None:
     """SIGKILL to the driver's process group (the driver and its local Ray): Failed, reason
     WorkerExited with the signal; resume continues from the last checkpoint to the end."""
@@ -136,6 +139,7 @@ def test_a_dead_driver_fails_the_job_with_a_reason_and_it_resumes(tmp_path: Path
         assert [r["step"] for r in history] == list(range(1, steps + 1))  # recomputed steps replace lost ones
 
 
+@pytest.mark.slow
 def test_a_restarted_service_reattaches_a_live_driver(tmp_path: Path) -> None:
     """The service goes away while its driver runs; the next one watches the same driver to the end
     instead of failing the job or starting a second driver."""

@@ -43,7 +43,15 @@ def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
     return parse_spec(helpers.tiny_spec(**{**sections, **extra}))
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-gen", "fp8-e2e"])
+# fp8-e2e, the default recipe, stays in `make test-fast`: the one full driver run there
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param("bf16", marks=pytest.mark.slow),
+        pytest.param("fp8-gen", marks=pytest.mark.slow),
+        "fp8-e2e",
+    ],
+)
 def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     scraped: list[str] = []
     port: list[int] = []
@@ -86,6 +94,7 @@ def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     assert f"fp8rl_generation_tokens_total{{{label}}} {generated}" in text
 
 
+@pytest.mark.slow
 def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     """BF16 sends 2 B per parameter; FP8 layers send 1 B per weight + 4 B per 128x128 block."""
     sizes = {}
@@ -101,6 +110,7 @@ def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     assert sizes["fp8-e2e"]["weight_sync/bytes"] == linear + 4 * 7 + 2 * other
 
 
+@pytest.mark.slow
 def test_stop_checkpoints_and_resume_continues_at_the_next_step(tmp_path: Path) -> None:
     stop = threading.Event()
     first = run(tiny_spec("fp8-e2e", steps=4), tmp_path, RunOptions(stop=stop, on_step=lambda r: stop.set()))
@@ -113,6 +123,7 @@ def test_stop_checkpoints_and_resume_continues_at_the_next_step(tmp_path: Path) 
     assert second.last_step == 4 and not second.stopped
 
 
+@pytest.mark.slow
 def test_crash_after_a_checkpoint_resumes_without_duplicate_or_missing_steps(tmp_path: Path) -> None:
     """Crash in step 3 (checkpoint at 2, metrics line 3 written): resume drops line 3, recomputes
     step 3 from the step-2 checkpoint, and gets the same rollouts (seeds are per step)."""
@@ -142,6 +153,7 @@ def test_rayjob_entrypoint_rejects_a_bad_spec(tmp_path: Path, capsys: pytest.Cap
     assert "steps: Input should be greater than or equal to 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_entrypoint_runs_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from workers.driver import main
 
@@ -152,6 +164,7 @@ def test_entrypoint_runs_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert [p["step"] for p in printed] == [1]
 
 
+@pytest.mark.slow
 def test_two_trainers_and_two_generators(tmp_path: Path) -> None:
     """2x2 actors over gloo: data-parallel trainers (gradients and statistics all-reduced), the
     weight sync from trainer 0 to both generators, per-generator memory summed."""
@@ -193,6 +206,7 @@ def test_validation_is_due_every_interval_and_at_the_last_step() -> None:
     assert due(2, 5) == [2, 4, 5] and due(5, 5) == [5] and due(10, 3) == [3] and due(0, 5) == []
 
 
+@pytest.mark.slow
 def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) -> None:
     """A constructed task: every training answer is "1", so the supervised warm-up teaches the
     policy to answer "1" whatever the question (GRPO then sees equal rewards in every group: no

@@ -78,6 +78,7 @@ def _member(rank: int, init: str, minibatches: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_two_trainers_equal_one_on_the_same_batch(tmp_path: Path, minibatches: int) -> None:
     out = tmp_path / "rank0.json"

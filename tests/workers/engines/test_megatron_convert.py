@@ -669,6 +669,7 @@ def one_rank_group() -> Any:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("aggregation", "minibatches"),
     [("token-mean", 1), ("seq-mean-token-mean", 2)],

@@ -87,6 +87,7 @@ def test_temperature_is_applied_on_both_sides(seed: int) -> None:
     assert float(((at_one - out.logprobs).abs() * mask).max()) > 0.05  # the check can fail
 
 
+@pytest.mark.slow
 def test_end_to_end_fp8_mismatch_is_below_fp8_generation_only(seed: int) -> None:
     """Same master weights and prompts: a generator running the trainer's own FP8 weights against an
     FP8 trainer differs far less than an FP8 generator against a BF16 trainer (the seed claim).
