@@ -10,11 +10,6 @@ import pytest
 import torch
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
-    config.addinivalue_line("markers", "slow: longer tests, excluded from `make test-fast`")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

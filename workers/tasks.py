@@ -174,6 +174,10 @@ def _read_jsonl(path: Path) -> list[Problem]:
             continue
         try:
             row = json.loads(line)
+            for key in ("question", "answer"):
+                # str() would make null "None" and an object its Python repr: answers no model gives
+                if isinstance(row[key], bool) or not isinstance(row[key], str | int | float):
+                    raise TypeError(f"{key} is {json.dumps(row[key])}, not a string or a number")
             problems.append(Problem(len(problems), str(row["question"]), str(row["answer"]), row))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(

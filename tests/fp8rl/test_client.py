@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from typer.testing import CliRunner
 from fp8rl.cli import app
 from service.app import create_app
 from service.settings import Settings
+from tests.helpers import wait_for
 
 TOKEN = "client-token-0123456789"
 runner = CliRunner()
@@ -30,10 +30,7 @@ def server(tmp_path: Path) -> Iterator[str]:
     srv = uvicorn.Server(uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: srv.started, "uvicorn to start", timeout=30, every=0.05)
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
     thread.join(timeout=10)

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from fp8rl.cli import app
 from rljob import JobSpec, parse_spec
+from tests import helpers
 from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_trainer
 from workers.engines.native_trainer import NativeTrainer
@@ -53,20 +54,11 @@ STEPS = (2, 4)
 
 
 def tiny_spec(recipe: str) -> JobSpec:
-    return parse_spec(
-        {
-            "model": {
-                "tiny": {
-                    "hidden_size": 256,
-                    "intermediate_size": 384,
-                    "num_layers": 2,
-                    "num_heads": 4,
-                    "num_kv_heads": 1,
-                }
-            },
-            "precision": {"recipe": recipe, "keep_bf16_layers": [1, 0]},
-        }
-    )
+    """The shared tiny job on a model whose weights make whole and partial 128x128 FP8 blocks (the
+    module docstring), with its first layer and lm_head kept in BF16."""
+    model = {"hidden_size": 256, "intermediate_size": 384, "num_layers": 2, "num_heads": 4, "num_kv_heads": 1}
+    precision = {"recipe": recipe, "keep_bf16_layers": [1, 0]}
+    return parse_spec(helpers.tiny_spec(model={"tiny": model}, precision=precision))
 
 
 def fabricate_run(root: Path, recipe: str) -> Path:

@@ -3,6 +3,7 @@ or the Kubernetes schemas, and carries what the issue asks for, checked field by
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 from pathlib import Path
@@ -23,11 +24,17 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 K8S_VERSION = "1.33"
 
 
-def kuberay_schema(kind: str) -> dict[str, Any]:
-    crd = yaml.safe_load((KUBERAY / f"ray.io_{kind}.yaml").read_text())
+@functools.cache
+def kuberay_validator(kind: str) -> Any:
+    """A validator of KubeRay's CRD schema of ``kind``, the schema checked once: reading the CRD
+    and checking its schema take seconds, validating a manifest milliseconds."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where built in: the CRD is large
+    crd = yaml.load((KUBERAY / f"ray.io_{kind}.yaml").read_text(), Loader=loader)
     [v1] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    out: dict[str, Any] = openapi_to_jsonschema(v1["schema"]["openAPIV3Schema"])
-    return out
+    schema = openapi_to_jsonschema(v1["schema"]["openAPIV3Schema"])
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
 def rljob(path: str = "rljob-qwen-gpu.yaml", namespace: str = "team-a") -> dict[str, Any]:
@@ -46,7 +53,7 @@ def groups(rayjob: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("example", ["rljob-qwen-gpu.yaml", "rljob-arithmetic-cpu.yaml"])
 def test_rayjob_validates_against_kuberay_crd(example: str) -> None:
-    jsonschema.validate(build(rljob(example)), kuberay_schema("rayjobs"))
+    kuberay_validator("rayjobs").validate(build(rljob(example)))
 
 
 @pytest.mark.parametrize("example", ["rljob-qwen-gpu.yaml", "rljob-arithmetic-cpu.yaml"])
@@ -146,7 +153,7 @@ def test_queue_labels(scheduler: str, labels: dict[str, str]) -> None:
     body = build(obj)
     assert labels.items() <= body["metadata"]["labels"].items()
     assert body["spec"]["suspend"] is False  # only Kueue admits by unsuspending
-    jsonschema.validate(body, kuberay_schema("rayjobs"))
+    kuberay_validator("rayjobs").validate(body)
 
 
 def test_spec_hash_changes_with_the_job_not_with_suspend() -> None:
@@ -160,15 +167,15 @@ def test_spec_hash_changes_with_the_job_not_with_suspend() -> None:
 
 def test_the_kuberay_schema_catches_mistakes() -> None:
     """The validation above can fail: a group without its template, or a string where an int goes."""
-    schema = kuberay_schema("rayjobs")
+    validator = kuberay_validator("rayjobs")
     body = build(rljob())
     del body["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
     with pytest.raises(jsonschema.ValidationError, match="template"):
-        jsonschema.validate(body, schema)
+        validator.validate(body)
     body = build(rljob())
     body["spec"]["backoffLimit"] = "2"
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(body, schema)
+        validator.validate(body)
 
 
 def test_operator_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:

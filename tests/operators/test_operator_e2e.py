@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from kubernetes import client
 
-from bench.kube_emulator import KubeEmulator, start_operator, wait_for
+from bench.kube_emulator import KubeEmulator, start_operator
 from operators.builders import SPEC_HASH
 from rljob import resource as rl
 from rljob.kube import KubernetesJobStore, api_client
@@ -23,6 +23,7 @@ from rljob.status import Phase
 from service.app import create_app
 from service.executor import OperatorHandoff
 from service.settings import Settings
+from tests.helpers import wait_for
 from workers.metrics import PromExporter
 
 NS = "team-a"
@@ -63,9 +64,7 @@ class Cluster:
         return str(((obj or {}).get("status") or {}).get("phase", ""))
 
     def wait_phase(self, name: str, phase: str, timeout: float = 30) -> dict[str, Any]:
-        wait_for(
-            lambda: self.phase(name) == phase, f"{name} to be {phase} (is {self.phase(name)!r})", timeout
-        )
+        wait_for(lambda: self.phase(name), f"{name} to be {phase}", lambda got: got == phase, timeout)
         return self.rljob(name) or {}
 
     def kuberay(self, name: str, **status: Any) -> None:
@@ -200,6 +199,7 @@ def test_an_invalid_spec_fails_with_the_field(cluster: Cluster) -> None:
     wait_for(lambda: "InvalidSpec" in c.events("bad"), "an InvalidSpec event")
 
 
+@pytest.mark.slow
 def test_a_job_posted_to_the_service_is_picked_up(cluster: Cluster) -> None:
     """`fp8rl serve --store kubernetes` and the operator on one API: POST, suspend, DELETE."""
     c = cluster

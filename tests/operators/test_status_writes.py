@@ -12,10 +12,11 @@ from typing import Any
 import yaml
 from kubernetes import client
 
-from bench.kube_emulator import KubeEmulator, start_operator, wait_for
+from bench.kube_emulator import KubeEmulator, start_operator
 from rljob import resource as rl
 from rljob.kube import api_client
 from rljob.spec import JobSpec
+from tests.helpers import wait_for
 from workers.metrics import PromExporter
 
 NS = "team-a"

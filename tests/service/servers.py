@@ -9,11 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
+
+from tests.helpers import wait_for
 
 
 def free_port() -> int:
@@ -44,15 +46,20 @@ def serve(
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+
+    def answer() -> int | str:
+        assert proc.poll() is None, f"fp8rl serve exited:\n{log_path.read_text()}"
+        try:
+            return httpx.get(f"{url}{ready}").status_code
+        except httpx.HTTPError as err:
+            return repr(err)
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"fp8rl serve exited:\n{log_path.read_text()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}{ready}").status_code == 200:
-                    break
-            assert time.monotonic() < deadline, f"fp8rl serve did not answer {ready}:\n{log_path.read_text()}"
-            time.sleep(0.1)
+        try:
+            wait_for(answer, f"fp8rl serve to answer {ready} with 200", lambda got: got == 200, every=0.1)
+        except pytest.fail.Exception:
+            print(f"fp8rl serve log:\n{log_path.read_text()}")
+            raise
         yield url
     finally:
         for token in tokens:

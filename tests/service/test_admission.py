@@ -21,6 +21,7 @@ from service.app import create_app
 from service.executor import LocalExecutor, tenant_home
 from service.settings import Settings
 from service.store import SqlJobStore
+from tests.helpers import wait_for
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"
 TOKENS = {ALICE: "team-a", BOB: "team-b"}
@@ -182,9 +183,12 @@ def test_the_driver_runs_in_the_tenant_home_and_a_late_symlink_fails_the_job(
 
 # Stand-ins for the driver (a real one starts Ray and trains for minutes): the first allocates
 # 1 GiB as a runaway job would and exits as the driver does on MemoryError; the second finishes.
+# The hog waits (30 s at most) until the service, right after starting it, has set its limit.
 _HOG = """
-import sys, time
-time.sleep(0.5)  # the service sets the limit right after the process starts
+import resource, sys, time
+deadline = time.monotonic() + 30
+while resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY and time.monotonic() < deadline:
+    time.sleep(0.01)
 try:
     hog = bytearray(1 << 30)
 except MemoryError:
@@ -199,8 +203,6 @@ open(sys.argv[1], "w").write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\\n"
 
 
 def test_a_job_over_its_memory_limit_fails_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
-
     from rljob.status import EXIT_OUT_OF_MEMORY
 
     def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
@@ -217,13 +219,12 @@ def test_a_job_over_its_memory_limit_fails_alone(tmp_path: Path, monkeypatch: py
     try:
         executor.submit(store.create("team-a", "hog", parse_spec({"steps": 1})))
         executor.submit(store.create("team-b", "fine", parse_spec({"steps": 1})))
-        deadline = time.monotonic() + 60
-        while any(
-            store.get(t, n).status.phase.value in ("Starting", "Running")
-            for t, n in [("team-a", "hog"), ("team-b", "fine")]
-        ):
-            assert time.monotonic() < deadline, "the jobs did not end"
-            time.sleep(0.2)
+        jobs = [("team-a", "hog"), ("team-b", "fine")]
+        wait_for(
+            lambda: {n: store.get(t, n).status.phase.value for t, n in jobs},
+            "both jobs to end",
+            lambda phases: not {"Pending", "Starting", "Running"} & set(phases.values()),
+        )
     finally:
         executor.shutdown()
     hog, fine = store.get("team-a", "hog").status, store.get("team-b", "fine").status
@@ -248,9 +249,15 @@ def test_the_driver_exits_with_the_out_of_memory_code(
     assert driver.main([str(spec), "--output", str(tmp_path / "out")]) == EXIT_OUT_OF_MEMORY
 
 
+# waits (30 s at most) until the service has confined it, then reports what it was given
 _REPORT = """
 import json, os, sys, time
-time.sleep(1.0)  # the service confines it right after it starts
+deadline = time.monotonic() + 30
+def confined():  # niceness no longer the parent's (the service, in this test process), one CPU
+    parents = os.getpriority(os.PRIO_PROCESS, os.getppid())
+    return os.getpriority(os.PRIO_PROCESS, 0) != parents and len(os.sched_getaffinity(0)) == 1
+while not confined() and time.monotonic() < deadline:
+    time.sleep(0.01)
 report = {"cpus": sorted(os.sched_getaffinity(0)), "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 open(sys.argv[1], "w").write(json.dumps(report))
 """
@@ -258,7 +265,6 @@ open(sys.argv[1], "w").write(json.dumps(report))
 
 def test_drivers_get_their_cpus_and_a_lower_priority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
-    import time
 
     def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
         return [sys.executable, "-c", _REPORT, str(out / "report.json")]
@@ -269,10 +275,9 @@ def test_drivers_get_their_cpus_and_a_lower_priority(tmp_path: Path, monkeypatch
     executor = LocalExecutor(store, tmp_path, limits=settings.driver_limits)
     executor.submit(store.create("team-a", "j", parse_spec({"steps": 1})))
     report = tmp_path / "runs" / "team-a" / "j" / "report.json"
-    deadline = time.monotonic() + 30
-    while not report.exists() or not report.read_text():
-        assert time.monotonic() < deadline, "the stand-in driver did not report"
-        time.sleep(0.1)
-    seen = json.loads(report.read_text())
+    text = wait_for(
+        lambda: report.read_text() if report.exists() else "", "the stand-in's report", timeout=60
+    )
+    seen = json.loads(text)
     assert len(seen["cpus"]) == 1 and seen["cpus"][0] in os.sched_getaffinity(0)
     assert seen["nice"] == 7 + os.getpriority(os.PRIO_PROCESS, 0)  # relative to this process's own

@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from bench.kube_emulator import KubeEmulator
+from tests.helpers import tiny_spec
 from tests.service import servers
 
 TOKENS = {
@@ -38,7 +39,7 @@ PACKAGE = "fp8rl_control_plane_client"
 # A limit well under the socket buffers: the server answers 413 without reading the body, and a
 # body that fits in the buffers is sent whole before the client reads that answer
 MAX_BODY_BYTES = 16 * 1024
-TINY = {"model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}}, "steps": 3}
+TINY = tiny_spec(steps=3)
 PROBLEM_JSON = "application/problem+json"
 
 
@@ -144,7 +145,7 @@ def test_job_lifecycle_through_the_generated_client(gen: Any, server: str) -> No
     job = r.parsed
     assert job.name == "job-2" and job.spec.steps == 3
     tiny = job.spec.model.tiny
-    assert (tiny.hidden_size, tiny.intermediate_size, tiny.num_layers) == (64, 128, 1)
+    assert (tiny.hidden_size, tiny.intermediate_size, tiny.num_layers, tiny.num_kv_heads) == (32, 64, 1, 1)
 
     seen, offset = [], 0
     for _ in names:  # one page per job; a longer walk would mean next_offset never ends

@@ -4,14 +4,15 @@ re-attaches a live driver, or marks a job whose driver is gone Failed (resumable
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 
 from rljob.metrics import MetricsLog
@@ -21,77 +22,82 @@ from service.app import create_app
 from service.executor import LocalExecutor, run_dir
 from service.settings import Settings
 from service.store import SqlJobStore
+from tests.helpers import tiny_spec, wait_for
 
 TOKEN = "lifecycle-token-0123456789"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
-TINY = {
-    "model": {
-        "tiny": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_layers": 1,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-        }
-    },
-    "task": {"params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, "size": 20},
-    "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 2},
-    "steps": 40,
-    "checkpoint_interval": 100,
-}
+# Long enough that the driver is still mid-run when the test suspends it after step 2: it sees the
+# step some poll intervals late, and the driver finishes the step it is in before it stops
+STEPS = 60
+TINY = tiny_spec(steps=STEPS, checkpoint_interval=100)
+RUN_TIMEOUT = 240  # seconds for a whole tiny job on a busy 2-core machine
 
 
-def wait(
-    get: Callable[[], dict[str, Any]], ok: Callable[[dict[str, Any]], bool], what: str, timeout: float = 240
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        job = get()
-        if ok(job):
-            return job
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; job is {job['status']}"
-        time.sleep(0.3)
-
-
-def test_submit_progress_suspend_resume_succeed(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def local_service(tmp_path: Path) -> Iterator[TestClient]:
+    """The service on SQLite with its local executor (drivers are real processes), as a client."""
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path, poll_s=0.2)
     app = create_app(Settings(data_dir=tmp_path), store, {TOKEN: "team-a"}, executor)
     executor.start()
     try:
-        api = TestClient(app)
+        yield TestClient(app)
+    finally:
+        executor.shutdown()
+
+
+def getter(api: TestClient, name: str) -> Callable[[], dict[str, Any]]:
+    """``GET /v1/jobs/{name}``, for :func:`wait_for`."""
+    return lambda: api.get(f"/v1/jobs/{name}", headers=HEADERS).json()
+
+
+def _driver_pid(run: Path) -> int:
+    return int(json.loads((run / "driver.pid").read_text())["pid"])
+
+
+def _reaped(pid: int) -> bool:
+    """The process has exited and its parent has collected it: the executor in this test process,
+    whose monitor collects (polls) a driver only to record its exit."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_submit_progress_suspend_resume_succeed(tmp_path: Path) -> None:
+    with local_service(tmp_path) as api:
         assert api.post("/v1/jobs", json={"name": "life", "spec": TINY}, headers=HEADERS).status_code == 201
-
-        def get() -> dict[str, Any]:
-            return api.get("/v1/jobs/life", headers=HEADERS).json()
-
-        running = wait(get, lambda j: j["status"]["progress"]["step"] >= 2, "progress")
-        assert running["status"]["phase"] == "Running" and running["status"]["progress"]["total_steps"] == 40
+        get = getter(api, "life")
+        running = wait_for(
+            get, "progress to step 2", lambda j: j["status"]["progress"]["step"] >= 2, RUN_TIMEOUT
+        )
+        assert running["status"]["phase"] == "Running"
+        assert running["status"]["progress"]["total_steps"] == STEPS
         assert running["status"]["progress"]["reward"] is not None
         assert api.post("/v1/jobs/life:suspend", headers=HEADERS).json()["status"]["phase"] == "Suspended"
-        wait(get, lambda j: not executor._procs, "the driver to stop")
+        pid = _driver_pid(run_dir(tmp_path, "team-a", "life"))
+        wait_for(lambda: _reaped(pid), f"the suspended driver (pid {pid}) to exit", timeout=RUN_TIMEOUT)
+        assert "stopped after step" in api.get("/v1/jobs/life/logs", headers=HEADERS).text
         stopped_at = get()["status"]["progress"]["step"]
         history = api.get("/v1/jobs/life/metrics", headers=HEADERS).json()
         assert [r["step"] for r in history] == list(range(1, len(history) + 1)) and len(history) >= stopped_at
-        assert len(history) < 40, "suspend should have stopped the job before its end"
+        assert len(history) < STEPS, "suspend should have stopped the job before its end"
 
         assert api.post("/v1/jobs/life:resume", headers=HEADERS).json()["status"]["phase"] in (
             "Pending",
             "Starting",
         )
-        done = wait(get, lambda j: j["status"]["phase"] == "Succeeded", "success")
-        assert done["status"]["progress"]["step"] == 40
+        done = wait_for(get, "success", lambda j: j["status"]["phase"] == "Succeeded", RUN_TIMEOUT)
+        assert done["status"]["progress"]["step"] == STEPS
         history = api.get("/v1/jobs/life/metrics", headers=HEADERS).json()
-        assert [r["step"] for r in history] == list(range(1, 41))  # nothing lost, nothing twice
-        assert [r["step"] for r in api.get("/v1/jobs/life/metrics?since=38", headers=HEADERS).json()] == [
-            39,
-            40,
-        ]
+        assert [r["step"] for r in history] == list(range(1, STEPS + 1))  # nothing lost, nothing twice
+        since = api.get(f"/v1/jobs/life/metrics?since={STEPS - 2}", headers=HEADERS).json()
+        assert [r["step"] for r in since] == [STEPS - 1, STEPS]
         logs = api.get("/v1/jobs/life/logs", headers=HEADERS).text
         assert "resumed from" in logs
         assert 'fp8rl_jobs{namespace="team-a",phase="Succeeded"} 1.0' in api.get("/metrics").text
-    finally:
-        executor.shutdown()
 
 
 def test_restart_marks_orphaned_running_jobs_failed_and_resumable(tmp_path: Path) -> None:
@@ -110,76 +116,74 @@ def test_restart_marks_orphaned_running_jobs_failed_and_resumable(tmp_path: Path
     assert status.moved(Phase.PENDING, "UserResumed").phase is Phase.PENDING
 
 
-def _driver_pid(run: Path) -> int:
-    return int(json.loads((run / "driver.pid").read_text())["pid"])
-
-
+@pytest.mark.slow
 def test_a_dead_driver_fails_the_job_with_a_reason_and_it_resumes(tmp_path: Path) -> None:
     """SIGKILL to the driver's process group (the driver and its local Ray): Failed, reason
     WorkerExited with the signal; resume continues from the last checkpoint to the end."""
-    store = SqlJobStore(tmp_path / "jobs.sqlite")
-    executor = LocalExecutor(store, tmp_path, poll_s=0.2)
-    app = create_app(Settings(data_dir=tmp_path), store, {TOKEN: "team-a"}, executor)
-    executor.start()
-    spec = {**TINY, "steps": 12, "checkpoint_interval": 2}
-    try:
-        api = TestClient(app)
+    steps = 20  # still running when the test, some polls after step 3, kills it
+    spec = tiny_spec(steps=steps, checkpoint_interval=2)
+    with local_service(tmp_path) as api:
         assert api.post("/v1/jobs", json={"name": "dies", "spec": spec}, headers=HEADERS).status_code == 201
-
-        def get() -> dict[str, Any]:
-            return api.get("/v1/jobs/dies", headers=HEADERS).json()
-
-        wait(get, lambda j: j["status"]["progress"]["step"] >= 3, "progress")
+        get = getter(api, "dies")
+        wait_for(get, "progress to step 3", lambda j: j["status"]["progress"]["step"] >= 3, RUN_TIMEOUT)
         os.killpg(_driver_pid(run_dir(tmp_path, "team-a", "dies")), signal.SIGKILL)
-        failed = wait(get, lambda j: j["status"]["phase"] == "Failed", "the failure")
+        failed = wait_for(get, "the failure", lambda j: j["status"]["phase"] == "Failed")
         assert failed["status"]["reason"] == "WorkerExited"
         assert "code -9" in failed["status"]["message"]
         assert api.post("/v1/jobs/dies:resume", headers=HEADERS).status_code == 200
-        done = wait(get, lambda j: j["status"]["phase"] == "Succeeded", "success after resume")
-        assert done["status"]["progress"]["step"] == 12
+        done = wait_for(
+            get, "success after resume", lambda j: j["status"]["phase"] == "Succeeded", RUN_TIMEOUT
+        )
+        assert done["status"]["progress"]["step"] == steps
         history = api.get("/v1/jobs/dies/metrics", headers=HEADERS).json()
-        assert [r["step"] for r in history] == list(range(1, 13))  # recomputed steps replace lost ones
-    finally:
-        executor.shutdown()
+        assert [r["step"] for r in history] == list(range(1, steps + 1))  # recomputed steps replace lost ones
 
 
+@pytest.mark.slow
 def test_a_restarted_service_reattaches_a_live_driver(tmp_path: Path) -> None:
     """The service goes away while its driver runs; the next one watches the same driver to the end
     instead of failing the job or starting a second driver."""
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     first = LocalExecutor(store, tmp_path, poll_s=0.2)
     first.start()
-    job = store.create("team-a", "long", JobSpec.model_validate({**TINY, "steps": 15}))
+    # long enough to be still running when the second executor starts, some polls after step 1
+    steps = 30
+    job = store.create(
+        "team-a", "long", JobSpec.model_validate(tiny_spec(steps=steps, checkpoint_interval=100))
+    )
     first.submit(job)
 
-    def get() -> dict[str, Any]:
-        return {"status": store.get("team-a", "long").status.model_dump(mode="json")}
+    def phase() -> Phase:
+        return store.get("team-a", "long").status.phase
 
-    wait(get, lambda j: j["status"]["phase"] == "Running", "Running")
+    wait_for(phase, "Running", lambda p: p is Phase.RUNNING, RUN_TIMEOUT)
     run = run_dir(tmp_path, "team-a", "long")
     pid = _driver_pid(run)
     first.shutdown()  # the old service stops watching; its driver keeps running
-    [popen] = [r.proc.popen for r in first._procs.values()]
     second = LocalExecutor(store, tmp_path, poll_s=0.2)
     second.start()
     try:
-        assert store.get("team-a", "long").status.phase is Phase.RUNNING  # not failed
-        done = wait(get, lambda j: j["status"]["phase"] == "Succeeded", "success", timeout=240)
-        assert done["status"]["progress"]["step"] == 15 and done["status"]["reason"] == "Completed"
+        assert phase() is Phase.RUNNING  # not failed
+        wait_for(phase, "success", lambda p: p is Phase.SUCCEEDED, RUN_TIMEOUT)
+        status = store.get("team-a", "long").status
+        assert status.progress.step == steps and status.reason == "Completed"
         assert _driver_pid(run) == pid  # no second driver
-        steps = [r["step"] for r in MetricsLog(run / "metrics.jsonl").rows()]
-        assert steps == list(range(1, 16))
+        assert [r["step"] for r in MetricsLog(run / "metrics.jsonl").rows()] == list(range(1, steps + 1))
     finally:
         second.shutdown()
-        if popen is not None:
-            popen.wait(timeout=60)  # reap it: this test process is its parent
+        # this test process is the driver's parent: stop what is left of it (all of it, had the
+        # test failed early) and reap it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def test_restart_with_a_finished_or_vanished_driver(tmp_path: Path) -> None:
     """A pid record whose process is gone (or whose pid was reused: the start time differs)."""
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     for name in ("finished", "vanished"):
-        store.create("team-a", name, JobSpec.model_validate({**TINY, "steps": 2}))
+        store.create("team-a", name, JobSpec.model_validate(tiny_spec()))
         store.update("team-a", name, lambda s: s.moved(Phase.STARTING, "ProcessStarted"))
         run = run_dir(tmp_path, "team-a", name)
         run.mkdir(parents=True)

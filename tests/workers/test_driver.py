@@ -17,6 +17,8 @@ import ray
 
 from rljob import JobSpec, parse_spec
 from rljob.metrics import REQUIRED_KEYS, MetricsLog
+from tests import helpers
+from tests.helpers import ONE_DIGIT_SUMS
 from workers import checkpoint
 from workers.driver import RunOptions, run
 
@@ -29,33 +31,27 @@ def ray_cluster() -> Iterator[None]:
 
 
 def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
-    return parse_spec(
-        {
-            "model": {
-                "tiny": {
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 1,
-                    "num_heads": 2,
-                    "num_kv_heads": 1,
-                }
-            },
-            "task": {
-                "reasoning_gym": "basic_arithmetic",
-                "params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-                "size": 50,
-            },
-            "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
-            "warmup": {"sft_steps": 1, "batch_size": 4},
-            "precision": {"recipe": recipe, "fp8_kv_cache": recipe != "bf16"},
-            "steps": steps,
-            "checkpoint_interval": 2,
-            **extra,
-        }
-    )
+    """The shared tiny job with a one-step warm-up, 3-token responses and a checkpoint every 2 steps."""
+    sections: dict[str, Any] = {
+        "task": {"params": ONE_DIGIT_SUMS, "size": 50},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3},
+        "warmup": {"sft_steps": 1, "batch_size": 4},
+        "precision": {"recipe": recipe, "fp8_kv_cache": recipe != "bf16"},
+        "steps": steps,
+        "checkpoint_interval": 2,
+    }
+    return parse_spec(helpers.tiny_spec(**{**sections, **extra}))
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-gen", "fp8-e2e"])
+# fp8-e2e, the default recipe, stays in `make test-fast`: the one full driver run there
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param("bf16", marks=pytest.mark.slow),
+        pytest.param("fp8-gen", marks=pytest.mark.slow),
+        "fp8-e2e",
+    ],
+)
 def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     scraped: list[str] = []
     port: list[int] = []
@@ -98,6 +94,7 @@ def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     assert f"fp8rl_generation_tokens_total{{{label}}} {generated}" in text
 
 
+@pytest.mark.slow
 def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     """BF16 sends 2 B per parameter; FP8 layers send 1 B per weight + 4 B per 128x128 block."""
     sizes = {}
@@ -113,6 +110,7 @@ def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     assert sizes["fp8-e2e"]["weight_sync/bytes"] == linear + 4 * 7 + 2 * other
 
 
+@pytest.mark.slow
 def test_stop_checkpoints_and_resume_continues_at_the_next_step(tmp_path: Path) -> None:
     stop = threading.Event()
     first = run(tiny_spec("fp8-e2e", steps=4), tmp_path, RunOptions(stop=stop, on_step=lambda r: stop.set()))
@@ -125,6 +123,7 @@ def test_stop_checkpoints_and_resume_continues_at_the_next_step(tmp_path: Path) 
     assert second.last_step == 4 and not second.stopped
 
 
+@pytest.mark.slow
 def test_crash_after_a_checkpoint_resumes_without_duplicate_or_missing_steps(tmp_path: Path) -> None:
     """Crash in step 3 (checkpoint at 2, metrics line 3 written): resume drops line 3, recomputes
     step 3 from the step-2 checkpoint, and gets the same rollouts (seeds are per step)."""
@@ -154,6 +153,7 @@ def test_rayjob_entrypoint_rejects_a_bad_spec(tmp_path: Path, capsys: pytest.Cap
     assert "steps: Input should be greater than or equal to 1" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_entrypoint_runs_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from workers.driver import main
 
@@ -164,6 +164,7 @@ def test_entrypoint_runs_a_job(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert [p["step"] for p in printed] == [1]
 
 
+@pytest.mark.slow
 def test_two_trainers_and_two_generators(tmp_path: Path) -> None:
     """2x2 actors over gloo: data-parallel trainers (gradients and statistics all-reduced), the
     weight sync from trainer 0 to both generators, per-generator memory summed."""
@@ -205,6 +206,7 @@ def test_validation_is_due_every_interval_and_at_the_last_step() -> None:
     assert due(2, 5) == [2, 4, 5] and due(5, 5) == [5] and due(10, 3) == [3] and due(0, 5) == []
 
 
+@pytest.mark.slow
 def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) -> None:
     """A constructed task: every training answer is "1", so the supervised warm-up teaches the
     policy to answer "1" whatever the question (GRPO then sees equal rewards in every group: no

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from workers.engines.native_trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, left_pad, split_rows
 from workers.tokenizer import ByteTokenizer
@@ -38,7 +39,7 @@ KEYS = (
 def spec(minibatches: int) -> JobSpec:
     return parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 3},
+            "model": {"tiny": TWO_LAYER_MODEL, "init_seed": 3},
             "precision": {"recipe": "fp8-e2e"},
             "rollout": {"group_size": 2},
             "algorithm": {"minibatches": minibatches, "kl": {"coef": 0.05}},
@@ -78,6 +79,7 @@ def _member(rank: int, init: str, minibatches: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_two_trainers_equal_one_on_the_same_batch(tmp_path: Path, minibatches: int) -> None:
     out = tmp_path / "rank0.json"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rljob import JobSpec, SpecError, parse_spec
+from tests.helpers import TINY_MODEL
 from workers.engines import factory
 from workers.engines.factory import (
     EngineUnavailable,
@@ -20,9 +21,7 @@ from workers.engines.native_trainer import NativeTrainer
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
-TINY = {
-    "tiny": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1}
-}
+TINY = {"tiny": TINY_MODEL}
 
 
 def gpu_spec(engine: str) -> JobSpec:

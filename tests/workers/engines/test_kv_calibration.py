@@ -9,6 +9,7 @@ import math
 import torch
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from workers.engines.native_trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, left_pad
 from workers.fp8.kv_cache import kv_scale_name
@@ -20,7 +21,7 @@ TOK = ByteTokenizer()
 def spec(generator_engine: str = "vllm", fp8_kv_cache: bool = True) -> JobSpec:
     return parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}},
+            "model": {"tiny": TWO_LAYER_MODEL},
             "precision": {"recipe": "bf16", "fp8_kv_cache": fp8_kv_cache},
             "optimizer": {"micro_batch_size": 2},
             "rollout": {"group_size": 3},

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MistralConfig, Qwen2Config
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from workers.engines.megatron_config import (
     MegatronShapes,
     fp8_environment,
@@ -668,6 +669,7 @@ def one_rank_group() -> Any:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("aggregation", "minibatches"),
     [("token-mean", 1), ("seq-mean-token-mean", 2)],
@@ -687,7 +689,7 @@ def test_adapter_trains_like_the_native_trainer(
     tok = ByteTokenizer()
     spec = parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 3},
+            "model": {"tiny": TWO_LAYER_MODEL, "init_seed": 3},
             "precision": {"recipe": "bf16"},
             "rollout": {"group_size": 4},
             "algorithm": {"loss_aggregation": aggregation, "minibatches": minibatches},
@@ -743,7 +745,7 @@ def test_adapter_kv_scales_match_the_native_calibration(
 
     tok = ByteTokenizer()
     data: dict[str, Any] = {
-        "model": {"tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2}, "init_seed": 4},
+        "model": {"tiny": TWO_LAYER_MODEL, "init_seed": 4},
         "precision": {"recipe": "bf16"},
         "rollout": {"group_size": 4},
         "optimizer": {"micro_batch_size": 3},

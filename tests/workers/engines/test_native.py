@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from rljob import JobSpec, parse_spec
+from tests.helpers import TWO_LAYER_MODEL
 from tests.workers.fp8.reference import round_to_fp8
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.native_generator import Fp8KvCache, NativeGenerator, sample_top_p
@@ -36,7 +37,7 @@ def spec_for(recipe: str, seed: int, **precision: Any) -> JobSpec:
     return parse_spec(
         {
             "model": {
-                "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2},
+                "tiny": TWO_LAYER_MODEL,
                 "init_seed": seed,
             },
             "precision": {"recipe": recipe, **precision},
@@ -86,6 +87,7 @@ def test_temperature_is_applied_on_both_sides(seed: int) -> None:
     assert float(((at_one - out.logprobs).abs() * mask).max()) > 0.05  # the check can fail
 
 
+@pytest.mark.slow
 def test_end_to_end_fp8_mismatch_is_below_fp8_generation_only(seed: int) -> None:
     """Same master weights and prompts: a generator running the trainer's own FP8 weights against an
     FP8 trainer differs far less than an FP8 generator against a BF16 trainer (the seed claim).
