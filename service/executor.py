@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ def _start_time(pid: int) -> str | None:
 
 
 UNKNOWN_EXIT = -1000  # a re-attached driver is not our child: its exit code cannot be read
+# a resume waits this long for the suspended driver to save its step and exit, then kills it
+RESUME_WAIT_S = 120.0
 
 
 class _Process:
@@ -104,6 +107,7 @@ class _Running:
     metrics: MetricsLog
     seen_step: int = 0
     offset: int = 0  # bytes of metrics.jsonl already read
+    stopping: bool = False  # suspended: its exit is not the job's outcome
 
 
 @dataclass(frozen=True)
@@ -237,10 +241,37 @@ class LocalExecutor:
         self._move(job, Phase.STARTING, Reason.PROCESS_STARTED, f"driver pid {proc.pid}")
 
     def suspend(self, job: Job) -> None:
+        with self._lock:
+            running = self._procs.get((job.tenant, job.name))
+            if running is not None:
+                running.stopping = True
         self._signal(job, signal.SIGINT)
 
     def resume(self, job: Job) -> None:
-        self.submit(job)
+        """Start the driver again; a suspended driver still saving its step is waited for first
+        (two drivers must never share a run directory), in the background."""
+        with self._lock:
+            old = self._procs.get((job.tenant, job.name))
+        if old is None or old.proc.poll() is not None:
+            self.submit(job)
+            return
+        threading.Thread(target=self._resume_after, args=(old, job), name="fp8rl-resume", daemon=True).start()
+
+    def _resume_after(self, old: _Running, job: Job) -> None:
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while old.proc.poll() is None and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.1)
+        if old.proc.poll() is None:
+            old.proc.kill()  # it was told to stop and did not: it must not write beside the new one
+        with self._lock:
+            if self._procs.get((job.tenant, job.name)) is old:
+                del self._procs[(job.tenant, job.name)]
+        try:
+            current = self.store.get(job.tenant, job.name)
+        except JobNotFound:
+            return
+        if current.status.phase is Phase.PENDING:  # not suspended or cancelled again meanwhile
+            self.submit(current)
 
     def cancel(self, job: Job) -> None:
         with self._lock:
@@ -286,7 +317,11 @@ class LocalExecutor:
         if code is None:
             return
         with self._lock:
-            self._procs.pop(key, None)
+            if self._procs.get(key) is not r:
+                return  # a newer driver of this job took its place
+            del self._procs[key]
+        if r.stopping:
+            return  # suspended: the job's phase says so already
         try:
             current = self.store.get(r.job.tenant, r.job.name).status.phase
         except JobNotFound:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,68 @@ def test_restart_with_a_finished_or_vanished_driver(tmp_path: Path) -> None:
     assert store.get("team-a", "finished").status.phase is Phase.SUCCEEDED
     vanished = store.get("team-a", "vanished").status
     assert vanished.phase is Phase.FAILED and vanished.reason == "ServiceRestarted"
+
+
+# A stand-in driver that holds the run directory the way the real one does: it refuses to start
+# while another driver holds it, takes a while to save its step after SIGINT, and exits 130.
+_SLOW_TO_STOP = """
+import json, os, signal, sys, time
+out = sys.argv[1]
+lock = os.path.join(out, "held-by")
+try:
+    fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+except FileExistsError:
+    print("error: another driver holds this run directory", flush=True)
+    sys.exit(1)
+os.write(fd, str(os.getpid()).encode())
+def stop(signum, frame):
+    time.sleep(1.5)  # saving the step
+    os.remove(lock)
+    sys.exit(130)
+signal.signal(signal.SIGINT, stop)
+resumed = len(sys.argv) > 2
+with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 2 if resumed else 1, "reward/mean": 0.5}) + "\\n")
+if resumed:
+    os.remove(lock)
+    sys.exit(0)
+time.sleep(120)
+"""
+
+
+def test_a_resume_waits_for_the_suspended_driver_to_exit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Suspend, then resume at once while the suspended driver is still saving its step: the new
+    driver starts only after the old one exited (never two on one run directory), the old one's
+    exit code 130 does not fail the resumed job, and the job finishes."""
+
+    def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
+        return [sys.executable, "-c", _SLOW_TO_STOP, str(out), *(["resume"] if resume else [])]
+
+    monkeypatch.setattr("service.executor.driver_command", command)
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    executor = LocalExecutor(store, tmp_path, poll_s=0.05)
+    executor.start()
+    try:
+        job = store.create("team-a", "quick", JobSpec.model_validate({**tiny_spec(), "steps": 2}))
+        executor.submit(job)
+        wait_for(lambda: store.get("team-a", "quick").status.phase, "Running", lambda p: p is Phase.RUNNING)
+        executor.suspend(store.update("team-a", "quick", lambda s: s.moved(Phase.SUSPENDED, "UserSuspended")))
+        resumed = store.update(
+            "team-a", "quick", lambda s: s.moved(Phase.PENDING, "UserResumed", "", "resume")
+        )
+        executor.resume(resumed)
+        final = wait_for(
+            lambda: store.get("team-a", "quick").status,
+            "the resumed job to end",
+            lambda s: s.phase in (Phase.SUCCEEDED, Phase.FAILED),
+            timeout=60,
+        )
+    finally:
+        executor.shutdown()
+    log = (run_dir(tmp_path, "team-a", "quick") / "driver.log").read_text()
+    assert "another driver holds" not in log, log
+    assert final.phase is Phase.SUCCEEDED, final
+    rows = MetricsLog(run_dir(tmp_path, "team-a", "quick") / "metrics.jsonl").rows()
+    assert [r["step"] for r in rows] == [1, 2]
