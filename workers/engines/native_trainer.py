@@ -7,7 +7,9 @@ residual stream, norms, attention, RoPE's cos/sin and the logits are the BF16 te
 holding the synced BF16 weights computes; only the final log-softmax is float32, in both engines.
 Under ``fp8-e2e`` the decoder linears are :class:`~workers.fp8.linear.Fp8Linear` (E4M3 blockwise
 on all three GEMMs by default, ``precision.fp8_format``), and the FP8 weights they computed with
-are what :meth:`export_weights` sends to the generators.
+are what :meth:`export_weights` sends to the generators. Under ``precision.exact`` the model is
+built on :mod:`workers.engines.exact`, as the generator's is, and the log-probs of sampled tokens
+equal the generator's bit for bit.
 
 One RL step may hold several optimizer steps (``algorithm.minibatches``); each minibatch runs in
 micro-batches of ``optimizer.micro_batch_size`` sequences whose gradients add up to the
@@ -27,6 +29,8 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
+from workers.engines.exact import is_exact
+from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.kv_calibration import kv_scale_payload, observe_kv
 from workers.engines.models import (
     COMPUTE_DTYPE,
@@ -70,7 +74,8 @@ def sequence_logprobs(
     params = compute_params(model, compute_dtype)
     out = torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
     logits = out.logits[:, :-1].float() / temperature  # [B, L, V]: position t predicts token t
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)
+    logp_all = exact_log_softmax(logits) if is_exact(model) else torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
     return logp * response_mask  # [B, L]
 
 
