@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from rljob.spec import JobSpec
 from workers.engines.exact import is_exact
 from workers.engines.exact import log_softmax as exact_log_softmax
+from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
 from workers.engines.protocols import Payload, Rollouts, left_pad, positions
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
@@ -171,6 +172,11 @@ class NativeGenerator:
         self.load_weights(result.payload)
         result.payload = None  # loaded: do not keep a second copy alive
         return result
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
+        """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
+        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.layer_diff`)."""
+        return trace_generation(self.model, prompt, response)
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int

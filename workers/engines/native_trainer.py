@@ -32,6 +32,7 @@ from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.exact import is_exact
 from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.kv_calibration import kv_scale_payload, observe_kv
+from workers.engines.layer_diff import ExactMismatchError, Trace, trace_forward
 from workers.engines.models import (
     COMPUTE_DTYPE,
     DTYPES,
@@ -206,6 +207,8 @@ class NativeTrainer:
                     sums["is_sum"] = sums["is_sum"] + out.is_weight_sum
                     sums["kl"] = sums["kl"] + out.kl_sum
                     is_max = torch.maximum(is_max, out.is_weight_max)
+                if self.spec.precision.exact and m0 == 0:  # before any update: all "old" log-probs known
+                    self._check_exact(seen if logp_old is None else logp_old, batch)
                 grad_norm = torch.maximum(grad_norm, self._optimizer_step(self.optimizer))
         sums["tokens"] = self._scalar(float(host.response_mask.sum()))
         sums["adv_abs_sum"] = advantages.abs().sum().to(torch.float32)
@@ -221,6 +224,24 @@ class NativeTrainer:
         totals = dict(zip(STEP_SUMS, summed.unbind(), strict=True))
         # every trainer clipped and stepped with the same summed gradient: the norm is the same
         return seen, {**totals, "is_max": is_max, "grad_norm": grad_norm}
+
+    def _check_exact(self, logp_old: torch.Tensor, batch: Rollouts) -> None:
+        """``precision.exact``: raise :class:`ExactMismatchError` (every trainer, before its update)
+        if any trainer's log-prob of a sampled token differs from the generator's. Reads one flag
+        back: exact mode runs on CPU only."""
+        differs = (logp_old != batch.logprobs) & (batch.response_mask != 0)  # [B, L]
+        flag = self._all_reduce(differs.any().to(torch.float32), dist.ReduceOp.MAX)
+        if not bool(flag):
+            return
+        if not bool(differs.any()):
+            raise ExactMismatchError(-1, -1)
+        row, pos = (int(i) for i in differs.nonzero()[0])
+        raise ExactMismatchError(row, pos, float(logp_old[row, pos]), float(batch.logprobs[row, pos]))
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
+        """Every module's output at the query predicting ``response[-1]`` after ``prompt``, in the
+        trainer's full-sequence forward (:mod:`workers.engines.layer_diff`)."""
+        return trace_forward(self.model, prompt, response, compute_params(self.model))
 
     def sft_step(self, batch: Rollouts) -> float:
         """One supervised step: maximise log p(reference answer). Returns the mean token NLL
