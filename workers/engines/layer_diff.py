@@ -122,13 +122,14 @@ def _inputs(model: Any, ids: torch.Tensor, start: int, cache: Any = None) -> dic
 
 
 @torch.no_grad()
-def trace_generation(model: Any, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
+def trace_generation(model: Any, prompt: torch.Tensor, response: torch.Tensor, cache: Any = None) -> Trace:
     """Module outputs at the query that predicts ``response[-1]``, computed as the generator does:
-    ``prompt [P]`` in one prefill, then ``response[:-1]`` one decode step at a time."""
+    ``prompt [P]`` in one prefill, then ``response[:-1]`` one decode step at a time, over ``cache``
+    (default: a BF16 ``DynamicCache``; an FP8 one calibrates its scales on this prefill alone)."""
     device = next(model.parameters()).device
     ids = torch.cat([prompt, response]).to(device)[None]  # [1, P + L]
     p, length = prompt.shape[0], response.shape[0]
-    cache = DynamicCache()
+    cache = DynamicCache() if cache is None else cache
     trace: Trace = {}
     if length == 1:
         with _recording(model, p - 1, trace):

@@ -176,7 +176,8 @@ class NativeGenerator:
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
         """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
         as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.layer_diff`)."""
-        return trace_generation(self.model, prompt, response)
+        cache = Fp8KvCache(self.num_layers) if self.spec.precision.fp8_kv_cache else DynamicCache()
+        return trace_generation(self.model, prompt, response, cache)
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
