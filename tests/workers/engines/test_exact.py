@@ -44,10 +44,12 @@ PROMPTS = [TOK.encode(t) for t in ("1+2=", "Calculate 31 + 4. ", "What is 7 * 8 
 ]
 
 
-def exact_spec(recipe: str, **extra: Any) -> JobSpec:
+def exact_spec(recipe: str, arch: str = "llama", **extra: Any) -> JobSpec:
+    # qwen2: biases on q/k/v; tied embeddings there too
+    tiny = {"arch": arch, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2}
     return parse_spec(
         {
-            "model": {"tiny": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2}},
+            "model": {"tiny": {**tiny, "tie_word_embeddings": arch == "qwen2"}},
             "precision": {"recipe": recipe, "exact": True},
             "optimizer": {"micro_batch_size": 5},
             **extra,
@@ -136,11 +138,11 @@ def test_attention_decode_row_equals_prefill_and_full_forward_rows_with_any_padd
 # -- the engines -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "fp8-e2e"])
-def test_generator_logprobs_equal_trainer_logprobs_for_batches_of_1_3_and_8(recipe: str) -> None:
+@pytest.mark.parametrize(("recipe", "arch"), [("bf16", "llama"), ("fp8-e2e", "llama"), ("bf16", "qwen2")])
+def test_generator_logprobs_equal_trainer_logprobs_for_batches_of_1_3_and_8(recipe: str, arch: str) -> None:
     """Three generate calls (batch 1, 3, 8, each padded to its own longest prompt) re-padded into
     one batch of 12 that the trainer reads in micro-batches of 5."""
-    trainer, gen = engines(exact_spec(recipe))
+    trainer, gen = engines(exact_spec(recipe, arch))
     parts = [
         gen.generate(PROMPTS[a:b], 24, 1.0, 1.0, seed)
         for seed, (a, b) in enumerate([(0, 1), (1, 4), (4, 12)])
