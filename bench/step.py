@@ -5,7 +5,9 @@ runs in a step, with the same model, prompts and seeds: generation, reward, trai
 GRPO loss, optimizer step), and the weight sync without its collective: the trainer's export, packed
 into buckets and unpacked as a receiver does, then loaded (``bench sync`` times the collective).
 The first step is a warm-up; the table shows the median of ``steps`` more. Ratios are against
-``bf16`` measured in the same run.
+``bf16`` measured in the same run. On CPU each recipe that allows ``precision.exact`` (``bf16``,
+``fp8-e2e``) runs a second time with it (``+exact``), and its last column is the cost of exact
+mode: its step time over the same recipe's without it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from workers.tokenizer import ByteTokenizer
 from workers.weight_sync import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
 
 RECIPES = ("bf16", "fp8-gen", "fp8-e2e")
+EXACT_RECIPES = ("bf16", "fp8-e2e")  # the recipes precision.exact allows (fp8-gen can never be exact)
 PHASES = ("generation", "reward", "train", "weight_sync")
 
 
@@ -34,6 +37,11 @@ class StepRow:
     recipe: str
     seconds: dict[str, float]
     sync_bytes: int
+    exact: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.recipe + ("+exact" if self.exact else "")
 
     @property
     def total(self) -> float:
@@ -55,12 +63,16 @@ def run(
     answers = [a for _, a in problems for _ in range(group_size)]
     rows = []
     for recipe in RECIPES:
-        spec = bench_spec(
-            model, recipe, dev,
-            rollout={"prompts_per_step": prompts, "group_size": group_size, "max_new_tokens": new_tokens},
-            optimizer={"micro_batch_size": 64},
-        )  # fmt: skip
-        rows.append(_recipe(spec, dev, texts, answers, steps))
+        # exact mode is verified on CPU only (the spec refuses it with GPUs)
+        modes = (False, True) if recipe in EXACT_RECIPES and dev.type == "cpu" else (False,)
+        for exact in modes:
+            spec = bench_spec(
+                model, recipe, dev,
+                rollout={"prompts_per_step": prompts, "group_size": group_size, "max_new_tokens": new_tokens},
+                optimizer={"micro_batch_size": 64},
+                precision={"exact": exact},
+            )  # fmt: skip
+            rows.append(_recipe(spec, dev, texts, answers, steps))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return device_name(dev), rows
@@ -99,21 +111,31 @@ def _recipe(
         if s > 0:  # the first step warms up kernels, the allocator and the optimizer state
             samples.append(t)
     median = {p: statistics.median(x[p] for x in samples) for p in PHASES}
-    return StepRow(spec.precision.recipe, median, sync_bytes)
+    return StepRow(spec.precision.recipe, median, sync_bytes, spec.precision.exact)
 
 
 def format_table(device: str, rows: list[StepRow], model: str) -> str:
     base = rows[0]
     head = " ".join(f"{p + ' s':>14}" for p in PHASES)
+    plain = {r.recipe: r for r in rows if not r.exact}
+    any_exact = any(r.exact for r in rows)
     lines = [
         f"device: {device}   model: {model}",
-        f"{'recipe':<8} {head} {'step s':>9} {'vs bf16':>8} {'sync MiB':>9}",
+        f"{'recipe':<14} {head} {'step s':>9} {'vs bf16':>8} {'sync MiB':>9}"
+        + (f" {'exact cost':>10}" if any_exact else ""),
     ]
     for r in rows:
         cells = " ".join(f"{r.seconds[p]:>14.4f}" for p in PHASES)
         ratio = base.total / r.total
-        lines.append(f"{r.recipe:<8} {cells} {r.total:>9.4f} {ratio:>7.2f}x {r.sync_bytes / 2**20:>9.2f}")
+        cost = f" {r.total / plain[r.recipe].total:>9.2f}x" if r.exact else ""
+        lines.append(
+            f"{r.label:<14} {cells} {r.total:>9.4f} {ratio:>7.2f}x {r.sync_bytes / 2**20:>9.2f}{cost}"
+        )
     lines.append("vs bf16: bf16 step time / this recipe's (above 1: faster than bf16)")
+    if any_exact:
+        lines.append(
+            "exact cost: step time with precision.exact / the same recipe's without (above 1: slower)"
+        )
     return "\n".join(lines)
 
 

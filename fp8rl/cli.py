@@ -60,6 +60,22 @@ def run_cmd(
     raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress))
 
 
+@app.command("layer-diff")
+def layer_diff_cmd(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Prompts sampled (one response each).")] = 8,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+) -> None:
+    """Where the native generator and trainer first differ, module by module, on the token whose
+    log-probs differ most (none under precision.exact)."""
+    from fp8rl.layer_diff import report
+
+    typer.echo(report(load_spec_or_exit(spec_path), checkpoint, prompts, seed))
+
+
 @app.command("serve")
 def serve_cmd(
     host: Annotated[str | None, typer.Option(help="Address to listen on (FP8RL_HOST).")] = None,

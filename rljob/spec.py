@@ -236,6 +236,14 @@ class PrecisionSpec(StrictModel):
     master_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Trainer's master weights and optimizer state."
     )
+    exact: bool = Field(
+        False,
+        description="Exact on-policy RL: generator and trainer compute every token's log-prob bit for bit "
+        "alike (row-invariant matmul, norms, softmax and attention, whatever the batch, padding or KV "
+        "cache), so the importance-sampling correction is a no-op; a step whose log-probs differ fails "
+        "with the first differing token and layer. Recipes bf16 and fp8-e2e, native engines, CPU only; "
+        "slower (see README: exact on-policy RL).",
+    )
 
     @field_validator("keep_bf16_layers")
     @classmethod
@@ -287,7 +295,35 @@ class JobSpec(StrictModel):
                     f"model.tiny.num_heads ({tiny.num_heads}) and num_kv_heads ({tiny.num_kv_heads}) must be "
                     f"multiples of resources.trainer_tensor_parallel_size ({tp}): each rank holds whole heads"
                 )
+        if self.precision.exact:
+            _check_exact(self)
         return self
+
+
+def _check_exact(spec: JobSpec) -> None:
+    """What ``precision.exact`` cannot be combined with, and what to do instead."""
+    p, res = spec.precision, spec.resources
+    if p.recipe == "fp8-gen":
+        raise ValueError(
+            "precision.exact needs both engines to compute alike, but recipe fp8-gen samples in FP8 and "
+            "trains in BF16; set precision.recipe to bf16 or fp8-e2e, or precision.exact: false"
+        )
+    if p.fp8_kv_cache:
+        raise ValueError(
+            "precision.exact cannot hold with precision.fp8_kv_cache (only the generator rounds K/V to "
+            "FP8); set precision.fp8_kv_cache: false or precision.exact: false"
+        )
+    if res.generator_engine != "native" or res.trainer_engine != "native":
+        raise ValueError(
+            "precision.exact needs resources.generator_engine and resources.trainer_engine native (vLLM "
+            "would need its batch-invariant mode and a trainer on the same kernels); set both to native "
+            "or precision.exact: false"
+        )
+    if res.gpus_per_generator or res.gpus_per_trainer:
+        raise ValueError(
+            "precision.exact is verified on CPU only (CUDA GEMMs pick kernels by batch shape); set "
+            "resources.gpus_per_generator and gpus_per_trainer to 0 or precision.exact: false"
+        )
 
 
 class SpecError(ValueError):

@@ -107,6 +107,10 @@ class TrainerWorker(_Member):
         out = self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
         return out.logprobs_old, out.stats
 
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.layer_diff`)."""
+        return _traced(self.engine, prompt, response)
+
     def send_weights(self, fp8_names: list[str]) -> dict[str, float]:
         """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends."""
         payload = self.engine.export_weights(fp8_names)
@@ -157,6 +161,10 @@ class GeneratorWorker(_Member):
             self.engine.load_weights(result.payload)
         return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
 
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-module outputs for one token, the generator's way (:mod:`workers.engines.layer_diff`)."""
+        return _traced(self.engine, prompt, response)
+
     def generate(
         self, prompts: list[list[int]], seed: int, temperature: float | None = None
     ) -> tuple[Rollouts, dict[str, int]]:
@@ -167,6 +175,13 @@ class GeneratorWorker(_Member):
         temp = r.temperature if temperature is None else temperature
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return out, {"kv_cache": self.engine.kv_cache_bytes, "weights": self.engine.weight_bytes}
+
+
+def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not hasattr(engine, "trace_token"):
+        raise NotImplementedError(f"per-layer traces need the native engines, not {type(engine).__name__}")
+    trace: dict[str, torch.Tensor] = engine.trace_token(prompt, response)
+    return trace
 
 
 def open_weight_channel(spec: JobSpec, trainer0: Any, generators: list[Any]) -> None:

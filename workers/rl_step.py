@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
 from workers.cluster import Cluster
+from workers.engines.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, concat_rollouts, even_split, left_pad, split_rows
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer
@@ -126,6 +128,46 @@ def save(cluster: Cluster, out: Path, step: int) -> None:
     checkpoint.commit(out, tmp, step, {})
 
 
+def train_results(
+    refs: list[Any], cluster: Cluster, batch: Rollouts, sizes: list[int]
+) -> list[tuple[torch.Tensor, TrainMetrics]]:
+    """The trainers' results; under ``precision.exact`` a trainer that finds a log-prob differing
+    from the generator's raises before updating, and this names the token and the first layer
+    where the two engines' activations differ, traced on both (weights not yet synced)."""
+    import ray
+
+    try:
+        out: list[tuple[torch.Tensor, TrainMetrics]] = ray.get(refs)
+        return out
+    except Exception as err:
+        found = [(i, e) for i, e in enumerate(_errors(refs)) if e is not None and e.row >= 0]
+        if not found:
+            raise
+        i, e = found[0]
+        row = sum(sizes[:i]) + e.row
+        prompt = batch.prompt_ids[row][batch.prompt_mask[row] != 0]
+        response = batch.response_ids[row, : e.position + 1]
+        gen = cluster.generators[0].trace_token.remote(prompt, response)
+        train = cluster.trainers[i].trace_token.remote(prompt, response)
+        where = describe(compare_traces(*ray.get([gen, train])))
+        raise ExactMismatchError(row, e.position, e.trainer, e.generator).with_detail(where) from err
+
+
+def _errors(refs: list[Any]) -> list[ExactMismatchError | None]:
+    """Each trainer's :class:`ExactMismatchError` (from Ray's wrapper), or None."""
+    import ray
+
+    out: list[ExactMismatchError | None] = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+            out.append(None)
+        except Exception as err:  # Ray wraps the actor's exception; the original is its cause
+            cause = err if isinstance(err, ExactMismatchError) else getattr(err, "cause", None)
+            out.append(cause if isinstance(cause, ExactMismatchError) else None)
+    return out
+
+
 def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: Cluster, step: int) -> StepMetrics:
     import ray
 
@@ -159,9 +201,8 @@ def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: Cluster, step: i
     tsizes = even_split(r.prompts_per_step, r.group_size, len(cluster.trainers))
     parts = split_rows(batch, tsizes)
     rparts = torch.split(rewards, tsizes)
-    results: list[tuple[torch.Tensor, TrainMetrics]] = ray.get(
-        [t.train_step.remote(b, rw) for t, b, rw in zip(cluster.trainers, parts, rparts, strict=True)]
-    )
+    refs = [t.train_step.remote(b, rw) for t, b, rw in zip(cluster.trainers, parts, rparts, strict=True)]
+    results = train_results(refs, cluster, batch, tsizes)
     logp_old = torch.cat([x[0] for x in results])
     stats = results[0][1]  # each trainer's stats already cover the whole batch (all-reduced)
     stats.pop(m.TRAIN_TOKENS, None)  # tokens/trained below says it

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rljob.spec import JobSpec, PrecisionSpec
+from workers.engines.exact import EXACT_ATTENTION, ROW_MULTIPLE, check_device, make_exact
 from workers.fp8.convert import Fp8Audit, convert_model
 from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
 
@@ -56,7 +57,8 @@ def model_config(spec: JobSpec, vocab_size: int) -> Any:
 def build_policy(
     spec: JobSpec, vocab_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Any:
-    """The policy model in ``dtype`` on ``device``, in eval mode (no dropout in RL)."""
+    """The policy model in ``dtype`` on ``device``, in eval mode (no dropout in RL); built on the
+    row-exact blocks of :mod:`workers.engines.exact` under ``precision.exact``."""
     from transformers import AutoModelForCausalLM
 
     if spec.model.name is not None and spec.model.pretrained:
@@ -73,6 +75,9 @@ def build_policy(
         for module in model.modules():
             if type(module) is nn.Linear:
                 module.__class__ = CpuBf16Linear  # same parameters and names, another forward
+    if spec.precision.exact:
+        check_device(device)
+        make_exact(model)
     moved: Any = model
     return moved.to(device).eval()
 
@@ -133,14 +138,14 @@ def attention_mask_4d(
     here rather than by Hugging Face because HF's SDPA mask asks the host whether the mask is all
     ones (``.all()`` read back), a GPU sync on every forward. Returns ``[B, 1, q_len, T]``: bool
     for ``sdpa``; for ``eager`` additive in ``dtype`` (0 where seen, dtype min elsewhere), as HF
-    builds it, so both engines mask alike.
+    builds it, so both engines mask alike. The exact attention takes the bool mask too.
     """
     t = attn.shape[1]
     q_pos = torch.arange(t - q_len, t, device=attn.device)[:, None]  # [q, 1]
     k_pos = torch.arange(t, device=attn.device)[None, :]  # [1, T]
     seen = (k_pos <= q_pos)[None, None] & attn.bool()[:, None, None, :]  # [B, 1, q, T]
     seen = seen | (k_pos == q_pos)[None, None]
-    if implementation == "sdpa":
+    if implementation in ("sdpa", EXACT_ATTENTION):
         return seen
     zero = torch.zeros((), dtype=dtype, device=attn.device)
     return torch.where(seen, zero, torch.finfo(dtype).min)
@@ -154,7 +159,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def fp8_config(precision: PrecisionSpec) -> Fp8LinearConfig:
-    return Fp8LinearConfig.for_format(precision.fp8_format, power_of_two_scales=precision.power_of_two_scales)
+    return Fp8LinearConfig.for_format(
+        precision.fp8_format,
+        power_of_two_scales=precision.power_of_two_scales,
+        rows_multiple=ROW_MULTIPLE if precision.exact else 1,
+    )
 
 
 def apply_recipe(model: nn.Module, precision: PrecisionSpec, role: str) -> Fp8Audit:

@@ -9,6 +9,9 @@ for V, calibrated on each batch's prefill (``p99.9(|x|) * 1.05 / 448``, :class:`
 and kept for the decode steps of that batch. Attention reads them dequantized (``data * scale``
 in float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
+Under ``precision.exact`` the model is built on :mod:`workers.engines.exact`: a token's log-prob
+is then bit for bit the one the trainer computes in its full-sequence forward.
+
 Log-probs are those of the sampled token under the temperature-scaled distribution *before* top-p
 filtering, the convention of vLLM's ``logprobs`` and the one the trainer reproduces. Temperature 0
 is greedy decoding (argmax of the logits, for validation), its log-probs those at temperature 1.
@@ -28,6 +31,9 @@ import torch
 from transformers import DynamicCache
 
 from rljob.spec import JobSpec
+from workers.engines.exact import is_exact
+from workers.engines.exact import log_softmax as exact_log_softmax
+from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
 from workers.engines.protocols import Payload, Rollouts, left_pad, positions
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
@@ -98,6 +104,10 @@ def _race(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return (probs / exp).argmax(-1)
 
 
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
+
+
 class _AllFinished:
     """Whether every row has finished, asked without making the host wait for the device."""
 
@@ -163,6 +173,12 @@ class NativeGenerator:
         result.payload = None  # loaded: do not keep a second copy alive
         return result
 
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
+        """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
+        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.layer_diff`)."""
+        cache = Fp8KvCache(self.num_layers) if self.spec.precision.fp8_kv_cache else DynamicCache()
+        return trace_generation(self.model, prompt, response, cache)
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
     ) -> Rollouts:
@@ -208,6 +224,7 @@ class NativeGenerator:
         )
         impl = str(self.model.config._attn_implementation)
         dtype = self.model.get_input_embeddings().weight.dtype
+        log_softmax = exact_log_softmax if is_exact(self.model) else _log_softmax
         with finite_guard():
             pos = positions(attn)  # [B, P]
             out = self.model(
@@ -223,7 +240,7 @@ class NativeGenerator:
             all_finished = _AllFinished(self.device)
             for _ in range(max_new_tokens):
                 logits = out.logits[:, -1, :].float() / (temperature or 1.0)  # [B, V]
-                logp_all = torch.log_softmax(logits, dim=-1)
+                logp_all = log_softmax(logits)  # [B, V]
                 # greedy is a host-side choice (a Python float), so the loop still never syncs
                 tok = logp_all.argmax(-1) if temperature == 0 else sample_top_p(logp_all.exp(), top_p, gen)
                 tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)

@@ -7,7 +7,9 @@ residual stream, norms, attention, RoPE's cos/sin and the logits are the BF16 te
 holding the synced BF16 weights computes; only the final log-softmax is float32, in both engines.
 Under ``fp8-e2e`` the decoder linears are :class:`~workers.fp8.linear.Fp8Linear` (E4M3 blockwise
 on all three GEMMs by default, ``precision.fp8_format``), and the FP8 weights they computed with
-are what :meth:`export_weights` sends to the generators.
+are what :meth:`export_weights` sends to the generators. Under ``precision.exact`` the model is
+built on :mod:`workers.engines.exact`, as the generator's is, and the log-probs of sampled tokens
+equal the generator's bit for bit.
 
 One RL step may hold several optimizer steps (``algorithm.minibatches``); each minibatch runs in
 micro-batches of ``optimizer.micro_batch_size`` sequences whose gradients add up to the
@@ -27,7 +29,10 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
+from workers.engines.exact import is_exact
+from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.kv_calibration import kv_scale_payload, observe_kv
+from workers.engines.layer_diff import ExactMismatchError, Trace, trace_forward
 from workers.engines.models import (
     COMPUTE_DTYPE,
     DTYPES,
@@ -70,7 +75,8 @@ def sequence_logprobs(
     params = compute_params(model, compute_dtype)
     out = torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
     logits = out.logits[:, :-1].float() / temperature  # [B, L, V]: position t predicts token t
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, response_ids[..., None]).squeeze(-1)
+    logp_all = exact_log_softmax(logits) if is_exact(model) else torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
     return logp * response_mask  # [B, L]
 
 
@@ -201,6 +207,8 @@ class NativeTrainer:
                     sums["is_sum"] = sums["is_sum"] + out.is_weight_sum
                     sums["kl"] = sums["kl"] + out.kl_sum
                     is_max = torch.maximum(is_max, out.is_weight_max)
+                if self.spec.precision.exact and m0 == 0:  # before any update: all "old" log-probs known
+                    self._check_exact(seen if logp_old is None else logp_old, batch)
                 grad_norm = torch.maximum(grad_norm, self._optimizer_step(self.optimizer))
         sums["tokens"] = self._scalar(float(host.response_mask.sum()))
         sums["adv_abs_sum"] = advantages.abs().sum().to(torch.float32)
@@ -216,6 +224,24 @@ class NativeTrainer:
         totals = dict(zip(STEP_SUMS, summed.unbind(), strict=True))
         # every trainer clipped and stepped with the same summed gradient: the norm is the same
         return seen, {**totals, "is_max": is_max, "grad_norm": grad_norm}
+
+    def _check_exact(self, logp_old: torch.Tensor, batch: Rollouts) -> None:
+        """``precision.exact``: raise :class:`ExactMismatchError` (every trainer, before its update)
+        if any trainer's log-prob of a sampled token differs from the generator's. Reads one flag
+        back: exact mode runs on CPU only."""
+        differs = (logp_old != batch.logprobs) & (batch.response_mask != 0)  # [B, L]
+        flag = self._all_reduce(differs.any().to(torch.float32), dist.ReduceOp.MAX)
+        if not bool(flag):
+            return
+        if not bool(differs.any()):
+            raise ExactMismatchError(-1, -1)
+        row, pos = (int(i) for i in differs.nonzero()[0])
+        raise ExactMismatchError(row, pos, float(logp_old[row, pos]), float(batch.logprobs[row, pos]))
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
+        """Every module's output at the query predicting ``response[-1]`` after ``prompt``, in the
+        trainer's full-sequence forward (:mod:`workers.engines.layer_diff`)."""
+        return trace_forward(self.model, prompt, response, compute_params(self.model))
 
     def sft_step(self, batch: Rollouts) -> float:
         """One supervised step: maximise log p(reference answer). Returns the mean token NLL

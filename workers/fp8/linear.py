@@ -64,6 +64,9 @@ class Fp8LinearConfig:
     grad_fmt: str = "e4m3"
     power_of_two_scales: bool = False
     backend: Backend = "auto"
+    # fprop pads its rows with zeros to a multiple of this: 16 makes the float32 GEMM's result
+    # for a row independent of M (``precision.exact``, see workers.engines.exact); 1 = no padding
+    rows_multiple: int = 1
 
     @classmethod
     def for_format(cls, fp8_format: str, **kwargs: Any) -> Fp8LinearConfig:
@@ -95,10 +98,13 @@ def _fprop(
 
     ``x2d [M, K]``, ``w_q [N, K]`` -> ``[M, N]``.
     """
+    m = x2d.shape[0]
+    if cfg.rows_multiple > 1 and m % cfg.rows_multiple:  # zero rows: their own tiles, dropped below
+        x2d = torch.nn.functional.pad(x2d, (0, 0, 0, -m % cfg.rows_multiple))
     x_q = _quantize_rows(x2d, cfg.forward_fmt, cfg.activation_block, cfg, f"{name}: input")
     # the kernel may write the activation dtype directly (cuBLAS blockwise writes BF16)
     out = x2d.dtype if bias is None else torch.float32
-    y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend, out_dtype=out)[: x2d.shape[0]]  # [M, N]
+    y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend, out_dtype=out)[:m]  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2d.dtype)
