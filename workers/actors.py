@@ -179,7 +179,7 @@ class GeneratorWorker(_Member):
 
 def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
     if not hasattr(engine, "trace_token"):
-        raise NotImplementedError(f"per-layer traces need the native engines, not {type(engine).__name__}")
+        raise TypeError(f"per-layer traces need the native engines, not {type(engine).__name__}")
     trace: dict[str, torch.Tensor] = engine.trace_token(prompt, response)
     return trace
 
