@@ -36,6 +36,7 @@ import httpx
 import yaml
 
 from tests.helm.tools import by_kind, render, tool
+from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL
 from tests.service.servers import free_port, serve
 
 __all__ = ["Prometheus", "QueryError", "Sample", "metric_names", "monitored"]
@@ -47,16 +48,8 @@ API_JOB = "fp8rl-api"  # the scrape job of the control plane (the Service's name
 MAX_NEW_TOKENS = 3
 TOKENS = {"monitoring-token-0123456789": DRIVER_NAMESPACE, "monitoring-idle-0123456789": IDLE_TENANT}
 RUN_SPEC: dict[str, Any] = {
-    "model": {
-        "tiny": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_layers": 1,
-            "num_heads": 2,
-            "num_kv_heads": 1,
-        }
-    },
-    "task": {"params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, "size": 50},
+    "model": {"tiny": TINY_MODEL},
+    "task": {"params": ONE_DIGIT_SUMS, "size": 50},
     "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": MAX_NEW_TOKENS},
     "warmup": {"sft_steps": 1, "batch_size": 4},
     "validation": {"interval": 1, "size": 4},

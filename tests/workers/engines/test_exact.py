@@ -21,8 +21,10 @@ import torch
 
 from rljob import JobSpec, SpecError, parse_spec
 from rljob.metrics import MetricsLog
+from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL
 from workers.driver import RunOptions, run
 from workers.engines import exact
+from workers.engines.factory import native_pair
 from workers.engines.layer_diff import (
     ExactMismatchError,
     compare_traces,
@@ -34,7 +36,6 @@ from workers.engines.models import compute_params
 from workers.engines.native_generator import NativeGenerator
 from workers.engines.native_trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, concat_rollouts, left_pad
-from workers.fp8.export import fp8_weight_names
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -58,10 +59,7 @@ def exact_spec(recipe: str, arch: str = "llama", **extra: Any) -> JobSpec:
 
 
 def engines(spec: JobSpec) -> tuple[NativeTrainer, NativeGenerator]:
-    trainer = NativeTrainer(spec, TOK.vocab_size)
-    gen = NativeGenerator(spec, TOK.vocab_size, TOK.eos_id, TOK.pad_id)
-    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
-    return trainer, gen
+    return native_pair(spec, TOK.vocab_size, TOK.eos_id, TOK.pad_id)
 
 
 # -- the blocks --------------------------------------------------------------------------------------
@@ -242,18 +240,10 @@ def test_rl_steps_with_exact_show_no_mismatch_on_every_step(
 ) -> None:
     spec = parse_spec(
         {
-            "model": {
-                "tiny": {
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_layers": 1,
-                    "num_heads": 2,
-                    "num_kv_heads": 1,
-                }
-            },
+            "model": {"tiny": TINY_MODEL},
             "task": {
                 "reasoning_gym": "basic_arithmetic",
-                "params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+                "params": ONE_DIGIT_SUMS,
                 "size": 50,
             },
             "rollout": {"prompts_per_step": 3, "group_size": 2, "max_new_tokens": 6},

@@ -22,6 +22,7 @@ from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
 from tests.workers.fp8.reference import round_to_fp8
 from workers.algo.mismatch import mismatch_metrics
+from workers.engines.factory import native_pair
 from workers.engines.native_generator import Fp8KvCache, NativeGenerator, sample_top_p
 from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import left_pad, positions
@@ -47,10 +48,7 @@ def spec_for(recipe: str, seed: int, **precision: Any) -> JobSpec:
 
 
 def engines(spec: JobSpec) -> tuple[NativeTrainer, NativeGenerator]:
-    trainer = NativeTrainer(spec, TOK.vocab_size)
-    gen = NativeGenerator(spec, TOK.vocab_size, TOK.eos_id, TOK.pad_id)
-    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
-    return trainer, gen
+    return native_pair(spec, TOK.vocab_size, TOK.eos_id, TOK.pad_id)
 
 
 PROMPTS = [TOK.encode(f"Calculate {a} + {b}. ") for a in range(4) for b in range(0, 9, 2)]
