@@ -62,8 +62,8 @@ def machine() -> str:
         f"| python | {platform.python_version()} |",
     ]
     # the engines the adapters target (docker/worker.Dockerfile); their GPU tests skip without them
-    from workers.engines.megatron_config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
-    from workers.engines.vllm_generator import VLLM_VERSION
+    from workers.engines.megatron.config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
+    from workers.engines.vllm.generator import VLLM_VERSION
 
     targets = (
         ("vllm", VLLM_VERSION),

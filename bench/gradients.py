@@ -46,7 +46,7 @@ from workers.algo.grpo import grpo_loss, loss_units
 from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_pair, native_trainer
 from workers.engines.models import to_device
-from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
+from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import Rollouts
 from workers.fp8.linear import Fp8Linear
 from workers.tasks import Task

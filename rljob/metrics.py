@@ -38,7 +38,7 @@ SAMPLING_IMPORTANCE_RATIO: Final = "mismatch/sampling_importance_ratio"
 IS_OOB_RATIO: Final = "mismatch/is_oob_ratio"
 CHI2_TOKEN: Final = "mismatch/chi2_token"
 MISMATCH_TOKENS: Final = "mismatch/num_tokens"
-# the trainers' statistics (workers.engines.protocols.train_stats)
+# the trainers' statistics (workers.engines.step_stats.train_stats)
 TRAIN_LOSS: Final = "train/loss"
 TRAIN_GRAD_NORM: Final = "train/grad_norm"
 TRAIN_CLIP_FRACTION: Final = "train/clip_fraction"

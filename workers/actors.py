@@ -6,7 +6,7 @@ data-parallel group for gradient all-reduce.
 
 With vLLM or Megatron in the job (:func:`~workers.engines.factory.uses_weight_channel`), the
 process group holds the trainers only (Megatron builds its parallel groups from it), and weights
-travel over the NCCL weight channel (:mod:`workers.engines.nccl_channel`), which trainer 0 and
+travel over the NCCL weight channel (:mod:`workers.engines.weight_channel`), which trainer 0 and
 the generators join after setup (:meth:`TrainerWorker.join_weight_channel`).
 """
 
@@ -22,8 +22,8 @@ import torch
 from rljob.metrics import TrainMetrics
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel, weight_receivers
-from workers.engines.nccl_channel import channel_ranks
 from workers.engines.protocols import Generator, Rollouts, Trainer
+from workers.engines.weight_channel import channel_ranks
 from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
 
 
@@ -95,7 +95,7 @@ class TrainerWorker(_Member):
     def join_weight_channel(self, address: str, world_size: int) -> None:
         """Trainer 0 opens the NCCL weight channel as its sender (rank 0)."""
         if self.rank == 0:
-            from workers.engines.nccl_channel import StatelessNcclWeightSync
+            from workers.engines.weight_channel import StatelessNcclWeightSync
 
             self.sync = StatelessNcclWeightSync(address, 0, world_size, self.engine.device)
             self.sync.init_communicator()
@@ -108,7 +108,7 @@ class TrainerWorker(_Member):
         return out.logprobs_old, out.stats
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.layer_diff`)."""
+        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.native.layer_diff`)."""
         return _traced(self.engine, prompt, response)
 
     def send_weights(self, fp8_names: list[str]) -> dict[str, float]:
@@ -162,7 +162,8 @@ class GeneratorWorker(_Member):
         return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-module outputs for one token, the generator's way (:mod:`workers.engines.layer_diff`)."""
+        """Per-module outputs for one token, the generator's way
+        (:mod:`workers.engines.native.layer_diff`)."""
         return _traced(self.engine, prompt, response)
 
     def generate(

@@ -24,7 +24,7 @@ from bench import gradients as ga
 from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
 from workers.checkpoint import load_master_weights
-from workers.engines.native_trainer import NativeTrainer
+from workers.engines.native.trainer import NativeTrainer
 from workers.tokenizer import ByteTokenizer
 
 

@@ -350,8 +350,8 @@ def test_worker_matches_the_operator_defaults() -> None:
 def test_worker_pins_the_versions_the_adapters_target() -> None:
     """The vLLM and Megatron/TE adapters are written against exact releases; the image, the `gpu`
     extra and the adapters' constants name the same ones."""
-    from workers.engines.megatron_config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
-    from workers.engines.vllm_generator import VLLM_VERSION
+    from workers.engines.megatron.config import MEGATRON_CORE_VERSION, TRANSFORMER_ENGINE_VERSION
+    from workers.engines.vllm.generator import VLLM_VERSION
 
     args = dockerfile("worker").final.args
     want = {

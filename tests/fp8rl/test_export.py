@@ -24,7 +24,7 @@ from rljob import JobSpec, parse_spec
 from tests import helpers
 from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_trainer
-from workers.engines.native_trainer import NativeTrainer
+from workers.engines.native.trainer import NativeTrainer
 from workers.fp8.linear import Fp8Linear
 from workers.hf_export import export_run
 from workers.tokenizer import ByteTokenizer

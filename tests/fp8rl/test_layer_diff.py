@@ -43,7 +43,7 @@ def test_layer_diff_refuses_a_bad_spec(tmp_path: Path) -> None:
 def test_layer_diff_loads_a_checkpoint(tmp_path: Path) -> None:
     """Other weights, from a checkpoint directory: both engines run on them and still agree."""
     from rljob import parse_spec
-    from workers.engines.native_trainer import NativeTrainer
+    from workers.engines.native.trainer import NativeTrainer
     from workers.tokenizer import ByteTokenizer
 
     spec_path = tmp_path / "s.yaml"

@@ -2,7 +2,7 @@
 
 Marked ``gpu``: skipped without CUDA (``make gpu-check`` runs them on a GPU machine). Their CPU
 counterparts: tests/workers/fp8/test_cuda_contract.py (every kernel call CUDA accepts, on every
-device profile, replayed on meta tensors) and tests/workers/engines/test_native.py.
+device profile, replayed on meta tensors) and tests/workers/engines/native/test_native.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rljob import JobSpec, parse_spec
-from workers.engines.native_generator import NativeGenerator
-from workers.engines.native_trainer import NativeTrainer
-from workers.engines.protocols import left_pad
+from workers.engines.batching import left_pad
+from workers.engines.native.generator import NativeGenerator
+from workers.engines.native.trainer import NativeTrainer
 from workers.fp8 import Fp8Linear, simulate
 from workers.fp8.export import fp8_weight_names
 from workers.tokenizer import ByteTokenizer

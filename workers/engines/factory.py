@@ -5,9 +5,9 @@ through the :class:`~workers.engines.protocols.Generator` / ``Trainer`` protocol
 branches on the engine.
 
 - ``resources.generator_engine``: ``native`` (the torch generator of this package, CPU or GPU) or
-  ``vllm`` (:mod:`workers.engines.vllm_generator`);
+  ``vllm`` (:mod:`workers.engines.vllm.generator`);
 - ``resources.trainer_engine``: ``native`` (CPU or GPU) or ``megatron`` (Megatron-Core +
-  Transformer Engine, :mod:`workers.engines.megatron_trainer`).
+  Transformer Engine, :mod:`workers.engines.megatron.trainer`).
 
 An engine whose packages are not installed fails when the job starts (:func:`check_engines`,
 called by the driver before Ray does any work) with a message naming the field, the missing
@@ -26,8 +26,8 @@ from workers.engines.protocols import Generator, Trainer
 if TYPE_CHECKING:
     import torch
 
-    from workers.engines.native_generator import NativeGenerator
-    from workers.engines.native_trainer import NativeTrainer
+    from workers.engines.native.generator import NativeGenerator
+    from workers.engines.native.trainer import NativeTrainer
 
 # engine -> (the spec field that selects it, [(import name, pip package)])
 ENGINES: dict[str, tuple[str, list[tuple[str, str]]]] = {
@@ -54,7 +54,7 @@ def engine_for(spec: JobSpec, role: str) -> str:
 
 
 def uses_weight_channel(spec: JobSpec) -> bool:
-    """True when weights travel over the NCCL weight channel (:mod:`workers.engines.nccl_channel`):
+    """True when weights travel over the NCCL weight channel (:mod:`workers.engines.weight_channel`):
     whenever vLLM or Megatron is in the job. The native pair shares the job's process group."""
     return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
 
@@ -74,12 +74,12 @@ def check_model(spec: JobSpec) -> None:
 
     hf_config = model_config(spec, 256)  # the vocabulary does not change any checked shape
     if engine_for(spec, "generator") == "vllm":
-        from workers.engines.vllm_generator import check_layout, generator_layout
+        from workers.engines.vllm.generator import check_layout, generator_layout
 
         fp8_names, _ = generator_layout(hf_config, spec.precision)
         check_layout(hf_config, fp8_names, spec.resources.generator_tensor_parallel_size)
     if engine_for(spec, "trainer") == "megatron":
-        from workers.engines.megatron_config import check_supported
+        from workers.engines.megatron.config import check_supported
 
         check_supported(hf_config)
 
@@ -115,10 +115,10 @@ def build_generator(
     """The generator the spec asks for, on ``device``."""
     if engine_for(spec, "generator") == "vllm":
         check_engines(spec)
-        from workers.engines.vllm_generator import VllmGenerator
+        from workers.engines.vllm.generator import VllmGenerator
 
         return VllmGenerator(spec, vocab_size, eos_id, pad_id, device)
-    from workers.engines.native_generator import NativeGenerator
+    from workers.engines.native.generator import NativeGenerator
 
     return NativeGenerator(spec, vocab_size, eos_id, pad_id, device)
 
@@ -130,10 +130,10 @@ def build_trainer(
     data-parallel group; ``rank``: this trainer's rank among the trainers, for Megatron)."""
     if engine_for(spec, "trainer") == "megatron":
         check_engines(spec)
-        from workers.engines.megatron_trainer import MegatronTrainer
+        from workers.engines.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(spec, vocab_size, device, rank)
-    from workers.engines.native_trainer import NativeTrainer
+    from workers.engines.native.trainer import NativeTrainer
 
     return NativeTrainer(spec, vocab_size, device, dp_group)
 
@@ -142,7 +142,7 @@ def native_trainer(
     spec: JobSpec, vocab_size: int, state: dict[str, torch.Tensor] | None = None, device: str = "cpu"
 ) -> NativeTrainer:
     """A native trainer holding the master weights ``state`` (None: the spec's initial ones)."""
-    from workers.engines.native_trainer import NativeTrainer
+    from workers.engines.native.trainer import NativeTrainer
 
     trainer = NativeTrainer(spec, vocab_size, device)
     if state is not None:
@@ -163,7 +163,7 @@ def native_pair(
 ) -> tuple[NativeTrainer, NativeGenerator]:
     """:func:`native_trainer` and a native generator loaded from it, as after a weight sync: the
     pair the offline tools (``bench mismatch``, ``bench gradients``) run."""
-    from workers.engines.native_generator import NativeGenerator
+    from workers.engines.native.generator import NativeGenerator
     from workers.fp8.export import fp8_weight_names
 
     trainer = native_trainer(spec, vocab_size, state, device)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from workers.fp8.formats import Fp8Format, get_format
 from workers.fp8.guard import check_input
@@ -124,3 +126,42 @@ def kv_scale_name(layer: int, which: str) -> str:
     if which not in ("k", "v"):
         raise ValueError(f"which={which!r}: expected 'k' or 'v'")
     return f"model.layers.{layer}.self_attn.{which}_scale"
+
+
+class Fp8KvCache(DynamicCache):
+    """A ``DynamicCache`` that stores keys and values as E4M3 with per-layer scales."""
+
+    def __init__(self, num_layers: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.calibrator = KvScaleCalibrator(num_layers)
+        self.k_scales: dict[int, torch.Tensor] = {}
+        self.v_scales: dict[int, torch.Tensor] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx not in self.k_scales:  # first call for this layer = the prefill: calibrate
+            self.calibrator.observe(layer_idx, key_states, value_states)
+            self.k_scales[layer_idx], self.v_scales[layer_idx] = self.calibrator.layer_scales(layer_idx)
+        k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]
+        k_q = quantize_kv(key_states, k_scale)
+        v_q = quantize_kv(value_states, v_scale)
+        keys, values = super().update(k_q.data, v_q.data, layer_idx, *args, **kwargs)  # the whole cache, FP8
+        return _dequantize(keys, k_scale, key_states.dtype), _dequantize(values, v_scale, value_states.dtype)
+
+
+def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # the same arithmetic as Fp8Tensor.dequantize: float32 product, then the model's dtype
+    return (data.to(torch.float32) * scale).to(dtype)
+
+
+def kv_cache_bytes(cache: DynamicCache) -> int:
+    """Bytes the cache holds: its stored keys and values, plus per-layer scales if FP8."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    for scales in (getattr(cache, "k_scales", {}), getattr(cache, "v_scales", {})):  # an FP8 cache's
+        total += sum(s.numel() * s.element_size() for s in scales.values())
+    return total

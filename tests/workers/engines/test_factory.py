@@ -16,8 +16,8 @@ from workers.engines.factory import (
     check_engines,
     engine_for,
 )
-from workers.engines.native_generator import NativeGenerator
-from workers.engines.native_trainer import NativeTrainer
+from workers.engines.native.generator import NativeGenerator
+from workers.engines.native.trainer import NativeTrainer
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -98,9 +98,9 @@ def test_adapters_are_not_imported_with_workers() -> None:
         "import sys, workers.driver, workers.cluster, workers.rl_step, workers.actors, "
         "workers.engines.factory; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'transformer_engine') "
-        "or m in ('workers.engines.vllm_generator', 'workers.engines.megatron_trainer', "
-        "'workers.engines.megatron_build', 'workers.engines.megatron_schedule', "
-        "'workers.engines.megatron_kv')]; print(bad)"
+        "or m in ('workers.engines.vllm.generator', 'workers.engines.megatron.trainer', "
+        "'workers.engines.megatron.model', 'workers.engines.megatron.schedule', "
+        "'workers.engines.megatron.kv')]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

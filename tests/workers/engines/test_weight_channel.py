@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engines.nccl_channel import StatelessNcclWeightSync, channel_ranks, split_address
+from workers.engines.weight_channel import StatelessNcclWeightSync, channel_ranks, split_address
 from workers.fp8.quant import Fp8Tensor, quantize
 from workers.weight_sync import CollectiveWeightSync, SyncResult
 

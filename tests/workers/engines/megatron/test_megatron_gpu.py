@@ -29,9 +29,9 @@ te = pytest.importorskip("transformer_engine.pytorch")
 
 from rljob import JobSpec, parse_spec  # noqa: E402
 from workers.algo.mismatch import mismatch_metrics  # noqa: E402
-from workers.engines.megatron_trainer import MegatronTrainer  # noqa: E402
-from workers.engines.native_generator import NativeGenerator  # noqa: E402
-from workers.engines.native_trainer import NativeTrainer  # noqa: E402
+from workers.engines.megatron.trainer import MegatronTrainer  # noqa: E402
+from workers.engines.native.generator import NativeGenerator  # noqa: E402
+from workers.engines.native.trainer import NativeTrainer  # noqa: E402
 from workers.engines.protocols import Rollouts  # noqa: E402
 from workers.fp8.export import fp8_weight_names  # noqa: E402
 from workers.fp8.kv_cache import kv_scale_name  # noqa: E402

@@ -1,8 +1,8 @@
 """The Megatron-Core model of one trainer rank: process groups, model, optimizer and its full state.
 
 Megatron-Core and Transformer Engine need CUDA; they are imported inside the methods, so this
-module imports anywhere (the pure parts live in :mod:`workers.engines.megatron_convert` and
-:mod:`workers.engines.megatron_config`).
+module imports anywhere (the pure parts live in :mod:`workers.engines.megatron.convert` and
+:mod:`workers.engines.megatron.config`).
 
 The model is Megatron's ``GPTModel`` with the Transformer Engine layer spec, wrapped in
 ``Float16Module`` (BF16 compute copies of the parameters) and Megatron's DDP; the optimizer is
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rljob.spec import JobSpec
-from workers.engines.megatron_config import (
+from workers.engines.megatron.config import (
     MegatronShapes,
     fp8_environment,
     gpt_model_kwargs,
@@ -34,7 +34,7 @@ from workers.engines.megatron_config import (
     megatron_state_shapes,
     transformer_config_kwargs,
 )
-from workers.engines.megatron_convert import (
+from workers.engines.megatron.convert import (
     global_name,
     hf_to_megatron,
     merge_tp_shards,
@@ -125,7 +125,7 @@ class MegatronModel:
         del hf_model
         self.audit: Fp8Audit = megatron_audit(self.shapes, spec.precision, _device_name(self.device))
         self._one = torch.ones((), dtype=torch.int, device=self.device)
-        # the KV-cache calibration's state (workers.engines.megatron_kv); the schedule sets the rows
+        # the KV-cache calibration's state (workers.engines.megatron.kv); the schedule sets the rows
         self._kv: KvScaleCalibrator | None = None
         self._kv_seen: set[int] = set()
         self._kv_rows: torch.Tensor | None = None  # the real tokens of the micro-batch being calibrated on

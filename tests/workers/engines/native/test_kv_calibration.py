@@ -10,8 +10,9 @@ import torch
 
 from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
-from workers.engines.native_trainer import NativeTrainer
-from workers.engines.protocols import Rollouts, left_pad
+from workers.engines.batching import left_pad
+from workers.engines.native.trainer import NativeTrainer
+from workers.engines.protocols import Rollouts
 from workers.fp8.kv_cache import kv_scale_name
 from workers.tokenizer import ByteTokenizer
 
@@ -50,8 +51,8 @@ def reference_scales(trainer: NativeTrainer, b: Rollouts) -> list[tuple[float, f
     """The model in BF16 (what a generator holds), a plain forward with Hugging Face's cache."""
     from transformers import DynamicCache
 
+    from workers.engines.batching import positions
     from workers.engines.models import attention_mask_4d
-    from workers.engines.protocols import positions
 
     model = copy.deepcopy(trainer.model).to(torch.bfloat16)
     for m in model.modules():  # RoPE frequencies stay float32, as in both engines

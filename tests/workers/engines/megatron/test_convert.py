@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from rljob import JobSpec, parse_spec
-from workers.engines.megatron_config import (
+from workers.engines.megatron.config import (
     MegatronShapes,
     fp8_environment,
     gpt_model_kwargs,
     megatron_state_shapes,
     transformer_config_kwargs,
 )
-from workers.engines.megatron_convert import (
+from workers.engines.megatron.convert import (
     fuse_qkv,
     global_name,
     hf_payload,
@@ -42,7 +42,7 @@ from workers.engines.megatron_convert import (
     stage_state,
     token_logprobs,
 )
-from workers.engines.native_trainer import sequence_logprobs
+from workers.engines.native.trainer import sequence_logprobs
 from workers.engines.protocols import Rollouts
 from workers.fp8.linear import Fp8LinearConfig
 from workers.fp8.quant import quantize
@@ -411,7 +411,7 @@ def test_hf_payload_quantizes_the_named_weights(power_of_two: bool) -> None:
 
 
 def test_audit_rows_say_what_is_fp8_and_why() -> None:
-    from workers.engines.megatron_config import megatron_audit
+    from workers.engines.megatron.config import megatron_audit
 
     shapes = MegatronShapes.from_hf(llama())
     audit = megatron_audit(shapes, megatron_spec("fp8-e2e", keep_bf16_layers=(1, 0)).precision)

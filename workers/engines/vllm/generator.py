@@ -12,7 +12,7 @@ the generator actor, over ``resources.generator_tensor_parallel_size`` GPUs.
   so the generator computes with the trainer's own scales.
 - **Weights.** The engine starts on dummy weights (``load_format="dummy"``); the trainer's
   payload arrives before the first rollout over the weight channel
-  (:mod:`workers.engines.nccl_channel`) in vLLM's worker processes (:mod:`workers.engines.vllm_worker`),
+  (:mod:`workers.engines.weight_channel`) in vLLM's worker processes (:mod:`workers.engines.vllm.worker`),
   as checkpoint-format tensors (:func:`workers.fp8.hf_checkpoint.checkpoint_tensors`): the FP8
   bytes and scales of the trainer, unchanged, loaded through vLLM's layerwise reload, which runs
   vLLM's post-load processing again and copies into the tensors CUDA graphs captured. The prefix
@@ -40,14 +40,15 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec, PrecisionSpec
+from workers.engines.batching import left_pad
 from workers.engines.models import model_config
-from workers.engines.protocols import Payload, Rollouts, left_pad
+from workers.engines.protocols import Payload, Rollouts
 from workers.fp8.convert import AuditRow, Fp8Audit
 from workers.fp8.hf_checkpoint import WEIGHT_BLOCK, check_tp_partitions, quantization_config
 from workers.weight_sync import SyncResult
 
 VLLM_VERSION = "0.32.0"
-WORKER_EXTENSION = "workers.engines.vllm_worker.WeightChannelExtension"
+WORKER_EXTENSION = "workers.engines.vllm.worker.WeightChannelExtension"
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 

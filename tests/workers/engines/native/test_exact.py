@@ -23,19 +23,20 @@ from rljob import JobSpec, SpecError, parse_spec
 from rljob.metrics import MetricsLog
 from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL
 from workers.driver import RunOptions, run
-from workers.engines import exact
+from workers.engines.batching import concat_rollouts, left_pad
 from workers.engines.factory import native_pair
-from workers.engines.layer_diff import (
+from workers.engines.models import compute_params
+from workers.engines.native import exact
+from workers.engines.native.generator import NativeGenerator
+from workers.engines.native.layer_diff import (
     ExactMismatchError,
     compare_traces,
     first_divergence,
     trace_forward,
     trace_generation,
 )
-from workers.engines.models import compute_params
-from workers.engines.native_generator import NativeGenerator
-from workers.engines.native_trainer import NativeTrainer
-from workers.engines.protocols import Rollouts, concat_rollouts, left_pad
+from workers.engines.native.trainer import NativeTrainer
+from workers.engines.protocols import Rollouts
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

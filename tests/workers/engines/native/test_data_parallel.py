@@ -25,8 +25,9 @@ from torch.multiprocessing.spawn import spawn
 
 from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
-from workers.engines.native_trainer import NativeTrainer
-from workers.engines.protocols import Rollouts, left_pad, split_rows
+from workers.engines.batching import left_pad, split_rows
+from workers.engines.native.trainer import NativeTrainer
+from workers.engines.protocols import Rollouts
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()

@@ -9,7 +9,7 @@ for V, calibrated on each batch's prefill (``p99.9(|x|) * 1.05 / 448``, :class:`
 and kept for the decode steps of that batch. Attention reads them dequantized (``data * scale``
 in float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
-Under ``precision.exact`` the model is built on :mod:`workers.engines.exact`: a token's log-prob
+Under ``precision.exact`` the model is built on :mod:`workers.engines.native.exact`: a token's log-prob
 is then bit for bit the one the trainer computes in its full-sequence forward.
 
 Log-probs are those of the sampled token under the temperature-scaled distribution *before* top-p
@@ -25,63 +25,21 @@ step or two past the end of the last sequence instead of stalling on every token
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import DynamicCache
 
 from rljob.spec import JobSpec
-from workers.engines.exact import is_exact
-from workers.engines.exact import log_softmax as exact_log_softmax
-from workers.engines.layer_diff import Trace, trace_generation
+from workers.engines.batching import left_pad, positions
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
-from workers.engines.protocols import Payload, Rollouts, left_pad, positions
+from workers.engines.native.exact import is_exact
+from workers.engines.native.exact import log_softmax as exact_log_softmax
+from workers.engines.native.layer_diff import Trace, trace_generation
+from workers.engines.protocols import Payload, Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
 from workers.fp8.guard import finite_guard
-from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
+from workers.fp8.kv_cache import Fp8KvCache, kv_cache_bytes
 from workers.weight_sync import CollectiveWeightSync, SyncResult
-
-
-class Fp8KvCache(DynamicCache):
-    """A ``DynamicCache`` that stores keys and values as E4M3 with per-layer scales."""
-
-    def __init__(self, num_layers: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.calibrator = KvScaleCalibrator(num_layers)
-        self.k_scales: dict[int, torch.Tensor] = {}
-        self.v_scales: dict[int, torch.Tensor] = {}
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx not in self.k_scales:  # first call for this layer = the prefill: calibrate
-            self.calibrator.observe(layer_idx, key_states, value_states)
-            self.k_scales[layer_idx], self.v_scales[layer_idx] = self.calibrator.layer_scales(layer_idx)
-        k_scale, v_scale = self.k_scales[layer_idx], self.v_scales[layer_idx]
-        k_q = quantize_kv(key_states, k_scale)
-        v_q = quantize_kv(value_states, v_scale)
-        keys, values = super().update(k_q.data, v_q.data, layer_idx, *args, **kwargs)  # the whole cache, FP8
-        return _dequantize(keys, k_scale, key_states.dtype), _dequantize(values, v_scale, value_states.dtype)
-
-
-def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # the same arithmetic as Fp8Tensor.dequantize: float32 product, then the model's dtype
-    return (data.to(torch.float32) * scale).to(dtype)
-
-
-def kv_cache_bytes(cache: DynamicCache) -> int:
-    """Bytes the cache holds: its stored keys and values, plus per-layer scales if FP8."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    if isinstance(cache, Fp8KvCache):
-        total += sum(
-            s.numel() * s.element_size() for s in (*cache.k_scales.values(), *cache.v_scales.values())
-        )
-    return total
 
 
 def sample_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -159,7 +117,7 @@ class NativeGenerator:
         load_weights(self.model, payload)
 
     def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        from workers.engines.nccl_channel import StatelessNcclWeightSync
+        from workers.engines.weight_channel import StatelessNcclWeightSync
 
         self.channel = StatelessNcclWeightSync(address, first_rank, world_size, self.device)
         self.channel.init_communicator()
@@ -175,7 +133,7 @@ class NativeGenerator:
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
         """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
-        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.layer_diff`)."""
+        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.native.layer_diff`)."""
         cache = Fp8KvCache(self.num_layers) if self.spec.precision.fp8_kv_cache else DynamicCache()
         return trace_generation(self.model, prompt, response, cache)
 

@@ -35,8 +35,8 @@ def spec(recipe: str) -> Any:
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-e2e"])
 def test_vllm_samples_what_the_trainer_scores(recipe: str) -> None:
     pytest.importorskip("vllm")
-    from workers.engines.native_trainer import NativeTrainer
-    from workers.engines.vllm_generator import VllmGenerator
+    from workers.engines.native.trainer import NativeTrainer
+    from workers.engines.vllm.generator import VllmGenerator
 
     job = spec(recipe)
     gen = VllmGenerator(job, TOK.vocab_size, TOK.eos_id, TOK.pad_id, "cuda")

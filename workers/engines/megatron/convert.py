@@ -1,9 +1,9 @@
 """Pure helpers of the Megatron-Core trainer: parameter names and layouts, tensor- and
 pipeline-parallel shards, the sequence layout, log-probs and the weight-sync payload (its
-configuration is in :mod:`workers.engines.megatron_config`).
+configuration is in :mod:`workers.engines.megatron.config`).
 
 Nothing here imports Megatron-Core or Transformer Engine, so all of it is tested on CPU; the
-adapter (:mod:`workers.engines.megatron_trainer`) wires it to the real model.
+adapter (:mod:`workers.engines.megatron.trainer`) wires it to the real model.
 
 Layouts (Megatron-Core 0.16 with the Transformer Engine layer spec; Hugging Face Llama/Qwen2):
 
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers.engines.megatron_config import (
+from workers.engines.megatron.config import (
     MegatronShapes,
     megatron_state_shapes,
 )

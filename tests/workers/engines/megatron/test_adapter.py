@@ -14,18 +14,18 @@ from transformers import DynamicCache
 
 from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
-from tests.workers.engines.test_megatron_convert import megatron_spec, overwriting_ce
-from workers.engines.megatron_config import (
+from tests.workers.engines.megatron.test_convert import megatron_spec, overwriting_ce
+from workers.engines.megatron.config import (
     MegatronShapes,
     megatron_state_shapes,
 )
-from workers.engines.megatron_convert import (
+from workers.engines.megatron.convert import (
     megatron_to_hf,
 )
 
 
 def test_the_trainer_module_imports_without_megatron_and_refuses_kl() -> None:
-    import workers.engines.megatron_trainer as mt
+    import workers.engines.megatron.trainer as mt
 
     assert "megatron" not in sys.modules and "transformer_engine" not in sys.modules
     spec = megatron_spec("bf16").model_copy(deep=True)
@@ -58,7 +58,7 @@ def install_fake_megatron(monkeypatch: pytest.MonkeyPatch, spec: JobSpec, vocab:
 
     from torch import nn
 
-    from workers.engines.megatron_trainer import MegatronTrainer
+    from workers.engines.megatron.trainer import MegatronTrainer
     from workers.engines.models import build_policy
 
     monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")  # restored after the test
@@ -268,9 +268,9 @@ def test_adapter_trains_like_the_native_trainer(
 ) -> None:
     """Same weights, log-probs, loss, gradient norm and update direction as the native trainer
     (CPU, BF16): the loss scaling, micro-batching, right alignment and vocabulary masking."""
-    from workers.engines.megatron_trainer import MegatronTrainer
-    from workers.engines.native_generator import NativeGenerator
-    from workers.engines.native_trainer import NativeTrainer
+    from workers.engines.megatron.trainer import MegatronTrainer
+    from workers.engines.native.generator import NativeGenerator
+    from workers.engines.native.trainer import NativeTrainer
     from workers.fp8.export import fp8_weight_names
     from workers.tokenizer import ByteTokenizer
 
@@ -322,12 +322,13 @@ def test_adapter_trains_like_the_native_trainer(
 def test_adapter_kv_scales_match_the_native_calibration(
     monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
 ) -> None:
-    """The K/V scales sent to vLLM: those the native calibration (:mod:`workers.engines.kv_calibration`,
-    real tokens of left-padded rows) computes on the trainer's updated weights."""
-    from workers.engines.kv_calibration import kv_scale_payload, observe_kv
-    from workers.engines.megatron_trainer import MegatronTrainer
-    from workers.engines.native_generator import NativeGenerator
-    from workers.engines.native_trainer import NativeTrainer
+    """The K/V scales sent to vLLM: those the native calibration
+    (:mod:`workers.engines.native.kv_calibration`, real tokens of left-padded rows) computes on the
+    trainer's updated weights."""
+    from workers.engines.megatron.trainer import MegatronTrainer
+    from workers.engines.native.generator import NativeGenerator
+    from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
+    from workers.engines.native.trainer import NativeTrainer
     from workers.fp8.kv_cache import KvScaleCalibrator
     from workers.tokenizer import ByteTokenizer
 

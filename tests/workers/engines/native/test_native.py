@@ -22,13 +22,13 @@ from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
 from tests.workers.fp8.reference import round_to_fp8
 from workers.algo.mismatch import mismatch_metrics
+from workers.engines.batching import left_pad, positions
 from workers.engines.factory import native_pair
-from workers.engines.native_generator import Fp8KvCache, NativeGenerator, sample_top_p
-from workers.engines.native_trainer import NativeTrainer, sequence_logprobs
-from workers.engines.protocols import left_pad, positions
+from workers.engines.native.generator import NativeGenerator, sample_top_p
+from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.fp8 import Fp8Linear
 from workers.fp8.export import fp8_weight_names
-from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
+from workers.fp8.kv_cache import Fp8KvCache, KvScaleCalibrator, quantize_kv
 from workers.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -253,12 +253,12 @@ def test_fp8_kv_storage_gives_the_dequantized_caches_logprobs_bit_for_bit(seed: 
     out = gen.generate(PROMPTS, 8, 1.0, 0.9, seed)
     fp8_bytes = gen.kv_cache_bytes
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("workers.engines.native_generator.Fp8KvCache", DequantizedFp8KvCache)
+        mp.setattr("workers.engines.native.generator.Fp8KvCache", DequantizedFp8KvCache)
         ref = gen.generate(PROMPTS, 8, 1.0, 0.9, seed)
     assert torch.equal(out.response_ids, ref.response_ids)
     assert torch.equal(out.logprobs, ref.logprobs)  # same values, bit for bit
     # and half the bytes: the reference cache holds BF16 (2 B/element); both have 2 float32
-    # scales a layer (the counter sees the reference class under the patched name)
+    # scales a layer (the counter reads any cache's k_scales and v_scales)
     scales = 2 * 4 * gen.num_layers
     assert gen.kv_cache_bytes - scales == 2 * (fp8_bytes - scales)
 

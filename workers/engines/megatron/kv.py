@@ -3,7 +3,7 @@
 After each step's update, one more forward over the step's rows observes every layer's K (after
 RoPE) and V at the real tokens through pre-hooks on the core attention, and the scales
 (``p99.9(|x|) x 1.05 / 448``, max-reduced over the trainers) go out with the weights, as the
-native side does (:mod:`workers.engines.kv_calibration`).
+native side does (:mod:`workers.engines.native.kv_calibration`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from rljob.spec import JobSpec
-from workers.engines.megatron_convert import stage_layers
-from workers.engines.megatron_schedule import MegatronSchedule
+from workers.engines.megatron.convert import stage_layers
+from workers.engines.megatron.schedule import MegatronSchedule
 from workers.engines.models import to_device
 from workers.engines.protocols import Rollouts
 from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name

@@ -4,7 +4,7 @@ vLLM mixes this class into its worker class, in the processes vLLM starts; the g
 the methods on every worker with ``llm.collective_rpc(name, args=...)``. Names carry an
 ``fp8rl_`` prefix: vLLM refuses an extension method that shadows one of the worker's own.
 
-Each worker joins the weight channel (:mod:`workers.engines.nccl_channel`) as its own rank
+Each worker joins the weight channel (:mod:`workers.engines.weight_channel`) as its own rank
 (``first_rank`` of its generator plus its rank inside the generator's tensor-parallel group),
 receives the whole payload, and loads it as checkpoint-format tensors through the worker's
 ``reload_weights(is_checkpoint_format=True)``: vLLM's layerwise reload shards each tensor for its
@@ -28,7 +28,7 @@ class WeightChannelExtension:
     _fp8rl_channel: Any = None
 
     def fp8rl_join_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        from workers.engines.nccl_channel import StatelessNcclWeightSync
+        from workers.engines.weight_channel import StatelessNcclWeightSync
 
         channel = StatelessNcclWeightSync(address, first_rank + self.rank, world_size, self.device)
         channel.init_communicator()

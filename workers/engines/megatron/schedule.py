@@ -3,7 +3,7 @@
 Megatron-Core is imported inside the methods, so this module imports anywhere.
 
 Sequences: Megatron's RoPE numbers positions 0..T-1 whatever the position ids, so every row is
-right-aligned (:func:`~workers.engines.megatron_convert.right_align`) and causal attention
+right-aligned (:func:`~workers.engines.megatron.convert.right_align`) and causal attention
 replaces the padding mask (pads come after a row's tokens).
 
 Rows: the driver gives each trainer its own rows. The ranks of one model-parallel group (TP x PP)
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from workers.engines.megatron_build import MegatronModel
-from workers.engines.megatron_convert import response_logprobs, right_align, token_logprobs
+from workers.engines.megatron.convert import response_logprobs, right_align, token_logprobs
+from workers.engines.megatron.model import MegatronModel
 from workers.engines.models import to_device
 from workers.engines.protocols import Rollouts
 

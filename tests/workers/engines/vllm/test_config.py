@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig
 
 from rljob import parse_spec
-from workers.engines import vllm_generator as vg
-from workers.engines.vllm_worker import WeightChannelExtension
+from workers.engines.vllm import generator as vg
+from workers.engines.vllm.worker import WeightChannelExtension
 from workers.fp8.quant import Fp8Tensor, quantize
 from workers.weight_sync import SyncResult
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from rljob import JobSpec, parse_spec
-from workers.engines.native_generator import NativeGenerator
-from workers.engines.native_trainer import NativeTrainer
-from workers.engines.protocols import Rollouts, left_pad
+from workers.engines.batching import left_pad
+from workers.engines.native.generator import NativeGenerator
+from workers.engines.native.trainer import NativeTrainer
+from workers.engines.protocols import Rollouts
 from workers.fp8 import simulate
 from workers.tokenizer import ByteTokenizer
 

@@ -1,13 +1,13 @@
 """The Trainer protocol on Megatron-Core + Transformer Engine (tensor, pipeline and data parallel).
 
 Megatron-Core and Transformer Engine need CUDA; they are imported inside the methods, so this
-module imports anywhere (the pure parts live in :mod:`workers.engines.megatron_convert`). The
+module imports anywhere (the pure parts live in :mod:`workers.engines.megatron.convert`). The
 trainer is built in layers, one module each: the model, optimizer and full state
-(:mod:`workers.engines.megatron_build`), rows, micro-batches and the schedule
-(:mod:`workers.engines.megatron_schedule`), the FP8 KV-cache calibration
-(:mod:`workers.engines.megatron_kv`), and here the RL and supervised steps and weight export.
+(:mod:`workers.engines.megatron.model`), rows, micro-batches and the schedule
+(:mod:`workers.engines.megatron.schedule`), the FP8 KV-cache calibration
+(:mod:`workers.engines.megatron.kv`), and here the RL and supervised steps and weight export.
 
-The RL update is the native trainer's (:mod:`workers.engines.native_trainer`): the same
+The RL update is the native trainer's (:mod:`workers.engines.native.trainer`): the same
 ``grpo_advantages``, ``grpo_loss`` (with its importance-sampling correction) and ``loss_units``,
 minibatches and micro-batches. Each micro-batch's loss is ``grpo_loss`` with the minibatch's units
 summed over the data-parallel replicas; the loss function hands Megatron's schedule that loss
@@ -36,10 +36,11 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units_tensor
-from workers.engines.megatron_convert import hf_payload, hf_to_megatron, megatron_to_hf
-from workers.engines.megatron_kv import MegatronKvCalibration
+from workers.engines.megatron.convert import hf_payload, hf_to_megatron, megatron_to_hf
+from workers.engines.megatron.kv import MegatronKvCalibration
 from workers.engines.models import fp8_config
-from workers.engines.protocols import STEP_SUMS, Payload, Rollouts, TrainStats, train_stats
+from workers.engines.protocols import Payload, Rollouts, TrainStats
+from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.guard import finite_guard
 
 
@@ -155,7 +156,7 @@ class MegatronTrainer(MegatronKvCalibration):
 
         The weights are the BF16 compute copies (the float32 main weights rounded once), which is
         also what Transformer Engine quantizes in its GEMMs; ``fp8_names`` are quantized from them
-        with the trainer's recipe (:func:`~workers.engines.megatron_convert.hf_payload`). With an
+        with the trainer's recipe (:func:`~workers.engines.megatron.convert.hf_payload`). With an
         FP8 KV cache on vLLM the per-layer K/V scales calibrated after the last update come along.
         """
         full = self._gather(master=False)

@@ -1,0 +1,1 @@
+"""The native torch engines: generator and trainer, CPU and GPU (the default)."""
