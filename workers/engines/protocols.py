@@ -15,6 +15,7 @@ import torch
 from rljob import metrics as m
 from workers.fp8.convert import Fp8Audit
 from workers.fp8.export import Payload as Payload  # re-exported: what the engines exchange
+from workers.weight_contract import WeightReport
 from workers.weight_sync import SyncResult
 
 
@@ -72,6 +73,12 @@ class Generator(Protocol):
 
     def receive_weights(self) -> SyncResult:
         """Receive one version over the weight channel and compute with it from now on."""
+        ...
+
+    def weight_report(self) -> WeightReport:
+        """What the generator holds after the last weight update, per weight: the checksums of the
+        bytes it received and the precision each layer computes with, and its KV cache's dtype and
+        scales (:mod:`workers.weight_contract`). Plain data: it crosses Ray."""
         ...
 
 

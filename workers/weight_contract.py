@@ -1,0 +1,245 @@
+"""The precision contract of a weight sync: what the generator holds is what the trainer sent.
+
+Silent BF16 fallbacks and wrong scale formats are the FP8 RL bugs users report most: an engine
+loads an FP8 checkpoint into a BF16 layer, drops a scale it has no parameter for, or re-rounds
+scales, and nothing fails; only the mismatch grows. So after every weight update each generator
+reports, per weight, what it holds, and the driver compares it with what the trainer sent
+(:func:`compare`). A difference fails the step, naming the weight and what differs.
+
+What a report says, per payload name (:class:`HeldWeight`):
+- ``dtype``: the dtype of the bytes (FP8 weights: their data), as sent or as received;
+- ``holds``: the precision the layer computes with after loading: ``fp8`` for an FP8 layer, else
+  the dtype of the parameter the weight went into (``bfloat16``, ``float32``);
+- ``data`` and ``scale``: checksums (:func:`checksum`) of the data and, for FP8 weights, of the
+  float32 scales, over the bytes as they travelled: the trainer's over what it sent, the
+  generator's over what it received, before its engine's own post-load processing (vLLM may
+  transpose or repack what it loads). 0 for ``scale`` where there is none.
+
+And for the KV cache (:class:`KvHeld`): its element dtype, and the per-layer K/V scales the
+generator's attention layers hold after the update, which must be the ones the trainer
+calibrated and sent (``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` in the payload). A
+generator that calibrates its own scales per batch (the native one) reports none.
+
+A report is plain data (str, int, float, lists and dicts): it crosses Ray and vLLM's
+``collective_rpc``, whose arguments and results must never hold tensors.
+
+The checksum is position-weighted (an Adler-like sum: ``sum(byte_i * (1 + i mod 65521))`` over
+the tensor's bytes in memory order, in int64 on the tensor's device), so reordered bytes or
+blocks are caught, not only changed ones; all of a report's checksums are read back in one
+transfer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+import torch
+
+from workers.fp8.quant import Fp8Tensor
+
+_MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+class HeldWeight(TypedDict):
+    """One weight of a report (see the module docstring)."""
+
+    dtype: str
+    holds: str
+    data: int
+    scale: int
+
+
+class KvHeld(TypedDict):
+    """The KV cache as the generator holds it: element dtype and per-layer scales (empty lists
+    when the generator calibrates its own scales per batch)."""
+
+    dtype: str
+    k_scales: list[float]
+    v_scales: list[float]
+
+
+class WeightReport(TypedDict):
+    """What one side of a sync says about the weights of one version."""
+
+    weights: dict[str, HeldWeight]
+    kv: KvHeld
+
+
+class WeightContractError(RuntimeError):
+    """What a generator holds differs from what the trainer sent."""
+
+
+@dataclass
+class ContractCheck:
+    """The outcome of :func:`compare`: how many weights were checked, and what differs."""
+
+    checked: int
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def raise_if_failed(self, generator: str = "the generator") -> None:
+        if self.mismatches:
+            shown = "\n  - ".join(self.mismatches[:10])
+            more = f"\n  ... and {len(self.mismatches) - 10} more" if len(self.mismatches) > 10 else ""
+            raise WeightContractError(
+                f"weight sync: {generator} does not hold what the trainer sent "
+                f"({len(self.mismatches)} of {self.checked} weights differ):\n  - {shown}{more}"
+            )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16``, ``float8_e4m3fn``, ... (torch's name without the ``torch.`` prefix)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """Position-weighted checksum of ``t``'s bytes in memory order: a 0-d int64 tensor on ``t``'s
+    device (no host sync). Contiguous tensors only: a view's memory order is not its logical one."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)  # [n]
+    weights = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % _MODULUS + 1  # [n]
+    return (b * weights).sum()
+
+
+def _read(values: list[torch.Tensor]) -> list[int]:
+    """Checksums of possibly several devices, read back in one transfer per device."""
+    if not values:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(i)
+    out = [0] * len(values)
+    for indices in by_device.values():
+        for i, x in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
+            out[i] = int(x)
+    return out
+
+
+def is_kv_scale(name: str) -> bool:
+    """Whether ``name`` is a K/V-cache scale (:func:`workers.fp8.kv_cache.kv_scale_name`)."""
+    return _KV_SCALE.match(name) is not None
+
+
+def received_weights(
+    payload: Mapping[str, Fp8Tensor | torch.Tensor], holds: Mapping[str, str]
+) -> dict[str, HeldWeight]:
+    """The :class:`HeldWeight` entries of ``payload`` (the bytes as they travelled), with the
+    precision each layer computes with from ``holds`` (name -> ``fp8`` | dtype name; a name
+    missing there is reported as ``missing``: the receiver did not load it). K/V-cache scales
+    are left out: they are checked through :class:`KvHeld`."""
+    names, kinds, sums = [], [], []
+    for name, value in payload.items():
+        if is_kv_scale(name):
+            continue
+        names.append(name)
+        if isinstance(value, Fp8Tensor):
+            kinds.append(dtype_name(value.data.dtype))
+            sums += [checksum(value.data), checksum(value.scale.to(torch.float32))]
+        else:
+            kinds.append(dtype_name(value.dtype))
+            sums += [checksum(value), torch.zeros((), dtype=torch.int64, device=value.device)]
+    values = _read(sums)
+    return {
+        name: HeldWeight(
+            dtype=kind, holds=holds.get(name, "missing"), data=values[2 * i], scale=values[2 * i + 1]
+        )
+        for i, (name, kind) in enumerate(zip(names, kinds, strict=True))
+    }
+
+
+def sent_report(payload: Mapping[str, Fp8Tensor | torch.Tensor], kv_dtype: str) -> WeightReport:
+    """The trainer's side: what it sent (FP8 entries ``holds`` ``fp8``, others their own dtype)
+    and the KV cache it expects (``kv_dtype``: the generator's cache dtype under the spec, and the
+    K/V scales the payload carries)."""
+    holds = {n: "fp8" if isinstance(v, Fp8Tensor) else dtype_name(v.dtype) for n, v in payload.items()}
+    k_scales, v_scales = kv_scales_of(payload)
+    return WeightReport(
+        weights=received_weights(payload, holds),
+        kv=KvHeld(dtype=kv_dtype, k_scales=k_scales, v_scales=v_scales),
+    )
+
+
+def kv_scales_of(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> tuple[list[float], list[float]]:
+    """The K and V scales a payload carries, by layer (empty lists when it carries none)."""
+    found: dict[tuple[str, int], torch.Tensor] = {}
+    for name, value in payload.items():
+        match = _KV_SCALE.match(name)
+        if match and isinstance(value, torch.Tensor):
+            found[(match.group(2), int(match.group(1)))] = value.reshape(()).to(torch.float32)
+    if not found:
+        return [], []
+    layers = 1 + max(i for _, i in found)
+    missing = [f"{w}_scale of layer {i}" for w in "kv" for i in range(layers) if (w, i) not in found]
+    if missing:
+        raise ValueError(
+            f"weight sync: the payload's K/V scales are incomplete: missing {', '.join(missing[:4])}"
+        )
+    order = [found[(w, i)] for w in "kv" for i in range(layers)]
+    values = [float(x) for x in torch.stack([t.cpu() for t in order]).tolist()]
+    return values[:layers], values[layers:]
+
+
+def _fp8(kind: str) -> bool:
+    return kind == "fp8" or kind.startswith("float8")
+
+
+def compare(sent: WeightReport, held: WeightReport) -> ContractCheck:
+    """Every weight the trainer sent against what the generator reports (see the module docstring).
+
+    A mismatch is: a weight not reported or reported but not sent; a different dtype on the wire
+    or different checksums (the bytes changed on the way); a weight sent in FP8 held in high
+    precision (a silent fallback) or sent in high precision held in FP8 (quantized by the
+    generator itself); a KV cache in another dtype than the spec's; K/V scales other than those
+    sent, bit for bit as float32."""
+    out = ContractCheck(checked=len(sent["weights"]))
+    got = held["weights"]
+    for name, s in sent["weights"].items():
+        h = got.get(name)
+        if h is None or h["holds"] == "missing":
+            out.mismatches.append(f"{name}: sent, but the generator did not load it")
+            continue
+        if h["dtype"] != s["dtype"]:
+            out.mismatches.append(f"{name}: sent as {s['dtype']}, received as {h['dtype']}")
+        elif (h["data"], h["scale"]) != (s["data"], s["scale"]):
+            what = "data" if h["data"] != s["data"] else "scales"
+            out.mismatches.append(f"{name}: the received {what} differ from the sent bytes (checksum)")
+        if _fp8(s["holds"]) and not _fp8(h["holds"]):
+            out.mismatches.append(
+                f"{name}: sent as FP8 (data + scales), but the generator computes with {h['holds']}: "
+                "a silent high-precision fallback"
+            )
+        elif not _fp8(s["holds"]) and _fp8(h["holds"]):
+            out.mismatches.append(
+                f"{name}: sent as {s['holds']}, but the generator holds it in FP8: it quantized the "
+                "weight itself instead of using the trainer's"
+            )
+    for name in sorted(got.keys() - sent["weights"].keys()):
+        out.mismatches.append(f"{name}: the generator reports it, but the trainer did not send it")
+    skv, hkv = sent["kv"], held["kv"]
+    if _fp8(skv["dtype"]) != _fp8(hkv["dtype"]):
+        out.mismatches.append(
+            f"KV cache: the spec asks for {skv['dtype']}, the generator holds {hkv['dtype']}"
+        )
+    for which, want, have in (
+        ("k", skv["k_scales"], hkv["k_scales"]),
+        ("v", skv["v_scales"], hkv["v_scales"]),
+    ):
+        if not want:
+            continue
+        if len(have) != len(want):
+            out.mismatches.append(
+                f"KV cache: {which}_scale of {len(want)} layers sent, the generator holds {len(have)}"
+            )
+            continue
+        for i, (sent_scale, held_scale) in enumerate(zip(want, have, strict=True)):
+            if torch.tensor(sent_scale, dtype=torch.float32) != torch.tensor(held_scale, dtype=torch.float32):
+                out.mismatches.append(
+                    f"KV cache: layer {i} {which}_scale sent {sent_scale!r}, held {held_scale!r}"
+                )
+    return out
