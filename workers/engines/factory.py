@@ -59,6 +59,13 @@ def uses_weight_channel(spec: JobSpec) -> bool:
     return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
 
 
+def calibrates_kv(spec: JobSpec) -> bool:
+    """Whether the trainer calibrates K/V-cache scales every step and sends them with the weights:
+    with an FP8 KV cache on vLLM, which computes its scales at most once (the native generator
+    calibrates its own on each batch's prefill). Every trainer engine asks this, and only this."""
+    return spec.precision.fp8_kv_cache and engine_for(spec, "generator") == "vllm"
+
+
 def weight_receivers(spec: JobSpec) -> int:
     """Ranks one generator takes in the weight channel: one per vLLM tensor-parallel worker."""
     return spec.resources.generator_tensor_parallel_size if engine_for(spec, "generator") == "vllm" else 1

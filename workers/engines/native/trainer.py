@@ -30,6 +30,7 @@ from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.batching import positions
+from workers.engines.factory import calibrates_kv
 from workers.engines.models import (
     COMPUTE_DTYPE,
     DTYPES,
@@ -101,7 +102,7 @@ class NativeTrainer:
         self.ref_model: Any = None
         # a vLLM generator with an FP8 KV cache gets its K/V scales from here, every step
         self.kv_calibrator: KvScaleCalibrator | None = None
-        if spec.precision.fp8_kv_cache and spec.resources.generator_engine == "vllm":
+        if calibrates_kv(spec):
             self.kv_calibrator = KvScaleCalibrator(int(self.model.config.num_hidden_layers))
         self.kv_scales: KvScales | None = None
         if spec.algorithm.kl.coef > 0:  # the initial policy, frozen, for the KL penalty
