@@ -59,6 +59,10 @@ TIMING_WEIGHT_SYNC_S: Final = "timing/weight_sync_s"
 TIMING_VALIDATION_S: Final = "timing/validation_s"
 TIMING_STEP_S: Final = "timing/step_s"
 WEIGHT_SYNC_BYTES: Final = "weight_sync/bytes"
+# the precision contract of each weight sync (workers.weight_contract): weights checked over all
+# generators, and those that differed (a difference fails the step, so a recorded row holds 0)
+SYNC_LAYERS_CHECKED: Final = "sync/layers_checked"
+SYNC_LAYERS_MISMATCHED: Final = "sync/layers_mismatched"
 KV_CACHE_BYTES: Final = "kv_cache/bytes"
 WEIGHTS_BYTES: Final = "weights/bytes"
 # validation (every ``validation.interval`` steps)
@@ -94,6 +98,10 @@ TrainMetrics = TypedDict(
         "is/weight_max": float,
     },
 )
+SyncMetrics = TypedDict(
+    "SyncMetrics",
+    {"weight_sync/bytes": float, "sync/layers_checked": float, "sync/layers_mismatched": float},
+)
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
     {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
@@ -116,14 +124,13 @@ _StepCore = TypedDict(
         "timing/train_s": float,
         "timing/weight_sync_s": float,
         "timing/step_s": float,
-        "weight_sync/bytes": float,
         "kv_cache/bytes": float,
         "weights/bytes": float,
     },
 )
 
 
-class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics):
+class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics, SyncMetrics):
     """One line of ``metrics.jsonl``: everything measured in one RL step."""
 
 
@@ -172,6 +179,10 @@ PROMETHEUS: tuple[PromMetric, ...] = (
     PromMetric(TOKENS_TRAINED, "fp8rl_train_tokens_total", "counter", "Trained tokens"),
     PromMetric(WEIGHT_SYNC_BYTES, "fp8rl_weight_sync_bytes_total", "counter", "Bytes sent to generators"),
     PromMetric(TIMING_WEIGHT_SYNC_S, "fp8rl_weight_sync_seconds", "gauge", "Last weight sync, s"),
+    PromMetric(SYNC_LAYERS_CHECKED, "fp8rl_sync_layers_checked", "gauge",
+               "Weights whose precision and bytes the last sync checked on every generator"),
+    PromMetric(SYNC_LAYERS_MISMATCHED, "fp8rl_sync_layers_mismatched", "gauge",
+               "Weights a generator held otherwise than the trainer sent at the last sync"),
     PromMetric(KV_CACHE_BYTES, "fp8rl_kv_cache_bytes", "gauge",
                "KV-cache bytes allocated at the end of the last generation, all generators"),
     PromMetric(WEIGHTS_BYTES, "fp8rl_weight_bytes", "gauge",

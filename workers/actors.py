@@ -24,6 +24,7 @@ from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel, weight_receivers
 from workers.engines.protocols import Generator, Rollouts, Trainer
 from workers.engines.weight_channel import channel_ranks
+from workers.weight_contract import kv_cache_dtype, sent_report
 from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
 
 
@@ -111,14 +112,16 @@ class TrainerWorker(_Member):
         """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.native.layer_diff`)."""
         return _traced(self.engine, prompt, response)
 
-    def send_weights(self, fp8_names: list[str]) -> dict[str, float]:
-        """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends."""
+    def send_weights(self, fp8_names: list[str]) -> dict[str, Any]:
+        """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends, and
+        reports what it sent (:func:`~workers.weight_contract.sent_report`)."""
         payload = self.engine.export_weights(fp8_names)
         if self.rank != 0:
             return {}
         assert self.sync is not None
         result = self.sync.sync_weights(payload)
-        return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
+        report = sent_report(payload, kv_cache_dtype(self.spec.precision.fp8_kv_cache))
+        return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version, "report": report}
 
     def save(self, directory: str) -> None:
         """Every trainer takes part (Megatron gathers); trainer 0 writes ``trainer.pt``."""
@@ -152,14 +155,20 @@ class GeneratorWorker(_Member):
         """Join the NCCL weight channel (vLLM or Megatron jobs) as ranks ``first_rank..``."""
         self.engine.join_weight_channel(address, first_rank, world_size)
 
-    def receive_weights(self) -> dict[str, float]:
+    def receive_weights(self) -> dict[str, Any]:
+        """Receive one version; report what the generator now holds (the precision contract)."""
         if self.sync is None:  # the weight channel: the engine receives into its own model
             result = self.engine.receive_weights()
         else:
             result = self.sync.sync_weights(None)
             assert result.payload is not None
             self.engine.load_weights(result.payload)
-        return {"bytes": result.bytes, "seconds": result.seconds, "version": result.version}
+        return {
+            "bytes": result.bytes,
+            "seconds": result.seconds,
+            "version": result.version,
+            "report": self.engine.weight_report(),
+        }
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-module outputs for one token, the generator's way

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rljob import metrics as m
-from rljob.metrics import StepMetrics, TrainMetrics, ValidationMetrics
+from rljob.metrics import StepMetrics, SyncMetrics, TrainMetrics, ValidationMetrics
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
@@ -28,6 +28,7 @@ from workers.engines.native.layer_diff import ExactMismatchError, compare_traces
 from workers.engines.protocols import Rollouts
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer
+from workers.weight_contract import compare
 
 
 def sft_batch(task: Task, tok: Tokenizer, problems: list[Problem]) -> Rollouts:
@@ -111,14 +112,25 @@ def warmup(
     save(cluster, out, 0)
 
 
-def sync_weights(cluster: Cluster) -> dict[str, float]:
+def sync_weights(cluster: Cluster) -> SyncMetrics:
+    """Trainer 0 sends the new weights to every generator; each generator's report of what it holds
+    is checked against what was sent (:mod:`workers.weight_contract`): a difference fails the step
+    with :class:`~workers.weight_contract.WeightContractError`, naming the generator and weight."""
     import ray
 
     send = cluster.trainers[0].send_weights.remote(cluster.fp8_names)
     others = [t.send_weights.remote(cluster.fp8_names) for t in cluster.trainers[1:]]
     recv = [g.receive_weights.remote() for g in cluster.generators]
-    sent: dict[str, float] = ray.get([send, *others, *recv])[0]
-    return sent
+    results = ray.get([send, *others, *recv])
+    sent, received = results[0], results[1 + len(others) :]
+    checks = [compare(sent["report"], r["report"]) for r in received]
+    for i, check in enumerate(checks):
+        check.raise_if_failed(f"generator {i}")
+    return {
+        m.WEIGHT_SYNC_BYTES: float(sent["bytes"]),
+        m.SYNC_LAYERS_CHECKED: float(sum(c.checked for c in checks)),
+        m.SYNC_LAYERS_MISMATCHED: float(sum(len(c.mismatches) for c in checks)),
+    }
 
 
 def save(cluster: Cluster, out: Path, step: int) -> None:
@@ -232,7 +244,7 @@ def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, cluster: Cluster, step: i
         m.TIMING_TRAIN_S: t3 - t2,
         m.TIMING_WEIGHT_SYNC_S: t4 - t3,
         m.TIMING_STEP_S: t4 - t0,
-        m.WEIGHT_SYNC_BYTES: float(sync.get("bytes", 0)),
+        **sync,
         m.KV_CACHE_BYTES: float(sum(o[1]["kv_cache"] for o in outs)),
         m.WEIGHTS_BYTES: float(sum(o[1]["weights"] for o in outs)),
         m.TIME: time.time(),

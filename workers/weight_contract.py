@@ -41,6 +41,7 @@ import torch
 from workers.fp8.quant import Fp8Tensor
 
 _MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)
+_CHUNK_BYTES = 1 << 24  # 16 MiB of a weight at a time: 128 MiB of int64 temporaries
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
@@ -94,17 +95,29 @@ class ContractCheck:
             )
 
 
+def kv_cache_dtype(fp8_kv_cache: bool) -> str:
+    """The element dtype of a generator's KV cache under ``precision.fp8_kv_cache`` (E4M3, or the
+    BF16 the generators compute in)."""
+    return "float8_e4m3fn" if fp8_kv_cache else "bfloat16"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``bfloat16``, ``float8_e4m3fn``, ... (torch's name without the ``torch.`` prefix)."""
     return str(dtype).removeprefix("torch.")
 
 
-def checksum(t: torch.Tensor) -> torch.Tensor:
+def checksum(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> torch.Tensor:
     """Position-weighted checksum of ``t``'s bytes in memory order: a 0-d int64 tensor on ``t``'s
-    device (no host sync). Contiguous tensors only: a view's memory order is not its logical one."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)  # [n]
-    weights = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % _MODULUS + 1  # [n]
-    return (b * weights).sum()
+    device (no host sync). Contiguous layout: a view is checksummed in its logical order. Works
+    through the bytes ``chunk_bytes`` at a time, so the int64 temporaries stay bounded (8 bytes
+    per byte of a chunk) however large the weight."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [n]
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), chunk_bytes):
+        part = flat[start : start + chunk_bytes].to(torch.int64)  # [c]
+        weights = (torch.arange(part.numel(), device=flat.device, dtype=torch.int64) + start) % _MODULUS + 1
+        total = total + (part * weights).sum()
+    return total
 
 
 def _read(values: list[torch.Tensor]) -> list[int]:

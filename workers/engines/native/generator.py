@@ -39,6 +39,8 @@ from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, kv_cache_bytes
+from workers.fp8.linear import Fp8Linear
+from workers.weight_contract import KvHeld, WeightReport, dtype_name, kv_cache_dtype, received_weights
 from workers.weight_sync import CollectiveWeightSync, SyncResult
 
 
@@ -104,6 +106,7 @@ class NativeGenerator:
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
         self.channel: CollectiveWeightSync | None = None
+        self._report: WeightReport | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -115,6 +118,28 @@ class NativeGenerator:
 
     def load_weights(self, payload: Payload) -> None:
         load_weights(self.model, payload)
+        self._report = self._held(payload)
+
+    def _held(self, payload: Payload) -> WeightReport:
+        """What the model holds after loading ``payload``: each weight's received bytes and the
+        precision its layer computes with (an ``Fp8Linear``'s weight: ``fp8``; else the dtype of
+        the parameter it was copied into). The KV cache calibrates its own scales per batch."""
+        params = dict(self.model.named_parameters())
+        holds = {}
+        for name in payload:
+            module_name, _, attr = name.rpartition(".")
+            module = self.model.get_submodule(module_name) if module_name else self.model
+            if isinstance(module, Fp8Linear) and attr == "weight":
+                holds[name] = "fp8"
+            elif name in params:
+                holds[name] = dtype_name(params[name].dtype)
+        kv = KvHeld(dtype=kv_cache_dtype(self.spec.precision.fp8_kv_cache), k_scales=[], v_scales=[])
+        return WeightReport(weights=received_weights(payload, holds), kv=kv)
+
+    def weight_report(self) -> WeightReport:
+        if self._report is None:
+            raise RuntimeError("weight_report: no weights were loaded yet")
+        return self._report
 
     def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
         from workers.engines.weight_channel import StatelessNcclWeightSync
