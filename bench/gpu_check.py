@@ -189,7 +189,41 @@ def run_pytest() -> str:
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     tail = "\n".join(out.stdout.strip().splitlines()[-40:])
-    return f"`{' '.join(cmd[2:])}` exit code {out.returncode}\n\n```\n{tail}\n```"
+    return (
+        f"`{' '.join(cmd[2:])}` exit code {out.returncode}\n\n{engine_tests(out.stdout)}\n\n```\n{tail}\n```"
+    )
+
+
+ENGINE_DIRS = {"vllm": "tests/workers/engines/vllm/", "megatron": "tests/workers/engines/megatron/"}
+
+
+def engine_tests(pytest_output: str) -> str:
+    """Which engine tests ran, from pytest's ``-rA`` summary: per engine (vLLM, Megatron-Core and
+    Transformer Engine, the rest), the tests passed, failed and skipped, with the skip reasons. On
+    a GPU machine these are what CPU CI cannot run: vLLM's FP8 linears and Transformer Engine."""
+    counts = {name: {"passed": 0, "failed": 0, "skipped": 0} for name in (*ENGINE_DIRS, "other")}
+    reasons: dict[str, set[str]] = {name: set() for name in counts}
+
+    def engine(path: str) -> str:
+        return next((name for name, d in ENGINE_DIRS.items() if path.startswith(d)), "other")
+
+    for line in pytest_output.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR"):
+            counts[engine(rest)]["passed" if word == "PASSED" else "failed"] += 1
+        elif word == "SKIPPED":  # SKIPPED [n] path:line: reason
+            number, _, where = rest.partition(" ")
+            path, _, reason = where.partition(": ")
+            name = engine(path)
+            counts[name]["skipped"] += int(number.strip("[]") or 1)
+            reasons[name].add(reason.strip())
+    lines = ["| engine tests | passed | failed | skipped (why) |", "|---|---|---|---|"]
+    for name, c in counts.items():
+        why = "; ".join(sorted(reasons[name])) or ""
+        lines.append(
+            f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} {f'({why})' if why else ''} |"
+        )
+    return "\n".join(lines)
 
 
 def bench_fp8(quick: bool) -> str:
