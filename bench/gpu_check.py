@@ -219,10 +219,8 @@ def engine_tests(pytest_output: str) -> str:
             reasons[name].add(reason.strip())
     lines = ["| engine tests | passed | failed | skipped (why) |", "|---|---|---|---|"]
     for name, c in counts.items():
-        why = "; ".join(sorted(reasons[name])) or ""
-        lines.append(
-            f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']} {f'({why})' if why else ''} |"
-        )
+        why = f" ({'; '.join(sorted(reasons[name]))})" if reasons[name] else ""
+        lines.append(f"| {name} | {c['passed']} | {c['failed']} | {c['skipped']}{why} |")
     return "\n".join(lines)
 
 

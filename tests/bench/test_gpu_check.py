@@ -18,6 +18,6 @@ SKIPPED [1] tests/workers/fp8/test_linear.py:186: needs Hopper
 
 def test_engine_tests_counts_each_engine_apart() -> None:
     table = engine_tests(SUMMARY).splitlines()
-    assert table[2] == "| vllm | 2 | 0 | 0  |"
+    assert table[2] == "| vllm | 2 | 0 | 0 |"
     assert table[3] == "| megatron | 0 | 1 | 2 (could not import 'transformer_engine') |"
     assert table[4] == "| other | 1 | 0 | 1 (needs Hopper) |"
