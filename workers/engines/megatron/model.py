@@ -19,15 +19,15 @@ parameters) and Megatron's DDP; the optimizer is Megatron's Adam with float32 ma
 
 The full state (global Megatron names, whole tensors) goes into the sharded model with
 :meth:`MegatronModel.load` (this rank's stage and tensor-parallel shard) and comes back on
-trainer 0 with :meth:`MegatronModel.gather`.
+trainer 0 with :meth:`MegatronModel.gather`; Adam's moments, sharded like the weights, likewise
+(:meth:`MegatronModel.load_adam`, :meth:`MegatronModel.gather_adam`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,97 +52,9 @@ from workers.engines.megatron.convert import (
     stage_owned,
     stage_state,
 )
+from workers.engines.megatron.groups import init_groups, trainer_device
 from workers.engines.models import build_policy
 from workers.fp8.convert import Fp8Audit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@dataclass(frozen=True)
-class Groups:
-    """This rank's place in Megatron's parallel groups (tensor x pipeline x data)."""
-
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-    tp_group: Any
-    pp_group: Any
-    dp_group: Any
-    mp_group: Any  # tensor x pipeline: the ranks that compute on the same rows
-    pp_ranks: list[int]  # global ranks of this rank's pipeline stages, by stage
-
-    @property
-    def mp_size(self) -> int:
-        return self.tp * self.pp
-
-
-def trainer_device(device: str) -> torch.device:
-    """The device of a trainer rank: a CUDA GPU (made current), or the CPU in a process that sees
-    no CUDA device (Megatron-Core allocates on "the current CUDA device" wherever it can see one,
-    so a CPU trainer beside a visible GPU would split its tensors over both)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-        torch.cuda.set_device(dev)
-        return dev
-    if dev.type == "cpu" and without_cuda.cpu_only():
-        return dev
-    raise ValueError(
-        f"the megatron trainer runs on CUDA GPUs or on the CPU of a process without CUDA, got device "
-        f"{device!r} (CUDA {'visible' if torch.cuda.is_available() else 'not available'}); set "
-        "resources.gpus_per_trainer to 1 (GPU) or 0 (CPU, where Ray hides the GPUs from the trainer)"
-    )
-
-
-def init_groups(spec: JobSpec, rank: int, device: torch.device) -> Groups:
-    """The trainers' process group (a 1-rank one for a lone trainer: NCCL on a GPU, gloo on the
-    CPU) and Megatron's groups over it."""
-    from megatron.core import parallel_state as ps
-
-    res = spec.resources
-    tp, pp = res.trainer_tensor_parallel_size, res.trainer_pipeline_parallel_size
-    if not dist.is_initialized():
-        if rank != 0:
-            raise RuntimeError(
-                f"MegatronTrainer rank {rank}: torch.distributed is not initialized; the trainer actor "
-                "must join the trainers' process group first (workers.actors)"
-            )
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    if ps.model_parallel_is_initialized() and (
-        ps.get_tensor_model_parallel_world_size() != tp or ps.get_pipeline_model_parallel_world_size() != pp
-    ):
-        ps.destroy_model_parallel()
-    if not ps.model_parallel_is_initialized():
-        world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(
-                f"{world} trainers do not split into tensor x pipeline parallel groups of {tp} x {pp}; "
-                "set resources.trainers to a multiple of their product"
-            )
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    pp_group = ps.get_pipeline_model_parallel_group()
-    return Groups(
-        tp=tp,
-        pp=pp,
-        dp=ps.get_data_parallel_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=pp_group,
-        dp_group=ps.get_data_parallel_group(),
-        mp_group=ps.get_model_parallel_group(),
-        pp_ranks=dist.get_process_group_ranks(pp_group),
-    )
 
 
 class MegatronModel:
@@ -272,10 +184,9 @@ class MegatronModel:
 
     # -- the full state ----------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def load(self, full: dict[str, torch.Tensor]) -> None:
-        """Load a full Megatron state (global names): this rank's stage and shard into the
-        parameters and, exactly, into the float32 main weights."""
+    def _shards(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's stage and tensor-parallel shard of a full Megatron state (global names), by
+        local parameter name, float32 on the device."""
         g = self.groups
         local = stage_state(full, self.shapes, g.pp, g.pp_rank)
         params = dict(self.gpt.named_parameters())
@@ -284,32 +195,84 @@ class MegatronModel:
                 f"the Megatron model's parameters differ from the mapped state: missing "
                 f"{sorted(set(params) - set(local))[:5]}, unexpected {sorted(set(local) - set(params))[:5]}"
             )
+        out = {}
         for name, p in params.items():
             value = shard_for_rank(name, local[name], g.tp_rank, g.tp, self.shapes)
-            value = value.to(device=self.device, dtype=torch.float32)
             if value.shape != p.shape:
                 raise ValueError(f"{name}: mapped shape {tuple(value.shape)}, model expects {tuple(p.shape)}")
-            p.copy_(value)
+            out[name] = value.to(device=self.device, dtype=torch.float32)
+        return out
+
+    @torch.no_grad()
+    def load(self, full: dict[str, torch.Tensor]) -> None:
+        """Load a full Megatron state (global names): this rank's stage and shard into the
+        parameters and, exactly, into the float32 main weights."""
+        shards = self._shards(full)
+        for name, p in self.gpt.named_parameters():
+            p.copy_(shards[name])
             main = getattr(p, "main_param", None)
             if main is not None:
-                main.copy_(value)
+                main.copy_(shards[name])
 
     @torch.no_grad()
     def gather(self, master: bool) -> dict[str, torch.Tensor]:
         """The full Megatron state (global names, whole tensors) on trainer 0, ``{}`` elsewhere:
         float32 main weights (``master``) or the compute copies (BF16, or float32 when the model
-        computes in float32). Tensor-parallel shards are all-gathered in their group, stages send
-        theirs to trainer 0 in :func:`stage_owned` order."""
+        computes in float32)."""
+        if master:
+            return self._gather(lambda p: getattr(p, "main_param", p), torch.float32)
+        return self._gather(lambda p: p, self.compute_dtype)
+
+    def _adam(self) -> Any:
+        """The torch Adam inside Megatron's optimizer: its state is keyed by the main weights."""
+        return self.optimizer.optimizer
+
+    @torch.no_grad()
+    def gather_adam(self) -> tuple[int, dict[str, dict[str, torch.Tensor]]] | None:
+        """``(steps taken, {"exp_avg": full state, "exp_avg_sq": full state})`` of Adam on
+        trainer 0 (``(steps, {})`` elsewhere), or ``None`` before the first step. Every trainer
+        must call it (the moments are sharded like the weights)."""
+        state = self._adam().state
+        if not state:
+            return None
+        steps = int(next(iter(state.values()))["step"])
+
+        def moment(key: str) -> Callable[[Any], torch.Tensor]:
+            return lambda p: state[getattr(p, "main_param", p)][key]
+
+        moments = {key: self._gather(moment(key), torch.float32) for key in ("exp_avg", "exp_avg_sq")}
+        return steps, (moments if moments["exp_avg"] else {})
+
+    @torch.no_grad()
+    def load_adam(self, steps: int, moments: dict[str, dict[str, torch.Tensor]] | None) -> None:
+        """Set Adam's state: ``moments`` (full, global names) after ``steps`` updates, or none (the
+        next step starts Adam afresh)."""
+        adam = self._adam()
+        adam.state.clear()
+        if moments is None:
+            return
+        shards = {key: self._shards(full) for key, full in moments.items()}
+        for name, p in self.gpt.named_parameters():
+            adam.state[getattr(p, "main_param", p)] = {
+                "step": torch.tensor(float(steps)),  # torch's Adam keeps it as a float32 host tensor
+                # copies: Adam updates them in place, and the shards may be the caller's tensors
+                "exp_avg": shards["exp_avg"][name].clone(),
+                "exp_avg_sq": shards["exp_avg_sq"][name].clone(),
+            }
+
+    def _gather(self, value: Callable[[Any], torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``value(parameter)`` of every parameter as a full state (global names, whole tensors)
+        on trainer 0, ``{}`` elsewhere. Tensor-parallel shards are all-gathered in their group,
+        stages send theirs to trainer 0 in :func:`stage_owned` order."""
         g = self.groups
         if g.dp_rank != 0:
             return {}
-        dtype = torch.float32 if master else self.compute_dtype
         tied_copy = self.shapes.tied and g.pp > 1 and g.pp_rank == g.pp - 1
         local: dict[str, torch.Tensor] = {}
         for name, p in self.gpt.named_parameters():
             if tied_copy and name == "output_layer.weight":
                 continue  # the last stage's copy of the word embeddings
-            t = (getattr(p, "main_param", p) if master else p).detach().to(dtype).contiguous()
+            t = value(p).detach().to(dtype).contiguous()
             if g.tp > 1 and parallel_kind(name) != "replicated":
                 shards = [torch.empty_like(t) for _ in range(g.tp)]
                 dist.all_gather(shards, t, group=g.tp_group)

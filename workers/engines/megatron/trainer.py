@@ -17,9 +17,9 @@ DDP's 1/DP gradient averaging, so the update is the gradient of the whole batch,
 native trainer.
 
 Departures from the native trainer, on purpose or not yet done:
-- Adam moments are not checkpointed (``state_dict()["optimizer"] is None``): a resumed run
-  restarts them. The supervised warm-up uses the same optimizer at ``warmup.lr`` (one set of main
-  weights), not a separate AdamW.
+- The supervised warm-up uses the same optimizer at ``warmup.lr`` (one set of main weights and
+  Adam moments), not a separate AdamW. Checkpoints hold Adam's moments by Hugging Face name, not
+  torch's optimizer state: a native checkpoint's optimizer state is not loaded (Adam restarts).
 - Main weights are float32 whatever ``precision.master_dtype`` says (Megatron's mixed-precision
   optimizer); ``bfloat16`` only makes the parameters BF16 at build time.
 - No KL penalty (it needs a frozen reference model; the spec refuses ``algorithm.kl.coef > 0``).
@@ -191,13 +191,35 @@ class MegatronTrainer:
         return payload
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"model": Hugging Face-named float32 main weights, "optimizer": None}`` on trainer 0
-        (an empty model elsewhere; every trainer must call it). Adam moments are not saved."""
+        """On trainer 0 (empty elsewhere; every trainer must call it), Hugging Face names:
+        ``{"model": float32 main weights, "optimizer": {"steps": Adam's step count, "exp_avg":
+        .., "exp_avg_sq": ..} (None before the first step)}``."""
         full = self.model.gather(master=True)
-        model = {} if dist.get_rank() != 0 else megatron_to_hf(full, self.model.shapes)
-        return {"model": {k: v.clone() for k, v in model.items()}, "optimizer": None}
+        adam = self.model.gather_adam()
+        if dist.get_rank() != 0:
+            return {"model": {}, "optimizer": None}
+        model = megatron_to_hf(full, self.model.shapes)
+        optimizer = None
+        if adam is not None:
+            steps, moments = adam
+            optimizer = {"steps": steps} | {
+                key: _copy(megatron_to_hf(full, self.model.shapes)) for key, full in moments.items()
+            }
+        return {"model": _copy(model), "optimizer": optimizer}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load Hugging Face-named weights (this trainer's or a native one's checkpoint) on every
-        trainer. The optimizer restarts: Adam moments were not saved."""
-        self.model.load(hf_to_megatron(state["model"], self.model.shapes))
+        """Load Hugging Face-named weights on every trainer: this trainer's checkpoint (Adam's
+        moments too) or a native one's (whose optimizer state does not map: Adam starts afresh)."""
+        shapes = self.model.shapes
+        self.model.load(hf_to_megatron(state["model"], shapes))
+        opt = state.get("optimizer")
+        if isinstance(opt, dict) and "exp_avg" in opt:
+            moments = {key: hf_to_megatron(opt[key], shapes) for key in ("exp_avg", "exp_avg_sq")}
+            self.model.load_adam(int(opt["steps"]), moments)
+        else:
+            self.model.load_adam(0, None)
+
+
+def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's own tensors: the gathered ones may be the live weights and moments."""
+    return {k: v.clone() for k, v in state.items()}

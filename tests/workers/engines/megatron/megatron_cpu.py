@@ -108,6 +108,15 @@ def assert_same_stats(got: Mapping[str, Any], expected: Mapping[str, Any]) -> No
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6 if key == "train/loss" else 1e-8), key
 
 
+def assert_same_state(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Two checkpoints hold the same bits (weights, Adam's steps and moments)."""
+    assert got["model"].keys() == expected["model"].keys()
+    assert all(torch.equal(got["model"][k], v) for k, v in expected["model"].items())
+    assert got["optimizer"]["steps"] == expected["optimizer"]["steps"]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(got["optimizer"][key][k], v) for k, v in expected["optimizer"][key].items())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -154,8 +154,10 @@ def install_fake_megatron(monkeypatch: pytest.MonkeyPatch, spec: JobSpec, vocab:
                 p.main_param = p.detach().float().clone()  # type: ignore[attr-defined]
             mains = [p.main_param for p in self.params]  # type: ignore[attr-defined]
             betas = (config.adam_beta1, config.adam_beta2)
-            self.inner = torch.optim.AdamW(mains, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
-            self.param_groups = self.inner.param_groups
+            self.optimizer = torch.optim.AdamW(
+                mains, lr=config.lr, betas=betas, weight_decay=config.weight_decay
+            )
+            self.param_groups = self.optimizer.param_groups
 
         def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
             return loss  # BF16: loss scale 1
@@ -169,7 +171,7 @@ def install_fake_megatron(monkeypatch: pytest.MonkeyPatch, spec: JobSpec, vocab:
             for p, main in zip(self.params, mains, strict=True):
                 main.grad = p.main_grad  # type: ignore[attr-defined]
             norm = torch.nn.utils.clip_grad_norm_(mains, self.config.clip_grad)
-            self.inner.step()
+            self.optimizer.step()
             with torch.no_grad():
                 for p, main in zip(self.params, mains, strict=True):
                     p.copy_(main)

@@ -45,6 +45,7 @@ from tests.workers.engines.megatron.megatron_cpu import (
     REWARDS,
     TOK,
     VOCAB,
+    assert_same_state,
     assert_same_stats,
     cpu_spec,
     fixed_batch,
@@ -336,17 +337,57 @@ def test_the_factory_builds_an_fp8_gen_trainer_that_sends_fp8_weights(no_group: 
     assert metrics["mismatch/token_mult_prob_error"] < 1.05  # NVIDIA's healthy bound
 
 
-def test_a_checkpoint_round_trips(group: Any) -> None:
+def test_a_checkpoint_round_trips_and_resumes_exactly(group: Any, float32_native: None) -> None:
+    """The checkpoint holds the float32 main weights and Adam's moments by Hugging Face name (the
+    native trainer's moments after the same step); loading it, into this trainer or a new one,
+    and taking the next step gives the same bits as never having stopped."""
     spec = cpu_spec("qwen2")
     state = hf_state(random_hf_model(spec))
-    meg = megatron(spec, state)
+    meg, nat = megatron(spec, state), native(spec, state)
+    assert meg.state_dict()["optimizer"] is None  # no step yet: no moments
+    first, second = fixed_batch(seed=5), fixed_batch(seed=6)
+    meg.train_step(first, REWARDS, 1.0)
+    nat.train_step(first, REWARDS, 1.0)
     saved = meg.state_dict()
-    assert saved["optimizer"] is None  # Adam moments are not saved (see the trainer's docstring)
-    meg.train_step(fixed_batch(), REWARDS, 1.0)
-    moved = meg.state_dict()["model"]
-    assert any(not torch.equal(moved[k], v) for k, v in saved["model"].items())
-    meg.load_state_dict(saved)
-    assert all(torch.equal(meg.state_dict()["model"][k], v) for k, v in saved["model"].items())
-    nat = native(spec, state)  # a native checkpoint loads too
-    meg.load_state_dict({"model": nat.model.state_dict(), "optimizer": None})
-    assert all(torch.equal(meg.state_dict()["model"][k], v) for k, v in state.items())
+    assert saved["optimizer"]["steps"] == 1
+    for name, p in nat.model.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = nat.optimizer.state[p][key]
+            got = saved["optimizer"][key][name]
+            assert float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max()), (key, name)
+    meg.train_step(second, REWARDS, 1.0)
+    uninterrupted = meg.state_dict()
+    for trainer in (meg, megatron(spec)):  # this trainer, and a new one (a resumed run)
+        trainer.load_state_dict(saved)
+        assert_same_state(trainer.state_dict(), saved)
+        trainer.train_step(second, REWARDS, 1.0)
+        assert_same_state(trainer.state_dict(), uninterrupted)
+    meg.load_state_dict(nat.state_dict())  # a native checkpoint: its weights, Adam afresh
+    assert meg.state_dict()["optimizer"] is None
+    loaded = meg.state_dict()["model"]
+    assert all(torch.equal(loaded[k], v) for k, v in nat.model.named_parameters())
+
+
+def test_the_trainer_actor_runs_one_megatron_trainer(no_group: Any, tmp_path: Any) -> None:
+    """``TrainerWorker.setup`` as the job calls it on the CPU (a gloo group of the one trainer),
+    then a step and a checkpoint that loads back exactly (two trainers: test_megatron_parallel)."""
+    import torch.distributed as dist
+
+    from tests.workers.engines.megatron.megatron_cpu import free_port
+    from workers.actors import TrainerWorker
+
+    threads = torch.get_num_threads()  # the actor shares the cores out between its actors
+    try:
+        worker = TrainerWorker(cpu_spec("llama").model_dump_json(), 0, 2, VOCAB)  # + one generator
+        audit = worker.setup(f"tcp://127.0.0.1:{free_port()}", "gloo")
+        assert dist.get_backend() == "gloo" and dist.get_world_size() == 1 and worker.dp_group is None
+        assert isinstance(worker.engine, MegatronTrainer) and "input_layernorm" in audit["table"]
+        logp_old, stats = worker.train_step(fixed_batch(), REWARDS)
+        assert logp_old.shape == (8, 6) and stats["train/tokens"] == float(fixed_batch().response_mask.sum())
+        worker.save(str(tmp_path))
+        saved = worker.engine.state_dict()
+        worker.train_step(fixed_batch(seed=1), REWARDS)
+        worker.load(str(tmp_path))
+        assert_same_state(worker.engine.state_dict(), saved)
+    finally:
+        torch.set_num_threads(threads)

@@ -3,9 +3,10 @@ process, and the trainer actor's setup with two trainers (data or tensor paralle
 
 Float32 compute for the comparisons with one process: tensor parallelism splits GEMMs and the
 vocabulary, so only the order of float32 additions changes (an all-reduce of two partial sums
-instead of one sum): log-probs and logits to 2e-5 [measured ~1e-6], the step's statistics to 1e-5
-relative, updated weights to 5e-2 x lr where a gradient is within reach of Adam's epsilon and
-1e-3 x lr elsewhere (see test_megatron_cpu.py). Each spawn takes ~10 s on two cores: slow.
+instead of one sum). Bounds as in test_megatron_cpu.py, measured here in brackets: log-probs and
+logits to 2e-5 [TP=2: 1.4e-6; PP=2: 0], the step's statistics to 1e-5 relative, updated weights to
+5e-2 x lr [TP=2: 2.8e-3 x lr; PP=2: 4.5e-5 x lr], Adam's moments to 1e-5 of the largest. Each
+spawn takes ~10 s on two cores: slow.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ pytest.importorskip(
 from tests.workers.engines.megatron.megatron_cpu import (
     REWARDS,
     VOCAB,
+    assert_same_state,
     assert_same_stats,
     cpu_spec,
     fixed_batch,
@@ -100,7 +102,7 @@ def _parallel_rank(rank: int, world: int, port: int, out: Path, tp: int, pp: int
             "logp": logp,
             "stats": step.stats,
             "old": step.logprobs_old,
-            "state": meg.state_dict()["model"],
+            "state": meg.state_dict(),
         }
 
     _guarded(work, rank, out)
@@ -133,7 +135,7 @@ def one_process() -> Iterator[dict[str, Any]]:
             "logp": logp,
             "stats": step.stats,
             "old": step.logprobs_old,
-            "state": meg.state_dict()["model"],
+            "state": meg.state_dict(),
         }
     finally:
         next(group, None)
@@ -149,12 +151,18 @@ def test_two_ranks_equal_one(tmp_path: Path, one_process: dict[str, Any], tp: in
     torch.testing.assert_close(torch.cat([r["old"] for r in ranks]), one_process["old"], atol=2e-5, rtol=0)
     assert ranks[0]["stats"] == ranks[1]["stats"]  # the whole batch's statistics on each trainer
     assert_same_stats(ranks[0]["stats"], one_process["stats"])
-    state, expected = ranks[0]["state"], one_process["state"]
-    assert ranks[1]["state"] == {}  # trainer 0 holds the gathered checkpoint
+    state, expected = ranks[0]["state"]["model"], one_process["state"]["model"]
+    assert ranks[1]["state"]["model"] == {}  # trainer 0 holds the gathered checkpoint
     assert state.keys() == expected.keys()
     worst = max(float((state[k] - v).abs().max()) for k, v in expected.items())
     print(f"tp={tp} pp={pp}: updated weights max diff {worst / lr:.2e} x lr")
     assert worst <= 5e-2 * lr
+    # Adam's moments, gathered from the shards: 0.1 x g and 0.001 x g^2 after one step
+    for key in ("exp_avg", "exp_avg_sq"):
+        got, want = ranks[0]["state"]["optimizer"][key], one_process["state"]["optimizer"][key]
+        assert got.keys() == want.keys()
+        largest = max(float(v.abs().max()) for v in want.values())
+        assert max(float((got[k] - v).abs().max()) for k, v in want.items()) <= 1e-5 * largest, key
 
 
 def test_tensor_parallel_logits_are_the_vocabulary_shards(tmp_path: Path) -> None:
@@ -200,7 +208,7 @@ def _actor_rank(rank: int, world: int, port: int, out: Path, resources: dict[str
         audit = worker.setup(f"tcp://127.0.0.1:{port}", "gloo")  # the job's collective backend on CPU
         logp_old, stats = worker.train_step(rows_of(fixed_batch(), rank, world), rows_of_rewards(rank, world))
         worker.save(str(out))  # every trainer gathers; trainer 0 writes trainer.pt
-        saved = worker.engine.state_dict()["model"]
+        saved = worker.engine.state_dict()
         worker.train_step(rows_of(fixed_batch(seed=1), rank, world), rows_of_rewards(rank, world))
         worker.load(str(out))
         return {
@@ -208,7 +216,7 @@ def _actor_rank(rank: int, world: int, port: int, out: Path, resources: dict[str
             "logp_old": logp_old,
             "stats": stats,
             "saved": saved,
-            "reloaded": worker.engine.state_dict()["model"],
+            "reloaded": worker.engine.state_dict(),
         }
 
     _guarded(work, rank, out)
@@ -230,6 +238,6 @@ def test_the_trainer_actor_runs_two_megatron_trainers(tmp_path: Path, resources:
     logp_old = torch.cat([r["logp_old"] for r in ranks])
     assert logp_old.shape == batch.logprobs.shape and not (logp_old * (1 - batch.response_mask)).any()
     assert "decoder.layers.0.input_layernorm" in ranks[0]["audit"]  # the local layer spec
-    saved, reloaded = ranks[0]["saved"], ranks[0]["reloaded"]
-    assert (tmp_path / "trainer.pt").exists() and ranks[1]["reloaded"] == {}
-    assert saved.keys() == reloaded.keys() and all(torch.equal(reloaded[k], v) for k, v in saved.items())
+    assert (tmp_path / "trainer.pt").exists() and ranks[1]["reloaded"]["model"] == {}
+    assert ranks[0]["saved"]["optimizer"]["steps"] == 1
+    assert_same_state(ranks[0]["reloaded"], ranks[0]["saved"])  # weights and Adam's moments
