@@ -74,6 +74,12 @@ class MegatronModel:
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             os.environ.update(fp8_environment(spec))  # before Transformer Engine is first imported
+        elif spec.precision.recipe == "fp8-e2e":  # never a silent BF16 fallback
+            raise ValueError(
+                "precision.recipe fp8-e2e trains with Transformer Engine's FP8 GEMMs, which need a CUDA "
+                "GPU, but this trainer runs on the CPU: set precision.recipe bf16 or fp8-gen, or give the "
+                "trainer a GPU (resources.gpus_per_trainer: 1)"
+            )
         elif compute_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"compute_dtype {compute_dtype}: the CPU trainer computes in BF16 or float32")
         self.groups = init_groups(spec, rank, self.device)
@@ -101,7 +107,7 @@ class MegatronModel:
             self._check_te_scales()
             tensor_parallel.model_parallel_cuda_manual_seed(spec.model.init_seed)
         else:
-            without_cuda.seed_without_cuda_rng(spec.model.init_seed)
+            without_cuda.rng_tracker_without_cuda()
         self.cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
         # both engines start from the same weights: the native builder's (pretrained or seeded)
         hf_model = build_policy(spec, vocab_size, torch.float32, "cpu")

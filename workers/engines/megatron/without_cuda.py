@@ -13,12 +13,12 @@ Megatron's own switches, preferred to patches:
   (``tensor_parallel/layers.py:261`` and the other ``device=torch.cuda.current_device()`` branches
   of the parallel layers; ``models/common/embeddings/rotary_pos_embedding.py:77``). The fused CUDA
   kernels (``gradient_accumulation_fusion``: ``tensor_parallel/layers.py:46``;
-  ``masked_softmax_fusion``: ``fusions/fused_softmax.py``; ``bias_activation_fusion``,
+  ``masked_softmax_fusion``: ``fusions/fused_softmax.py:31``; ``bias_activation_fusion``,
   ``bias_dropout_fusion``, ``apply_rope_fusion``, ``cross_entropy_loss_fusion``) are pinned off:
   their torch fallbacks are what runs. ``batch_p2p_sync=False``: pipeline stages' batched
   send/receive without the ``torch.cuda.synchronize()`` after it
   (``pipeline_parallel/p2p_communication.py:398``), a guard for old CUDA streams.
-- :func:`seed_without_cuda_rng`: Megatron's no-op RNG tracker instead of
+- :func:`rng_tracker_without_cuda`: Megatron's no-op RNG tracker instead of
   ``tensor_parallel.model_parallel_cuda_manual_seed`` (``tensor_parallel/random.py:378``, which
   seeds CUDA generators through ``torch.cuda.get_rng_state``, ``random.py:235``).
 - :func:`causal_mask`: an explicit causal attention mask; without one the local attention builds
@@ -29,7 +29,7 @@ Megatron's own switches, preferred to patches:
   gloo lacks.
 - The process groups are gloo (the trainers' default group is; Megatron's subgroups inherit its
   backend). ``multi_tensor_applier`` needs nothing: without TE or Apex Megatron falls back to its
-  own ``local_multi_tensor_*`` (``optimizer/clip_grads.py:35``, ``optimizer/optimizer.py:28``) and
+  own ``local_multi_tensor_*`` (``optimizer/clip_grads.py:35``, ``optimizer/optimizer.py:30``) and
   to ``torch.optim.AdamW`` (``optimizer/__init__.py:24``).
 
 Patches, applied inside :func:`cuda_calls_on_cpu` only and undone on exit (the trainer enters it
@@ -37,8 +37,16 @@ around each call into Megatron-Core: building, the schedule, the optimizer step)
 
 - :func:`_current_device_is_the_cpu`: ``torch.cuda.current_device()`` answers the CPU device.
 - :class:`_CudaTensorsOnCpu` (a ``TorchFunctionMode``): a tensor factory called with a CUDA
-  ``device`` makes its tensor on the CPU, and ``Tensor.type()`` answers a CPU tensor's CUDA type
-  name (Megatron's optimizer sorts parameters by those names).
+  ``device`` makes its tensor on the CPU, ``Tensor.cuda()`` leaves a CPU tensor where it is, and
+  ``Tensor.type()`` answers a CPU tensor's CUDA type name (Megatron's optimizer sorts parameters
+  by those names).
+
+The device rewrites only answer calls that would otherwise fail (torch without CUDA raises on
+each), so nothing that already runs on the CPU changes. The type names do change an answer, inside
+Megatron's calls only; Megatron-Core asks ``Tensor.type()`` only to check that a tensor is a CUDA
+one of some dtype (``optimizer/optimizer.py:671,690``, ``optimizer/clip_grads.py:167``,
+``optimizer/distrib_optimizer.py``). The trainer's results are checked against the Hugging Face
+model and the native trainer (tests/workers/engines/megatron/test_megatron_cpu.py).
 
 Not run on CPU (not used by the trainer there): Transformer Engine (its layer spec, FP8, its RNG
 tracker), every fused CUDA kernel above, CUDA graphs, the distributed optimizer, overlapped
@@ -74,22 +82,21 @@ def cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-def seed_without_cuda_rng(seed: int) -> None:
+def rng_tracker_without_cuda() -> None:
     """Stands in for ``tensor_parallel.model_parallel_cuda_manual_seed`` (``tensor_parallel/
     random.py:378``), which seeds CUDA generators. Megatron's inference tracker
     (``initialize_rng_tracker(inference_rng_tracker=True)``, ``random.py:286``) forks nothing:
     the layers' ``get_cuda_rng_tracker().fork()`` (dropout regions, ``transformer/
     dot_product_attention.py:217``) become no-ops. That is exact here: every dropout is 0, and
-    every weight is loaded, never drawn. The CPU generator is seeded for anything else."""
+    every weight is loaded, never drawn, so no random number is ever asked for."""
     from megatron.core.tensor_parallel import random
 
     random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(seed)
 
 
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """``[1, 1, T, T]`` bool, True where a query must not see a key (a later position): Megatron's
-    mask convention (``transformer/utils.py:attention_mask_func`` fills True). Passed to the model
+    mask convention (``transformer/utils.py:49``, ``attention_mask_func``, fills True). Passed to the model
     so the local attention does not build its default mask on ``"cuda"``
     (``fusions/fused_softmax.py:327``, ``transformer/utils.py:35``)."""
     pos = torch.arange(length, device=device)

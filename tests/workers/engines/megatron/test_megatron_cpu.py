@@ -391,3 +391,11 @@ def test_the_trainer_actor_runs_one_megatron_trainer(no_group: Any, tmp_path: An
         assert_same_state(worker.engine.state_dict(), saved)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_fp8_e2e_is_refused_on_the_cpu(no_group: Any) -> None:
+    """The spec refuses fp8-e2e with gpus_per_trainer 0; a trainer that asked for a GPU but got
+    the CPU (no CUDA visible) refuses it too, rather than train BF16 silently."""
+    spec = cpu_spec("llama", "fp8-e2e", resources={"gpus_per_trainer": 1})
+    with pytest.raises(ValueError, match=r"fp8-e2e .* need a CUDA GPU"):
+        MegatronTrainer(spec, VOCAB, "cpu")
