@@ -1,4 +1,4 @@
-"""The Megatron-Core model of one trainer rank: process groups, model, optimizer and its full state.
+"""The Megatron-Core model of one trainer rank: GPTModel, DDP, optimizer and the full state.
 
 Megatron-Core (and Transformer Engine) are imported inside the methods, so this module imports
 anywhere (the pure parts live in :mod:`workers.engines.megatron.convert` and
