@@ -7,7 +7,7 @@ branches on the engine.
 - ``resources.generator_engine``: ``native`` (the torch generator of this package, CPU or GPU) or
   ``vllm`` (:mod:`workers.engines.vllm.generator`);
 - ``resources.trainer_engine``: ``native`` (CPU or GPU) or ``megatron`` (Megatron-Core +
-  Transformer Engine, :mod:`workers.engines.megatron.trainer`).
+  Transformer Engine on GPUs, Megatron-Core alone on the CPU, :mod:`workers.engines.megatron.trainer`).
 
 An engine whose packages are not installed fails when the job starts (:func:`check_engines`,
 called by the driver before Ray does any work) with a message naming the field, the missing
@@ -100,6 +100,9 @@ def check_engines(spec: JobSpec) -> None:
         if engine == "native":
             continue
         field, packages = ENGINES[engine]
+        if engine == "megatron" and spec.resources.gpus_per_trainer == 0:
+            # on the CPU Megatron-Core runs its local layer spec: Transformer Engine needs CUDA
+            packages = [(module, pkg) for module, pkg in packages if module != "transformer_engine"]
         missing = [pkg for module, pkg in packages if not _installed(module)]
         if missing:
             raise EngineUnavailable(

@@ -90,6 +90,20 @@ def test_the_weight_channel_is_for_vllm_and_megatron_jobs() -> None:
     assert factory.weight_receivers(tp2) == 2 and factory.weight_receivers(gpu_spec("megatron")) == 1
 
 
+def test_megatron_on_the_cpu_needs_megatron_core_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU Megatron-Core runs its local layer spec: Transformer Engine (CUDA only) is not
+    asked for."""
+    spec = parse_spec(
+        {"model": TINY, "precision": {"recipe": "bf16"}, "resources": {"trainer_engine": "megatron"}}
+    )
+    monkeypatch.setattr(factory, "_installed", lambda module: module != "transformer_engine")
+    check_engines(spec)
+    monkeypatch.setattr(factory, "_installed", lambda module: False)
+    with pytest.raises(EngineUnavailable) as info:
+        check_engines(spec)
+    assert "megatron-core" in str(info.value) and "transformer-engine" not in str(info.value)
+
+
 def test_adapters_are_not_imported_with_workers() -> None:
     import subprocess
     import sys

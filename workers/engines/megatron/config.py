@@ -4,13 +4,19 @@
 layout helpers need (:class:`MegatronShapes`), the models the adapter refuses (with the field to
 change), and the environment Transformer Engine must see before it is imported. Pure: nothing
 here imports Megatron-Core or Transformer Engine.
+
+Two layer specs, two parameter layouts (:data:`Layout`): ``te`` (Transformer Engine's spec, the
+GPU path) fuses each RMSNorm into the linear after it (``linear_qkv.layer_norm_weight``,
+``linear_fc1.layer_norm_weight``); ``local`` (Megatron-Core's own modules, the CPU path) keeps
+them as modules of their own (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``). Every
+other name and every layout is the same in both.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +32,8 @@ VOCAB_MULTIPLE = 128
 # Megatron-Core's llama3 RoPE scaling takes only the factor; these are fixed in its code
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
 _NATIVE = "use resources.trainer_engine: native for this model"
+
+Layout = Literal["te", "local"]  # Transformer Engine's layer spec | Megatron-Core's local one
 
 
 # -- configs ----------------------------------------------------------------------------------------
@@ -72,15 +80,24 @@ class MegatronShapes:
     padded_vocab: int  # Megatron's embedding / output-layer rows
     tied: bool
     qkv_bias: bool
+    layout: Layout = "te"  # which layer spec's parameter names (see the module docstring)
 
     @property
     def heads_per_group(self) -> int:
         return self.heads // self.kv_heads
 
+    @property
+    def norm_names(self) -> tuple[str, str]:
+        """The layer's two RMSNorm weights (before attention, before the MLP), layer-relative."""
+        if self.layout == "te":
+            return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+        return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+
     @classmethod
-    def from_hf(cls, hf_config: Any, tp: int = 1) -> MegatronShapes:
-        """Shapes of a Hugging Face Llama/Qwen2 config trained with ``tp`` tensor-parallel ranks;
-        raises ``ValueError`` (field path and what to do) for what the trainer cannot run."""
+    def from_hf(cls, hf_config: Any, tp: int = 1, layout: Layout = "te") -> MegatronShapes:
+        """Shapes of a Hugging Face Llama/Qwen2 config trained with ``tp`` tensor-parallel ranks
+        on ``layout``'s layer spec; raises ``ValueError`` (field path and what to do) for what the
+        trainer cannot run."""
         check_supported(hf_config)
         heads, kv_heads = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
         ffn = int(hf_config.intermediate_size)
@@ -104,6 +121,7 @@ class MegatronShapes:
             padded_vocab=-(-vocab // multiple) * multiple,
             tied=bool(hf_config.tie_word_embeddings),
             qkv_bias=hf_config.model_type == "qwen2",
+            layout=layout,
         )
 
 
@@ -135,8 +153,12 @@ def check_supported(hf_config: Any) -> None:
     rope_scaling_factor(hf_config)
 
 
-def transformer_config_kwargs(hf_config: Any, spec: JobSpec) -> dict[str, Any]:
-    """Keyword arguments of Megatron-Core's ``TransformerConfig`` for this model and job."""
+def transformer_config_kwargs(
+    hf_config: Any, spec: JobSpec, compute_dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """Keyword arguments of Megatron-Core's ``TransformerConfig`` for this model and job, computing
+    in ``compute_dtype`` (BF16: Megatron's ``Float16Module`` and mixed-precision optimizer; float32:
+    neither, the parameters are the float32 main weights)."""
     res, precision = spec.resources, spec.precision
     tp, pp = res.trainer_tensor_parallel_size, res.trainer_pipeline_parallel_size
     s = MegatronShapes.from_hf(hf_config, tp)
@@ -160,14 +182,14 @@ def transformer_config_kwargs(hf_config: Any, spec: JobSpec) -> dict[str, Any]:
         add_qkv_bias=s.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bf16=True,
+        bf16=compute_dtype == torch.bfloat16,
         params_dtype=torch.float32 if precision.master_dtype == "float32" else torch.bfloat16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=False,
     )
     if pp > 1:
-        kwargs["pipeline_dtype"] = torch.bfloat16  # activations sent between stages
+        kwargs["pipeline_dtype"] = compute_dtype  # activations sent between stages
     if precision.recipe != "fp8-e2e":
         kwargs["fp8"] = None
         return kwargs
@@ -224,14 +246,15 @@ def megatron_state_shapes(cfg: MegatronShapes) -> dict[str, tuple[int, ...]]:
     }
     if not cfg.tied:
         shapes["output_layer.weight"] = (cfg.padded_vocab, cfg.hidden)
+    attn_norm, mlp_norm = cfg.norm_names
     for i in range(cfg.layers):
         m = f"decoder.layers.{i}."
-        shapes[m + "self_attention.linear_qkv.layer_norm_weight"] = (cfg.hidden,)
+        shapes[m + attn_norm] = (cfg.hidden,)
         shapes[m + "self_attention.linear_qkv.weight"] = (qkv, cfg.hidden)
         if cfg.qkv_bias:
             shapes[m + "self_attention.linear_qkv.bias"] = (qkv,)
         shapes[m + "self_attention.linear_proj.weight"] = (cfg.hidden, cfg.heads * cfg.head_dim)
-        shapes[m + "mlp.linear_fc1.layer_norm_weight"] = (cfg.hidden,)
+        shapes[m + mlp_norm] = (cfg.hidden,)
         shapes[m + "mlp.linear_fc1.weight"] = (2 * cfg.ffn, cfg.hidden)
         shapes[m + "mlp.linear_fc2.weight"] = (cfg.hidden, cfg.ffn)
     return shapes
@@ -241,16 +264,28 @@ _GEMMS = ("fprop", "dgrad", "wgrad")
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
-def megatron_audit(shapes: MegatronShapes, precision: PrecisionSpec, device: str = "") -> Fp8Audit:
-    """One row per parameter-holding module of the full model, with its precision and why."""
+def megatron_audit(
+    shapes: MegatronShapes,
+    precision: PrecisionSpec,
+    device: str = "",
+    compute_dtype: torch.dtype = torch.bfloat16,
+) -> Fp8Audit:
+    """One row per parameter-holding module of the full model, with its precision and why
+    (``compute_dtype``: what the trainer computes in outside FP8 layers)."""
     fp8 = precision.recipe == "fp8-e2e"
     first, last = precision.keep_bf16_layers
     audit = Fp8Audit(recipe=precision.recipe, device=device)
     weights = megatron_state_shapes(shapes)
+    compute = str(compute_dtype).removeprefix("torch.")
+    # the module holding each RMSNorm weight, by the linear it comes before
+    # (te: "...linear_qkv.layer_norm_weight" -> "...linear_qkv.layer_norm"; local: "input_layernorm")
+    norm_modules = (n.removesuffix("_weight").removesuffix(".weight") for n in shapes.norm_names)
+    norms = dict(zip(("linear_qkv", "linear_fc1"), norm_modules, strict=True))
 
     def high(name: str, kind: str, shape: tuple[int, ...], reason: str) -> None:
-        size = 2 * math.prod(shape)  # BF16 compute copy (float32 main weights live in the optimizer)
-        audit.rows.append(AuditRow(name, kind, "bfloat16", reason, shape, size, size))
+        # the compute copy (with BF16, float32 main weights live in the optimizer)
+        size = compute_dtype.itemsize * math.prod(shape)
+        audit.rows.append(AuditRow(name, kind, compute, reason, shape, size, size))
 
     high(
         "embedding.word_embeddings",
@@ -259,15 +294,17 @@ def megatron_audit(shapes: MegatronShapes, precision: PrecisionSpec, device: str
         "embeddings stay high precision",
     )
     for i in range(shapes.layers):
-        reason = None if fp8 else f"recipe {precision.recipe}: the trainer runs BF16"
+        runs = "BF16" if compute_dtype == torch.bfloat16 else compute
+        reason = None if fp8 else f"recipe {precision.recipe}: the trainer runs {runs}"
         if fp8 and i < first:
             reason = f"decoder layer {i} is among the first {first} kept in BF16"
         elif fp8 and i >= shapes.layers - last:
             reason = f"decoder layer {i} is among the last {last} kept in BF16"
         for module in _LINEARS:
             name = f"decoder.layers.{i}.{module}"
-            if module.endswith(("linear_qkv", "linear_fc1")):
-                high(f"{name}.layer_norm", "norm", (shapes.hidden,), "norms stay high precision")
+            norm = norms.get(module.rsplit(".", 1)[-1])
+            if norm is not None:  # the RMSNorm before the linear (fused into it with TE)
+                high(f"decoder.layers.{i}.{norm}", "norm", (shapes.hidden,), "norms stay high precision")
             shape = weights[f"{name}.weight"]
             if reason is not None:
                 high(name, "linear", shape, reason)
@@ -283,7 +320,7 @@ def megatron_audit(shapes: MegatronShapes, precision: PrecisionSpec, device: str
     head = (shapes.padded_vocab, shapes.hidden)
     if shapes.tied:
         tied = "tied to the word embeddings (high precision)"
-        audit.rows.append(AuditRow("output_layer", "lm_head", "bfloat16", tied, head, 0, 0))
+        audit.rows.append(AuditRow("output_layer", "lm_head", compute, tied, head, 0, 0))
     else:
         high("output_layer", "lm_head", head, "lm_head stays high precision (logits are precision-sensitive)")
     if audit.fp8_layers:

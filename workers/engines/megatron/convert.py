@@ -5,7 +5,8 @@ configuration is in :mod:`workers.engines.megatron.config`).
 Nothing here imports Megatron-Core or Transformer Engine, so all of it is tested on CPU; the
 adapter (:mod:`workers.engines.megatron.trainer`) wires it to the real model.
 
-Layouts (Megatron-Core 0.16 with the Transformer Engine layer spec; Hugging Face Llama/Qwen2):
+Layouts (Megatron-Core 0.16, Transformer Engine's layer spec or its local one; Hugging Face
+Llama/Qwen2):
 
 - ``linear_qkv.weight`` ``[(nq + 2*ng) * d, H]`` is interleaved *per query group*: for each of
   the ``ng`` groups, that group's ``nq/ng`` query heads, then its key head, then its value head
@@ -15,7 +16,9 @@ Layouts (Megatron-Core 0.16 with the Transformer Engine layer spec; Hugging Face
   under tensor parallelism rank ``r`` holds ``[gate_r; up_r]``, not a slice of ``[gate; up]``.
 - Column-parallel (split along dim 0): ``linear_qkv``, ``linear_fc1``, word embeddings, output
   layer (the vocabulary). Row-parallel (dim 1): ``linear_proj``, ``linear_fc2``. The RMSNorm
-  weights (fused into ``linear_qkv`` / ``linear_fc1`` as ``layer_norm_weight``) are replicated.
+  weights are replicated: with TE fused into ``linear_qkv`` / ``linear_fc1`` as
+  ``layer_norm_weight``, with the local spec ``input_layernorm`` / ``pre_mlp_layernorm`` modules
+  (:attr:`~workers.engines.megatron.config.MegatronShapes.norm_names`).
 - Pipeline stages hold consecutive layers, numbered from 0 in each stage's state dict.
 - The vocabulary is padded to a multiple of ``128 * tp``: every rank's share of the embedding and
   output layer must be equal, and 128 keeps those GEMMs tensor-core shaped. The padded rows are
@@ -43,13 +46,18 @@ from workers.fp8.quant import Fp8Tensor
 
 # -- names and layouts (full model) ------------------------------------------------------------------
 
-# per-layer one-to-one names: (Hugging Face suffix, Megatron suffix)
-_LAYER_RENAMES = (
-    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-    ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
-    ("post_attention_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
-)
+
+def _layer_renames(cfg: MegatronShapes) -> tuple[tuple[str, str], ...]:
+    """Per-layer one-to-one names: (Hugging Face suffix, Megatron suffix) in ``cfg.layout``."""
+    attn_norm, mlp_norm = cfg.norm_names
+    return (
+        ("input_layernorm.weight", attn_norm),
+        ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+        ("post_attention_layernorm.weight", mlp_norm),
+        ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+    )
+
+
 _GLOBAL_RENAMES = (
     ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
     ("model.norm.weight", "decoder.final_layernorm.weight"),
@@ -91,7 +99,7 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], cfg: MegatronShapes) -> di
         out[meg] = F.pad(t, (0, 0, 0, cfg.padded_vocab - cfg.vocab)) if meg in _VOCAB_ROWS else t
     for i in range(cfg.layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf, meg in _LAYER_RENAMES:
+        for hf, meg in _layer_renames(cfg):
             out[m + meg] = _take(state, h + hf, where)
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             q, k, v = (_take(state, f"{h}self_attn.{p}_proj.{kind}", where) for p in "qkv")
@@ -117,7 +125,7 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], cfg: MegatronShapes) -> di
         out[hf] = t[: cfg.vocab] if meg in _VOCAB_ROWS else t
     for i in range(cfg.layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf, meg in _LAYER_RENAMES:
+        for hf, meg in _layer_renames(cfg):
             out[h + hf] = _take(state, m + meg, where)
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             q, k, v = split_qkv(_take(state, f"{m}self_attention.linear_qkv.{kind}", where), cfg)
@@ -132,7 +140,7 @@ def _hf_names(cfg: MegatronShapes) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if cfg.tied else {"lm_head.weight"})
     for i in range(cfg.layers):
         h = f"model.layers.{i}."
-        names |= {h + hf for hf, _ in _LAYER_RENAMES}
+        names |= {h + hf for hf, _ in _layer_renames(cfg)}
         names |= {f"{h}self_attn.{p}_proj.weight" for p in "qkv"} | {
             f"{h}mlp.{p}_proj.weight" for p in ("gate", "up")
         }
@@ -155,7 +163,9 @@ def parallel_kind(name: str) -> str:
         return "column"
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "row"
-    if name.endswith(("layer_norm_weight", "final_layernorm.weight")):
+    if name.endswith(
+        ("layer_norm_weight", "input_layernorm.weight", "pre_mlp_layernorm.weight", "final_layernorm.weight")
+    ):
         return "replicated"
     raise ValueError(f"{name}: not a parameter of the Megatron GPT model this trainer builds")
 

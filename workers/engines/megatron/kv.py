@@ -1,9 +1,12 @@
 """FP8 KV-cache scales for vLLM from the Megatron trainer.
 
 After each step's update, one more forward over the step's rows observes every layer's K (after
-RoPE) and V at the real tokens through pre-hooks on the core attention, and the scales
-(``p99.9(|x|) x 1.05 / 448``, max-reduced over the trainers) go out with the weights, as the
-native side does (:mod:`workers.engines.native.kv_calibration`).
+RoPE) and V at the real tokens through pre-hooks on the core attention (Transformer Engine's
+``TEDotProductAttention`` on a GPU, Megatron's local ``DotProductAttention`` on the CPU: both are
+called as ``(query, key, value, attention_mask, ...)`` with ``[s, b, heads, d]`` tensors), and the
+scales (``p99.9(|x|) x 1.05 / 448``, max-reduced over the trainers) go out with the weights, as
+the native side does (:mod:`workers.engines.native.kv_calibration`). The trainer holds one only
+when :func:`workers.engines.factory.calibrates_kv` says so.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rljob.spec import JobSpec
 from workers.engines.megatron.convert import stage_layers
 from workers.engines.megatron.schedule import MegatronSchedule
 from workers.engines.models import to_device
@@ -22,50 +24,52 @@ from workers.engines.protocols import Rollouts
 from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name
 
 
-class MegatronKvCalibration(MegatronSchedule):
-    """A trainer rank that calibrates vLLM's K/V scales when the spec asks for an FP8 KV cache."""
+class MegatronKvCalibration:
+    """Pre-hooks on every core attention of this rank's stage, and the scales they calibrate."""
 
-    def __init__(self, spec: JobSpec, vocab_size: int, device: str = "cuda", rank: int = 0) -> None:
-        super().__init__(spec, vocab_size, device, rank)
-        if spec.precision.fp8_kv_cache and spec.resources.generator_engine == "vllm":
-            self._kv = KvScaleCalibrator(self.shapes.layers)
-            self._install_kv_hooks()
-
-    def _install_kv_hooks(self) -> None:
-        first = stage_layers(self.shapes.layers, self.pp, self.pp_rank).start
-        for i, layer in enumerate(self.gpt.decoder.layers):
-            hook = functools.partial(self._observe_kv, first + i)
+    def __init__(self, schedule: MegatronSchedule) -> None:
+        self.schedule = schedule
+        model = schedule.model
+        self.layers, self.device = model.shapes.layers, model.device
+        self.calibrator = KvScaleCalibrator(self.layers)
+        self.seen: set[int] = set()
+        self.rows: torch.Tensor | None = None  # real tokens of the micro-batch being calibrated on
+        g = model.groups
+        first = stage_layers(self.layers, g.pp, g.pp_rank).start
+        for i, layer in enumerate(model.gpt.decoder.layers):
+            hook = functools.partial(self._observe, first + i)
             layer.self_attention.core_attention.register_forward_pre_hook(hook, with_kwargs=True)
 
-    def _observe_kv(self, layer: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Pre-hook of TEDotProductAttention(query, key, value, ...): K after RoPE (as the cache
-        stores it) and V, ``[s, b, heads, d]``, at the real tokens of the calibration pass."""
-        rows = self._kv_rows
-        if rows is None or self._kv is None or rows.numel() == 0:
+    def _observe(self, layer: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Pre-hook of the core attention ``(query, key, value, ...)``: K after RoPE (as the cache
+        stores it) and V, ``[s, b, kv heads, d]``, at the real tokens of the calibration pass."""
+        rows = self.rows
+        if rows is None or rows.numel() == 0:
             return
         key = args[1] if len(args) > 1 else kwargs["key"]
         value = args[2] if len(args) > 2 else kwargs["value"]
         s, b = key.shape[:2]
-        self._kv.observe(
+        self.calibrator.observe(
             layer,
             key.reshape(s * b, -1).index_select(0, rows),
             value.reshape(s * b, -1).index_select(0, rows),
         )
-        self._kv_seen.add(layer)
+        self.seen.add(layer)
+
+    def _set_rows(self, mb: dict[str, Any]) -> None:
+        self.rows = mb["kv_rows"]
 
     def _no_loss(self, mb: dict[str, Any], logits: torch.Tensor) -> tuple[Any, ...]:
-        return self._scalar(0.0), self._one, {}
+        return self.schedule.scalar(0.0), self.schedule.one, {}
 
     @torch.no_grad()
-    def _calibrate_kv(self, full: Rollouts, data: dict[str, torch.Tensor]) -> None:
-        """KV-cache scales of the updated weights: one forward over the step's rows, observing
-        the real tokens (prompt and response, not padding) of every layer's K and V."""
-        if self._kv is None:
-            return
-        self._kv.reset()
-        self._kv_seen.clear()
+    def calibrate(self, full: Rollouts, data: dict[str, torch.Tensor]) -> None:
+        """K/V scales of the current weights: one forward over the step's rows, observing the real
+        tokens (prompt and response, not padding) of every layer's K and V."""
+        self.calibrator.reset()
+        self.seen.clear()
         lengths = (full.prompt_mask.sum(-1) + full.response_mask.sum(-1)).long().tolist()  # one read
-        micros = self._micros(data, 0, len(lengths))
+        micros = self.schedule.micros(data, 0, len(lengths))
         for mb in micros:
             width = mb["ids"].shape[0]  # sbhd: token t of micro-batch row r is row t * width + r
             rows = [torch.arange(lengths[mb["start"] + r]) * width + r for r in range(mb["rows"])]
@@ -73,21 +77,19 @@ class MegatronKvCalibration(MegatronSchedule):
                 torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long), self.device
             )
         try:
-            self._schedule(micros, self._no_loss, forward_only=True)
+            self.schedule.run(micros, self._no_loss, forward_only=True, before_forward=self._set_rows)
         finally:
-            self._kv_rows = None
+            self.rows = None
 
-    def _kv_scales(self) -> dict[str, torch.Tensor]:
+    def scales(self) -> dict[str, torch.Tensor]:
         """Per-layer K/V scales, max-reduced over every trainer (TP ranks see different heads, PP
         stages different layers, DP replicas different rows); 1.0 where nothing was observed."""
-        assert self._kv is not None
-        n = self.shapes.layers
-        k = torch.zeros(n, dtype=torch.float32, device=self.device)
+        k = torch.zeros(self.layers, dtype=torch.float32, device=self.device)
         v = torch.zeros_like(k)
-        for i in sorted(self._kv_seen):
-            k[i], v[i] = self._kv.layer_scales(i)
+        for i in sorted(self.seen):
+            k[i], v[i] = self.calibrator.layer_scales(i)
         for t in (k, v):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         k, v = (torch.where(t > 0, t, torch.ones_like(t)) for t in (k, v))
-        out = {kv_scale_name(i, "k"): k[i].clone() for i in range(n)}
-        return out | {kv_scale_name(i, "v"): v[i].clone() for i in range(n)}
+        out = {kv_scale_name(i, "k"): k[i].clone() for i in range(self.layers)}
+        return out | {kv_scale_name(i, "v"): v[i].clone() for i in range(self.layers)}

@@ -33,6 +33,7 @@ from workers.engines.megatron.convert import (
     mask_padded_vocab,
     megatron_to_hf,
     merge_tp_shards,
+    parallel_kind,
     response_logprobs,
     right_align,
     shard_for_rank,
@@ -192,10 +193,19 @@ def random_hf_state(config: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+# The two layer specs' names of layer 0's RMSNorm weights, written out (Megatron-Core 0.16's
+# TELayerNormColumnParallelLinear.layer_norm_weight vs the local spec's norm modules)
+NORMS = {
+    "te": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+    "local": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+}
+
+
+@pytest.mark.parametrize("layout", ["te", "local"])
 @pytest.mark.parametrize("config", [llama, qwen2], ids=["llama", "qwen2-tied"])
-def test_hf_megatron_round_trip_is_exact(config: Any) -> None:
+def test_hf_megatron_round_trip_is_exact(config: Any, layout: Any) -> None:
     hf_config = config(num_hidden_layers=2, vocab_size=300)
-    cfg = MegatronShapes.from_hf(hf_config)
+    cfg = MegatronShapes.from_hf(hf_config, layout=layout)
     state = random_hf_state(hf_config)
     meg = hf_to_megatron(state, cfg)
     assert {k: tuple(v.shape) for k, v in meg.items()} == megatron_state_shapes(cfg)
@@ -205,13 +215,33 @@ def test_hf_megatron_round_trip_is_exact(config: Any) -> None:
     assert not emb[300:].any()
     gate, up = state["model.layers.1.mlp.gate_proj.weight"], state["model.layers.1.mlp.up_proj.weight"]
     assert torch.equal(meg["decoder.layers.1.mlp.linear_fc1.weight"], torch.cat([gate, up]))
+    attn_norm, mlp_norm = NORMS[layout]
+    assert torch.equal(meg[f"decoder.layers.0.{attn_norm}"], state["model.layers.0.input_layernorm.weight"])
     assert torch.equal(
-        meg["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"],
-        state["model.layers.0.input_layernorm.weight"],
+        meg[f"decoder.layers.1.{mlp_norm}"], state["model.layers.1.post_attention_layernorm.weight"]
     )
+    other = NORMS["local" if layout == "te" else "te"]
+    assert not any(name.endswith(other) for name in meg)  # one layout's names only
     back = megatron_to_hf(meg, cfg)
     assert back.keys() == state.keys()
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_the_layouts_differ_only_in_the_norm_names() -> None:
+    hf_config = qwen2(num_hidden_layers=2, vocab_size=300)
+    te, local = (MegatronShapes.from_hf(hf_config, layout=x) for x in ("te", "local"))
+    te_names, local_names = megatron_state_shapes(te), megatron_state_shapes(local)
+    renamed = {
+        name.replace(NORMS["te"][0], NORMS["local"][0]).replace(NORMS["te"][1], NORMS["local"][1]): shape
+        for name, shape in te_names.items()
+    }
+    assert renamed == local_names
+    # 4 norm weights renamed (2 layers x 2), each [hidden], replicated over tensor-parallel ranks
+    assert len(set(te_names) - set(local_names)) == 4
+    for name in set(local_names) - set(te_names):
+        assert local_names[name] == (256,) and parallel_kind(name) == "replicated"
+    with pytest.raises(ValueError, match="not a parameter"):
+        parallel_kind("decoder.layers.0.post_attention_layernorm.weight")  # the HF name, not Megatron's
 
 
 def test_hf_state_that_does_not_fit_is_refused() -> None:
@@ -244,14 +274,16 @@ def test_tp_shards_hold_whole_query_groups_and_gate_up_pairs() -> None:
     assert shard_for_rank(proj_name, proj, 1, 2, TINY).tolist() == [[2, 3], [6, 7], [10, 11]]
 
 
+@pytest.mark.parametrize("layout", ["te", "local"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_shard_merge_round_trip(tp: int) -> None:
+def test_tp_shard_merge_round_trip(tp: int, layout: Any) -> None:
     hf_config = llama(num_hidden_layers=2, vocab_size=300, num_attention_heads=8, num_key_value_heads=4)
-    cfg = MegatronShapes.from_hf(hf_config, tp)
+    cfg = MegatronShapes.from_hf(hf_config, tp, layout)
     full = hf_to_megatron(random_hf_state(hf_config), cfg)
+    norms = (*NORMS[layout], "final_layernorm.weight")
     for name, t in full.items():
         shards = [shard_for_rank(name, t, r, tp, cfg) for r in range(tp)]
-        if name.endswith("layer_norm_weight") or name.endswith("final_layernorm.weight"):
+        if name.endswith(norms):
             assert all(s is t for s in shards)
         else:
             assert sum(s.numel() for s in shards) == t.numel()
@@ -432,3 +464,20 @@ def test_audit_rows_say_what_is_fp8_and_why() -> None:
     assert bf16.rows[1].reason == "norms stay high precision"
     assert all("recipe bf16" in r.reason for r in bf16.rows if r.kind == "linear")
     assert math.isclose(float(audit.summary()["fp8_layers"]), 12)
+
+
+def test_audit_of_the_cpu_trainer_names_the_local_norms_and_its_compute_dtype() -> None:
+    from workers.engines.megatron.config import megatron_audit
+
+    shapes = MegatronShapes.from_hf(llama(num_hidden_layers=2), layout="local")
+    audit = megatron_audit(shapes, megatron_spec("bf16").precision, "CPU", torch.float32)
+    rows = {r.name: r for r in audit.rows}
+    assert [n for n, r in rows.items() if r.kind == "norm"] == [
+        "decoder.layers.0.input_layernorm", "decoder.layers.0.pre_mlp_layernorm",
+        "decoder.layers.1.input_layernorm", "decoder.layers.1.pre_mlp_layernorm", "decoder.final_layernorm",
+    ]  # fmt: skip
+    qkv = rows["decoder.layers.0.self_attention.linear_qkv"]
+    # (4 + 2*2) heads * 64 = 512 rows x 256, 4 bytes each in float32
+    assert qkv.precision == "float32" and qkv.bytes_before == 512 * 256 * 4
+    assert qkv.reason == "recipe bf16: the trainer runs float32" and audit.device == "CPU"
+    assert not audit.fp8_layers

@@ -136,7 +136,7 @@ def test_sft_step_and_checkpoint_round_trip() -> None:
     meg = MegatronTrainer(spec, TOK.vocab_size, "cuda", 0)
     loss = meg.sft_step(batch)
     assert 0.0 < loss < 20.0
-    assert all(g["lr"] == spec.optimizer.lr for g in meg.optimizer.param_groups)  # restored
+    assert all(g["lr"] == spec.optimizer.lr for g in meg.model.optimizer.param_groups)  # restored
     meg.load_state_dict(native.state_dict())  # a native checkpoint loads too
     ours = meg.state_dict()["model"]
     assert all(torch.equal(ours[k].cpu(), v.float().cpu()) for k, v in native.model.named_parameters())
