@@ -41,6 +41,9 @@ import torch
 from workers.fp8.quant import Fp8Tensor
 
 _MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)
+_CHUNK = 2**24  # bytes per step of a checksum
+# vLLM's names of FP8 KV-cache formats -> the element dtype (torch's name)
+_KV_CACHE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
@@ -101,10 +104,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def checksum(t: torch.Tensor) -> torch.Tensor:
     """Position-weighted checksum of ``t``'s bytes in memory order: a 0-d int64 tensor on ``t``'s
-    device (no host sync). Contiguous tensors only: a view's memory order is not its logical one."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)  # [n]
-    weights = torch.arange(b.numel(), device=b.device, dtype=torch.int64) % _MODULUS + 1  # [n]
-    return (b * weights).sum()
+    device (no host sync). Contiguous tensors only: a view's memory order is not its logical one.
+
+    Computed in chunks of :data:`_CHUNK` bytes, so that the int64 temporaries stay bounded (a
+    whole 0.5 GB embedding at once would take 16 bytes of temporaries per byte on the GPU)."""
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [n]
+    total = torch.zeros((), dtype=torch.int64, device=b.device)
+    for start in range(0, b.numel(), _CHUNK):
+        part = b[start : start + _CHUNK].to(torch.int64)  # [<= _CHUNK]
+        index = torch.arange(start, start + part.numel(), device=b.device, dtype=torch.int64)
+        total += (part * (index % _MODULUS + 1)).sum()
+    return total
 
 
 def _read(values: list[torch.Tensor]) -> list[int]:
@@ -119,6 +129,12 @@ def _read(values: list[torch.Tensor]) -> list[int]:
         for i, x in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
             out[i] = int(x)
     return out
+
+
+def kv_dtype_name(name: str) -> str:
+    """The element dtype of a KV cache named ``name``: vLLM's ``fp8`` / ``fp8_e4m3`` are
+    ``float8_e4m3fn``, ``fp8_e5m2`` is ``float8_e5m2``; a dtype name stays as it is."""
+    return _KV_CACHE_ALIASES.get(name, name.removeprefix("torch."))
 
 
 def is_kv_scale(name: str) -> bool:
@@ -195,8 +211,9 @@ def compare(sent: WeightReport, held: WeightReport) -> ContractCheck:
     A mismatch is: a weight not reported or reported but not sent; a different dtype on the wire
     or different checksums (the bytes changed on the way); a weight sent in FP8 held in high
     precision (a silent fallback) or sent in high precision held in FP8 (quantized by the
-    generator itself); a KV cache in another dtype than the spec's; K/V scales other than those
-    sent, bit for bit as float32."""
+    generator itself); a KV cache in another dtype than the spec's (vLLM's ``fp8`` is E4M3, so
+    an E5M2 cache differs from it: :func:`kv_dtype_name`); K/V scales other than those sent, bit
+    for bit as float32."""
     out = ContractCheck(checked=len(sent["weights"]))
     got = held["weights"]
     for name, s in sent["weights"].items():
@@ -222,7 +239,7 @@ def compare(sent: WeightReport, held: WeightReport) -> ContractCheck:
     for name in sorted(got.keys() - sent["weights"].keys()):
         out.mismatches.append(f"{name}: the generator reports it, but the trainer did not send it")
     skv, hkv = sent["kv"], held["kv"]
-    if _fp8(skv["dtype"]) != _fp8(hkv["dtype"]):
+    if kv_dtype_name(skv["dtype"]) != kv_dtype_name(hkv["dtype"]):
         out.mismatches.append(
             f"KV cache: the spec asks for {skv['dtype']}, the generator holds {hkv['dtype']}"
         )
