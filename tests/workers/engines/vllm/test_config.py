@@ -108,6 +108,8 @@ def test_engine_arguments_on_cpu() -> None:
         job, "m", [], device="cpu", model_len=96, kv_cache_bytes=5 * 2**20, gpu_memory=0.5
     )
     assert kwargs["enforce_eager"] and kwargs["max_model_len"] == 96
+    assert not kwargs["enable_chunked_prefill"] and kwargs["max_num_batched_tokens"] == 4096
+    assert vg.engine_kwargs(job, "m", [], device="cpu", model_len=8000)["max_num_batched_tokens"] == 8000
     assert kwargs["kv_cache_memory_bytes"] == 5 * 2**20 and "gpu_memory_utilization" not in kwargs
     threads = parse_spec(
         {"model": {"tiny": {}}, "resources": {"generator_engine": "vllm", "threads_per_actor": 3}}

@@ -113,6 +113,20 @@ def test_greedy_logprobs_are_at_temperature_one(engine: Engine) -> None:
     assert mult_prob_error(r.logprobs, engine.trainer.logprobs(r, 1.0), r.response_mask) < 1.01
 
 
+def test_a_batch_longer_than_one_engine_step_samples_with_seeds(engine: Engine) -> None:
+    """A GRPO step's batch: 32 prompts x 8 responses, 4.6k prompt tokens, more than vLLM's 4096 per
+    engine step. Prefilled in chunks (one prompt split over two steps), the seeded sampling of
+    vLLM 0.32's CPU runner crashed the engine ("CPU Generator does not use offset"); with whole
+    prompts per step (config.engine_kwargs) it samples them all."""
+    questions = [
+        TOK.encode(f"What is {a} + {b * 37}? " + "Think." * (a % 3)) for a in range(8) for b in range(4)
+    ]
+    prompts = [q for q in questions for _ in range(8)]
+    assert sum(len(p) for p in prompts) > 4096 and max(len(p) for p in prompts) <= 32
+    r = engine.gen.generate(prompts, 4, 1.0, 1.0, seed=3)
+    assert r.response_ids.shape[0] == 256 and bool((r.response_mask.sum(1) >= 1).all())
+
+
 def test_no_tensor_crosses_collective_rpc(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The old route passed ``{name: tensor}`` to ``collective_rpc``; msgspec turned the tensors
     into lists and the worker died. Every call of an update must now carry plain data only."""
