@@ -124,7 +124,7 @@ class ChannelTransferEngine(WeightTransferEngine[ChannelInitInfo, ChannelUpdateI
         self.last_sync: dict[str, float] = {}
         self._received: dict[str, HeldWeight] = {}
         self._loaded: set[str] = set()
-        self._kv: dict[str, torch.Tensor] = {}  # K/V scales of this update the backend applies
+        self._kv: dict[str, torch.Tensor] = {}  # the last K/V scales received, which the backend applies
         self._report: WeightReport | None = None
 
     def init_transfer_engine(self, init_info: ChannelInitInfo) -> None:
@@ -144,7 +144,7 @@ class ChannelTransferEngine(WeightTransferEngine[ChannelInitInfo, ChannelUpdateI
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._received, self._loaded, self._kv = {}, set(), {}
+        self._received, self._loaded = {}, set()
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: ChannelUpdateInfo) -> None:
@@ -184,7 +184,8 @@ class ChannelTransferEngine(WeightTransferEngine[ChannelInitInfo, ChannelUpdateI
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         # the attention layers' post-load processing runs here and resets scales it has no
-        # parameter for to 1.0: the trainer's K/V scales go in after it
+        # parameter for to 1.0: the trainer's K/V scales go in after it, the last ones received
+        # when this update carried none (as vLLM keeps loaded scales when it owns them)
         finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
         if self._kv:
             self.attention.apply_scales(self._kv)

@@ -171,6 +171,11 @@ def test_the_trainers_kv_scales_are_the_ones_vllm_computes_with(engine: Engine) 
 
     engine.sender.sync(engine.gen, engine.payload)  # the calibrated ones again, for what follows
     assert engine.gen.weight_report()["kv"]["k_scales"] == scales_of(engine.payload, "k")
+    # an update without scales (a trainer before its first calibration) keeps the last ones, as
+    # vLLM keeps scales it loaded itself; its reload alone would have reset them to 1.0
+    weights_only = {n: v for n, v in engine.payload.items() if not n.endswith(("k_scale", "v_scale"))}
+    engine.sender.sync(engine.gen, weights_only)
+    assert engine.gen.weight_report()["kv"]["v_scales"] == scales_of(engine.payload, "v")
 
 
 def test_the_precision_report_checks_the_kv_cache(engine: Engine) -> None:
