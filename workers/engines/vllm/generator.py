@@ -192,7 +192,9 @@ class VllmGenerator:
 
     def _gpu_memory(self) -> float:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        return gpu_memory_utilization(self.weight_bytes, int(total))
+        # what one update brings: the audited layers and the BF16 embedding (norms are noise)
+        embedding = 2 * int(self.hf_config.vocab_size) * int(self.hf_config.hidden_size)
+        return gpu_memory_utilization(self.weight_bytes + embedding, int(total))
 
     @property
     def weight_bytes(self) -> int:
