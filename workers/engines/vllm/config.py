@@ -228,9 +228,10 @@ def engine_kwargs(
 
     CPU: eager execution (measured with the tests' tiny model on 2 shared cores: the engine starts
     in 15-20 s against 35-41 s compiled, and generates 64 x 48 tokens at 8.2k tokens/s against
-    4.1k) and an explicit KV cache (``kv_cache_bytes``: vLLM otherwise reserves 90% of the node's
-    memory for it, and an explicit size also skips its warm-up). CUDA: CUDA graphs, and
-    ``gpu_memory`` of the GPU.
+    4.1k) and an explicit KV cache (``kv_cache_bytes``, :func:`cpu_kv_cache_bytes`: vLLM otherwise
+    reserves 90% of the node's memory for it, and an explicit size also skips its warm-up). This is
+    the setting ``VLLM_CPU_KVCACHE_SPACE`` makes in whole GiB; exported by the user, that variable
+    still wins (vLLM applies it after). CUDA: CUDA graphs, and ``gpu_memory`` of the GPU.
     ``generation_config``: a directory whose ``generation_config.json`` names the job's EOS as the
     only stop token (:func:`workers.engines.vllm.generator.write_generation_config`).
     """

@@ -266,3 +266,32 @@ def test_the_gpu_example_fits_vllms_blocks() -> None:
     vg.check_layout(qwen, fp8, 2)  # k/v 128 per GPU
     with pytest.raises(ValueError, match=r"k_proj.*256.*tensor_parallel_size 4 gives 64"):
         vg.check_layout(qwen, fp8, 4)
+
+
+def test_tensor_parallel_workers_must_report_the_same() -> None:
+    from workers.engines.vllm.generator import VllmGenerator
+
+    def report(scale: float, holds: str = "bfloat16") -> dict[str, Any]:
+        weight = {"dtype": "bfloat16", "holds": holds, "data": 7, "scale": 0}
+        return {
+            "weights": {"lm_head.weight": weight},
+            "kv": {"dtype": "bfloat16", "k_scales": [scale], "v_scales": []},
+        }
+
+    class Llm:  # what collective_rpc returns: one report per worker
+        def __init__(self, reports: list[dict[str, Any]]) -> None:
+            self.reports = reports
+
+        def collective_rpc(self, method: str) -> list[dict[str, Any]]:
+            assert method == "fp8rl_weight_report"
+            return self.reports
+
+    gen: Any = VllmGenerator.__new__(VllmGenerator)  # no engine: only the comparison of reports
+    gen.llm = Llm([report(0.5), report(0.5)])
+    assert gen.weight_report() == report(0.5)
+    gen.llm = Llm([report(0.5), report(0.25)])
+    with pytest.raises(RuntimeError, match=r"workers 0 and 1 .* hold different weights \(the KV cache\)"):
+        gen.weight_report()
+    gen.llm = Llm([report(0.5), report(0.5), report(0.5, holds="missing")])
+    with pytest.raises(RuntimeError, match=r"workers 0 and 2 .*\(lm_head.weight\)"):
+        gen.weight_report()
