@@ -96,9 +96,9 @@ class TrainerWorker(_Member):
     def join_weight_channel(self, address: str, world_size: int) -> None:
         """Trainer 0 opens the NCCL weight channel as its sender (rank 0)."""
         if self.rank == 0:
-            from workers.engines.weight_channel import StatelessNcclWeightSync
+            from workers.engines.weight_channel import WeightChannel
 
-            self.sync = StatelessNcclWeightSync(address, 0, world_size, self.engine.device)
+            self.sync = WeightChannel(address, 0, world_size, self.engine.device)
             self.sync.init_communicator()
 
     def sft_step(self, batch: Rollouts) -> float:

@@ -42,6 +42,8 @@ from workers.fp8.quant import Fp8Tensor
 
 _MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)
 _CHUNK_BYTES = 1 << 24  # 16 MiB of a weight at a time: 128 MiB of int64 temporaries
+# vLLM's names of FP8 KV-cache formats -> the element dtype (torch's name)
+_KV_CACHE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
@@ -134,6 +136,12 @@ def _read(values: list[torch.Tensor]) -> list[int]:
     return out
 
 
+def kv_dtype_name(name: str) -> str:
+    """The element dtype of a KV cache named ``name``: vLLM's ``fp8`` / ``fp8_e4m3`` are
+    ``float8_e4m3fn``, ``fp8_e5m2`` is ``float8_e5m2``; a dtype name stays as it is."""
+    return _KV_CACHE_ALIASES.get(name, name.removeprefix("torch."))
+
+
 def is_kv_scale(name: str) -> bool:
     """Whether ``name`` is a K/V-cache scale (:func:`workers.fp8.kv_cache.kv_scale_name`)."""
     return _KV_SCALE.match(name) is not None
@@ -208,8 +216,9 @@ def compare(sent: WeightReport, held: WeightReport) -> ContractCheck:
     A mismatch is: a weight not reported or reported but not sent; a different dtype on the wire
     or different checksums (the bytes changed on the way); a weight sent in FP8 held in high
     precision (a silent fallback) or sent in high precision held in FP8 (quantized by the
-    generator itself); a KV cache in another dtype than the spec's; K/V scales other than those
-    sent, bit for bit as float32."""
+    generator itself); a KV cache in another dtype than the spec's (vLLM's ``fp8`` is E4M3, so
+    an E5M2 cache differs from it: :func:`kv_dtype_name`); K/V scales other than those sent, bit
+    for bit as float32."""
     out = ContractCheck(checked=len(sent["weights"]))
     got = held["weights"]
     for name, s in sent["weights"].items():
@@ -235,7 +244,7 @@ def compare(sent: WeightReport, held: WeightReport) -> ContractCheck:
     for name in sorted(got.keys() - sent["weights"].keys()):
         out.mismatches.append(f"{name}: the generator reports it, but the trainer did not send it")
     skv, hkv = sent["kv"], held["kv"]
-    if _fp8(skv["dtype"]) != _fp8(hkv["dtype"]):
+    if kv_dtype_name(skv["dtype"]) != kv_dtype_name(hkv["dtype"]):
         out.mismatches.append(
             f"KV cache: the spec asks for {skv['dtype']}, the generator holds {hkv['dtype']}"
         )

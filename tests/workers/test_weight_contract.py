@@ -20,6 +20,7 @@ from workers.weight_contract import (
     WeightReport,
     checksum,
     compare,
+    kv_dtype_name,
     kv_scales_of,
     received_weights,
     sent_report,
@@ -33,6 +34,8 @@ def python_checksum(data: bytes) -> int:
 def test_checksum_by_hand() -> None:
     # bytes 1, 2, 3 weighted 1, 2, 3: 1 + 4 + 9
     assert int(checksum(torch.tensor([1, 2, 3], dtype=torch.uint8))) == 14
+    # a bfloat16 1.0 is the bytes 0x80, 0x3F: 128 * 1 + 63 * 2
+    assert int(checksum(torch.ones(1, dtype=torch.bfloat16))) == 254
     # float32 1.0 is 00 00 80 3f in memory (little endian): 0x80 * 3 + 0x3f * 4 = 384 + 252
     assert int(checksum(torch.tensor([1.0], dtype=torch.float32))) == 636
 
@@ -202,3 +205,19 @@ def test_the_native_generator_reports_what_it_loaded(recipe: str) -> None:
     fp8_rows = {f"{r.name}.weight" for r in gen.audit.rows if r.precision == "fp8"}
     assert {n for n, w in held["weights"].items() if w["holds"] == "fp8"} == fp8_rows
     assert len(fp8_rows) == (0 if recipe == "bf16" else 7)  # layer 1's seven linears
+
+
+def _report(kv_dtype: str) -> WeightReport:
+    return WeightReport(weights={}, kv=KvHeld(dtype=kv_dtype, k_scales=[], v_scales=[]))
+
+
+def test_kv_cache_dtypes_compare_by_format() -> None:
+    assert kv_dtype_name("fp8") == kv_dtype_name("fp8_e4m3") == "float8_e4m3fn"
+    assert kv_dtype_name("fp8_e5m2") == "float8_e5m2" and kv_dtype_name("torch.bfloat16") == "bfloat16"
+    assert compare(_report("fp8"), _report("float8_e4m3fn")).ok
+    assert compare(_report("bfloat16"), _report("bfloat16")).ok
+    # an E5M2 cache is FP8 too, but not the format the spec asks for
+    assert compare(_report("fp8"), _report("float8_e5m2")).mismatches == [
+        "KV cache: the spec asks for fp8, the generator holds float8_e5m2"
+    ]
+    assert not compare(_report("float8_e4m3fn"), _report("bfloat16")).ok

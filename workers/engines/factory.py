@@ -54,7 +54,7 @@ def engine_for(spec: JobSpec, role: str) -> str:
 
 
 def uses_weight_channel(spec: JobSpec) -> bool:
-    """True when weights travel over the NCCL weight channel (:mod:`workers.engines.weight_channel`):
+    """True when weights travel over the weight channel (:mod:`workers.engines.weight_channel`):
     whenever vLLM or Megatron is in the job. The native pair shares the job's process group."""
     return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
 
@@ -72,19 +72,19 @@ def weight_receivers(spec: JobSpec) -> int:
 
 
 def check_model(spec: JobSpec) -> None:
-    """Refuse, before anything starts, a model the chosen engines cannot run (ValueError naming
-    the layer or field and what to change): vLLM's block-FP8 layout, Megatron's supported models.
-    Reads the model's config only (no weights)."""
+    """Refuse, before anything starts, a job the chosen engines cannot run (ValueError naming the
+    layer or field and what to change): vLLM's limits on GPU and CPU
+    (:func:`workers.engines.vllm.config.check_vllm`), Megatron's supported models. Reads the
+    model's config only (no weights)."""
     if engine_for(spec, "generator") == "native" and engine_for(spec, "trainer") == "native":
         return
     from workers.engines.models import model_config
 
     hf_config = model_config(spec, 256)  # the vocabulary does not change any checked shape
     if engine_for(spec, "generator") == "vllm":
-        from workers.engines.vllm.generator import check_layout, generator_layout
+        from workers.engines.vllm.config import check_vllm
 
-        fp8_names, _ = generator_layout(hf_config, spec.precision)
-        check_layout(hf_config, fp8_names, spec.resources.generator_tensor_parallel_size)
+        check_vllm(hf_config, spec)
     if engine_for(spec, "trainer") == "megatron":
         from workers.engines.megatron.config import check_supported
 

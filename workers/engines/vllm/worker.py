@@ -1,56 +1,52 @@
-"""Methods fp8rl adds to vLLM's GPU workers (``LLM(worker_extension_cls=...)``, vLLM 0.32).
+"""What fp8rl adds to vLLM's workers (``LLM(worker_extension_cls=...)``, vLLM 0.32).
 
-vLLM mixes this class into its worker class, in the processes vLLM starts; the generator calls
-the methods on every worker with ``llm.collective_rpc(name, args=...)``. Names carry an
-``fp8rl_`` prefix: vLLM refuses an extension method that shadows one of the worker's own.
+vLLM imports this module in each worker process before it loads the model
+(``vllm/v1/worker/worker_base.py``, ``init_worker``), so importing it registers fp8rl's
+weight-transfer backend (:mod:`workers.engines.vllm.transfer`) there, in time for the worker to
+build it from ``weight_transfer_config``. Weights travel through vLLM's own weight-transfer calls;
+this extension only reads back, as plain data, what those calls do not return: the last update's
+figures and the precision report. No method here takes a tensor: ``collective_rpc`` serialises
+arguments with msgspec, which turns tensors into lists.
 
-Each worker joins the weight channel (:mod:`workers.engines.weight_channel`) as its own rank
-(``first_rank`` of its generator plus its rank inside the generator's tensor-parallel group),
-receives the whole payload, and loads it as checkpoint-format tensors through the worker's
-``reload_weights(is_checkpoint_format=True)``: vLLM's layerwise reload shards each tensor for its
-rank, re-runs the FP8 post-load processing and copies the result into the tensors CUDA graphs
-captured. FP8 weights stay the trainer's bytes (``weight`` + ``weight_scale_inv``).
+vLLM mixes the class into its worker class and calls its methods on every worker with
+``llm.collective_rpc(name)``; names carry an ``fp8rl_`` prefix because vLLM refuses an extension
+attribute that its worker already has.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-from workers.fp8.hf_checkpoint import checkpoint_tensors
+from workers.weight_contract import WeightReport
+
+
+def _register_backend() -> None:
+    if importlib.util.find_spec("vllm") is None:  # the pure tests import this module without vLLM
+        return
+    from workers.engines.vllm.transfer import register
+
+    register()
+
+
+_register_backend()
 
 
 class WeightChannelExtension:
-    """Mixed into vLLM's worker: ``self.rank``, ``self.device`` and ``self.reload_weights`` are
-    the worker's own. Every attribute defined here must be new to vLLM's worker (vLLM asserts it)."""
+    """Mixed into vLLM's worker, whose ``weight_transfer_engine`` (built from
+    ``weight_transfer_config``) is fp8rl's backend. Every attribute defined here must be new to
+    vLLM's worker (vLLM asserts it)."""
 
-    rank: int  # annotations only: no class attribute that could clash with the worker's
-    device: Any
-    _fp8rl_channel: Any = None
+    weight_transfer_engine: Any  # an annotation only: the worker's own attribute
 
-    def fp8rl_join_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        from workers.engines.weight_channel import StatelessNcclWeightSync
+    def fp8rl_last_sync(self) -> dict[str, float]:
+        """``{version, bytes, seconds, buckets}`` of the last update this worker received."""
+        from workers.engines.vllm.transfer import worker_last_sync
 
-        channel = StatelessNcclWeightSync(address, first_rank + self.rank, world_size, self.device)
-        channel.init_communicator()
-        self._fp8rl_channel = channel
+        return worker_last_sync(self.weight_transfer_engine)
 
-    def fp8rl_receive_weights(self) -> dict[str, float]:
-        if self._fp8rl_channel is None:
-            raise RuntimeError("fp8rl_receive_weights: call fp8rl_join_channel first")
-        result = self._fp8rl_channel.sync_weights(None)
-        tensors = checkpoint_tensors(result.payload)
-        result.payload = None
-        self.fp8rl_load_tensors(tensors)
-        return {
-            "version": result.version,
-            "bytes": result.bytes,
-            "seconds": result.seconds,
-            "buckets": result.buckets,
-        }
+    def fp8rl_weight_report(self) -> WeightReport:
+        """What this worker holds after the last update (:mod:`workers.weight_contract`)."""
+        from workers.engines.vllm.transfer import worker_report
 
-    def fp8rl_load_tensors(self, tensors: dict[str, Any]) -> None:
-        """Load checkpoint-format tensors (``{name: tensor}``, full, unsharded) into the model:
-        the channel's last step, and a direct route for one-GPU tests (NCCL cannot pair a
-        trainer and a worker on one GPU)."""
-        reload = self.reload_weights  # type: ignore[attr-defined]  # vLLM's Worker.reload_weights
-        reload(weights_iterator=iter(list(tensors.items())), is_checkpoint_format=True)
+        return worker_report(self.weight_transfer_engine)

@@ -1,5 +1,6 @@
-"""The vLLM generator's pure parts, on CPU: layout and refusals, engine and sampling arguments, the
-Rollouts built from vLLM's documented output fields, and the worker extension's receive path."""
+"""The vLLM generator's pure parts, on CPU: layout and refusals, resources, engine and sampling
+arguments, the Rollouts built from vLLM's documented output fields, and the worker extension's
+names. (The engine itself: test_vllm_cpu.py and test_vllm_kv_scales.py.)"""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from transformers import LlamaConfig
 
 from rljob import parse_spec
-from workers.engines.vllm import generator as vg
+from workers.engines.vllm import config as vg
+from workers.engines.vllm.generator import rollouts_from_outputs
 from workers.engines.vllm.worker import WeightChannelExtension
-from workers.fp8.quant import Fp8Tensor, quantize
-from workers.weight_sync import SyncResult
 
 
 def config(hidden: int = 256, heads: int = 2, kv_heads: int = 1, layers: int = 2, ffn: int = 512) -> Any:
@@ -84,7 +83,7 @@ def test_a_layout_without_whole_blocks_is_refused_naming_the_layer() -> None:
 
 def test_engine_arguments_of_an_fp8_job() -> None:
     job = spec(keep_bf16_layers=[1, 0], fp8_kv_cache=True)
-    kwargs = vg.engine_kwargs(job, "/models/tiny", ["model.layers.0.self_attn.q_proj"])
+    kwargs = vg.engine_kwargs(job, "/models/tiny", ["model.layers.0.self_attn.q_proj"], gpu_memory=0.8)
     assert kwargs["quantization"] == "fp8" and kwargs["kv_cache_dtype"] == "fp8"
     qc = kwargs["hf_overrides"]["quantization_config"]
     assert qc["quant_method"] == "fp8" and qc["activation_scheme"] == "dynamic"
@@ -92,12 +91,108 @@ def test_engine_arguments_of_an_fp8_job() -> None:
     assert qc["ignored_layers"] == ["model.layers.0.self_attn.q_proj"]
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["load_format"] == "dummy"
     assert kwargs["tensor_parallel_size"] == 1 and kwargs["skip_tokenizer_init"]
+    assert kwargs["weight_transfer_config"] == {"backend": "fp8rl"}
+    assert kwargs["gpu_memory_utilization"] == 0.8 and not kwargs["enforce_eager"]  # CUDA graphs
+    assert "kv_cache_memory_bytes" not in kwargs
     module, _, name = kwargs["worker_extension_cls"].rpartition(".")
     assert getattr(importlib.import_module(module), name) is WeightChannelExtension
     plain = vg.engine_kwargs(spec(recipe="bf16"), "m", [])
     assert "quantization" not in plain and "kv_cache_dtype" not in plain
-    assert vg.vllm_environment(job.precision) == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
-    assert vg.vllm_environment(spec(power_of_two_scales=True).precision)["VLLM_USE_DEEP_GEMM_E8M0"] == "1"
+    assert vg.vllm_environment(job, "cuda") == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    assert vg.vllm_environment(spec(power_of_two_scales=True), "cuda")["VLLM_USE_DEEP_GEMM_E8M0"] == "1"
+
+
+def test_engine_arguments_on_cpu() -> None:
+    job = spec(recipe="bf16", fp8_kv_cache=True)
+    kwargs = vg.engine_kwargs(
+        job, "m", [], device="cpu", model_len=96, kv_cache_bytes=5 * 2**20, gpu_memory=0.5
+    )
+    assert kwargs["enforce_eager"] and kwargs["max_model_len"] == 96
+    assert not kwargs["enable_chunked_prefill"] and kwargs["max_num_batched_tokens"] == 4096
+    assert vg.engine_kwargs(job, "m", [], device="cpu", model_len=8000)["max_num_batched_tokens"] == 8000
+    assert kwargs["kv_cache_memory_bytes"] == 5 * 2**20 and "gpu_memory_utilization" not in kwargs
+    threads = parse_spec(
+        {"model": {"tiny": {}}, "resources": {"generator_engine": "vllm", "threads_per_actor": 3}}
+    )
+    env = vg.vllm_environment(threads, "cpu")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and env["OMP_NUM_THREADS"] == "3"
+
+
+def cpu_spec(**precision: Any) -> Any:
+    return parse_spec(
+        {
+            "model": {"tiny": {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2}},
+            "precision": precision,
+            "rollout": {"max_new_tokens": 32, "prompts_per_step": 6, "group_size": 4},
+            "resources": {"generator_engine": "vllm", "generators": 4},
+        }
+    )
+
+
+NO_AMX = vg.CpuFeatures(amx=False, avx512=True)
+
+
+def test_what_vllm_cannot_run_on_this_kind_of_cpu_is_refused_naming_the_field() -> None:
+    tiny = config(hidden=128, heads=4, kv_heads=2)  # head_dim 32
+    vg.check_vllm(tiny, cpu_spec(recipe="bf16", fp8_kv_cache=True), NO_AMX)  # what this CPU runs
+    with pytest.raises(
+        ValueError, match=r"recipe fp8-gen.*Intel AMX.*recipe bf16.*fp8_kv_cache.*native.*GPUs"
+    ):
+        vg.check_vllm(tiny, cpu_spec(recipe="fp8-gen"), NO_AMX)
+    with pytest.raises(ValueError, match=r"recipe fp8-e2e.*Intel AMX"):
+        vg.check_vllm(tiny, cpu_spec(recipe="fp8-e2e"), NO_AMX)
+    # with AMX the FP8 layers get as far as the block layout (head_dim 32: k_proj has 64 rows)
+    with pytest.raises(ValueError, match=r"k_proj.*not a multiple of 128"):
+        vg.check_vllm(tiny, cpu_spec(recipe="fp8-gen"), vg.CpuFeatures(amx=True, avx512=True))
+    odd = config(hidden=96, heads=2, kv_heads=1)  # head_dim 48
+    with pytest.raises(ValueError, match=r"fp8_kv_cache.*divisible by 32.*is 48"):
+        vg.check_vllm(odd, cpu_spec(recipe="bf16", fp8_kv_cache=True), NO_AMX)
+    vg.check_vllm(odd, cpu_spec(recipe="bf16"), NO_AMX)  # a BF16 cache takes any head_dim
+    with pytest.raises(ValueError, match=r"fp8_kv_cache.*AVX-512 or AMX"):
+        vg.check_vllm(tiny, cpu_spec(recipe="bf16", fp8_kv_cache=True), vg.CpuFeatures(False, False))
+    # on GPUs the CPU's features do not matter
+    gpu = parse_spec(
+        {
+            "model": {"tiny": {"hidden_size": 256, "num_heads": 2, "num_kv_heads": 1}},
+            "precision": {"recipe": "fp8-gen", "fp8_kv_cache": True},
+            "resources": {"generator_engine": "vllm", "gpus_per_generator": 1},
+        }
+    )
+    vg.check_vllm(config(), gpu, vg.CpuFeatures(False, False))
+    short = config()
+    short.max_position_embeddings = 32
+    with pytest.raises(ValueError, match=r"rollout.max_new_tokens \(32\).*32 positions"):
+        vg.check_vllm(short, cpu_spec(recipe="bf16"), NO_AMX)
+
+
+def test_the_factory_refuses_before_anything_starts() -> None:
+    from workers.engines.factory import check_model
+
+    with pytest.raises(ValueError, match=r"Intel AMX|head_dim|AVX-512|k_proj"):  # whichever this CPU hits
+        check_model(cpu_spec(recipe="fp8-e2e"))
+
+
+def test_resources_from_the_spec() -> None:
+    tiny = config(hidden=128, heads=4, kv_heads=2, layers=2)
+    job = cpu_spec(recipe="bf16", fp8_kv_cache=True)
+    # K and V x 2 KV heads x head_dim 32 x 1 byte (FP8) x 2 layers = 256 bytes per token
+    assert vg.kv_bytes_per_token(tiny, True) == 256
+    assert vg.max_model_len(tiny, job) == 2048  # LlamaConfig's default max_position_embeddings
+    assert vg.max_model_len(tiny, job, max_prompt_tokens=40) == 40 + 32
+    assert vg.max_model_len(tiny, job, max_prompt_tokens=4000) == 2048
+    # 6 prompts over 4 generators: at most 2 prompts x group 4 = 8 sequences per call
+    assert vg.sequences_per_generate(job) == 8
+    with_validation = job.model_copy(update={"validation": job.validation.model_copy(update={"interval": 5})})
+    assert vg.sequences_per_generate(with_validation) == 32  # 128 held-out problems / 4 generators
+    # 256 B x 72 tokens x 8 sequences = 147456 B, under the 64 MiB floor; 2048 tokens x 32: 16 MiB
+    assert vg.cpu_kv_cache_bytes(tiny, job, 72) == 64 * 2**20
+    big = job.model_copy(update={"rollout": job.rollout.model_copy(update={"group_size": 512})})
+    assert vg.cpu_kv_cache_bytes(tiny, big, 2048) == 256 * 2048 * 1024  # 2 prompts x 512 = 1024 sequences
+    # an 80 GiB GPU, 10 GiB of weights: 80 - 2 x 10 - 1 = 59 GiB for vLLM = 0.7375 of it
+    assert vg.gpu_memory_utilization(10 * 2**30, 80 * 2**30) == pytest.approx(0.7375, abs=1e-3)
+    assert vg.gpu_memory_utilization(2**20, 80 * 2**30) == 0.9  # vLLM's default at most
+    with pytest.raises(ValueError, match="generator_tensor_parallel_size"):
+        vg.gpu_memory_utilization(8 * 2**30, 16 * 2**30)
 
 
 def test_sampling_arguments() -> None:
@@ -121,23 +216,26 @@ def test_rollouts_from_vllm_outputs() -> None:
     eos, pad = 9, 0
     prompts = [[5, 6, 7], [8]]
     outputs = [_output([1, 2, eos], [-0.5, -1.0, -0.25]), _output([3, 4], [-2.0, -3.0])]  # 2nd: length
-    r = vg.rollouts_from_outputs(prompts, outputs, pad, eos)
+    r = rollouts_from_outputs(prompts, outputs, pad, eos)
     assert r.prompt_ids.tolist() == [[5, 6, 7], [pad, pad, 8]]  # left-padded
     assert r.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     assert r.response_ids.tolist() == [[1, 2, eos], [3, 4, pad]]
     assert r.response_mask.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]  # EOS counts
     assert r.logprobs.tolist() == [[-0.5, -1.0, -0.25], [-2.0, -3.0, 0.0]]
-    after_eos = vg.rollouts_from_outputs([[1]], [_output([4, eos, 4], [-1.0, -1.0, -1.0])], pad, eos)
+    after_eos = rollouts_from_outputs([[1]], [_output([4, eos, 4], [-1.0, -1.0, -1.0])], pad, eos)
     assert after_eos.response_ids.tolist() == [[4, eos]]
     missing = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], logprobs=None)])
     with pytest.raises(ValueError, match="logprobs=0"):
-        vg.rollouts_from_outputs([[1]], [missing], pad, eos)
+        rollouts_from_outputs([[1]], [missing], pad, eos)
 
 
 def test_kv_bytes_and_audit() -> None:
     # 2 layers x (K and V) x 1 KV head x 128 head dim x 2 bytes (BF16) = 1024; FP8: 512
     assert vg.kv_bytes_per_token(config(), False) == 1024 and vg.kv_bytes_per_token(config(), True) == 512
     audit = vg.generator_audit(config(), spec(keep_bf16_layers=[1, 0]).precision)
+    assert audit.device == "CUDA (vLLM)" and vg.generator_audit(config(), spec().precision, "cpu").device == (
+        "CPU (vLLM)"
+    )
     assert len(audit.fp8_layers) == 7 and "lm_head" in audit.high_precision_layers
     q = next(r for r in audit.rows if r.name == "model.layers.1.self_attn.q_proj")
     assert q.bytes_after == 256 * 256 + 4 * 4  # FP8 bytes + four 128x128 block scales
@@ -147,37 +245,6 @@ def test_the_worker_extension_adds_only_new_names() -> None:
     # vLLM asserts that no attribute of the extension already exists on its worker class
     names = [a for a in dir(WeightChannelExtension) if not a.startswith("__")]
     assert names and all(a.startswith(("fp8rl_", "_fp8rl_")) for a in names)
-
-
-def test_the_worker_loads_the_trainers_bytes_unchanged() -> None:
-    w = quantize(torch.randn(256, 128), "e4m3", (128, 128))
-    norm = torch.randn(128)
-    loaded: dict[str, torch.Tensor] = {}
-
-    class FakeWorker(WeightChannelExtension):
-        rank, device = 0, torch.device("cpu")
-
-        def reload_weights(self, weights_iterator: Any, is_checkpoint_format: bool) -> None:
-            assert is_checkpoint_format
-            loaded.update(dict(weights_iterator))
-
-    class Channel:
-        def sync_weights(self, payload: Any) -> SyncResult:
-            return SyncResult(
-                3, 100, 0.5, 1, {"model.layers.0.mlp.up_proj.weight": w, "model.norm.weight": norm}
-            )
-
-    worker = FakeWorker()
-    worker._fp8rl_channel = Channel()
-    assert worker.fp8rl_receive_weights() == {"version": 3, "bytes": 100, "seconds": 0.5, "buckets": 1}
-    up = "model.layers.0.mlp.up_proj"
-    assert loaded[f"{up}.weight"].dtype == torch.float8_e4m3fn
-    assert torch.equal(loaded[f"{up}.weight"].view(torch.uint8), w.data.view(torch.uint8))
-    assert torch.equal(loaded[f"{up}.weight_scale_inv"], w.scale) and loaded[
-        f"{up}.weight_scale_inv"
-    ].shape == (2, 1)
-    assert loaded["model.norm.weight"].dtype == torch.bfloat16
-    assert isinstance(w, Fp8Tensor)
 
 
 def test_the_gpu_example_fits_vllms_blocks() -> None:
@@ -199,3 +266,32 @@ def test_the_gpu_example_fits_vllms_blocks() -> None:
     vg.check_layout(qwen, fp8, 2)  # k/v 128 per GPU
     with pytest.raises(ValueError, match=r"k_proj.*256.*tensor_parallel_size 4 gives 64"):
         vg.check_layout(qwen, fp8, 4)
+
+
+def test_tensor_parallel_workers_must_report_the_same() -> None:
+    from workers.engines.vllm.generator import VllmGenerator
+
+    def report(scale: float, holds: str = "bfloat16") -> dict[str, Any]:
+        weight = {"dtype": "bfloat16", "holds": holds, "data": 7, "scale": 0}
+        return {
+            "weights": {"lm_head.weight": weight},
+            "kv": {"dtype": "bfloat16", "k_scales": [scale], "v_scales": []},
+        }
+
+    class Llm:  # what collective_rpc returns: one report per worker
+        def __init__(self, reports: list[dict[str, Any]]) -> None:
+            self.reports = reports
+
+        def collective_rpc(self, method: str) -> list[dict[str, Any]]:
+            assert method == "fp8rl_weight_report"
+            return self.reports
+
+    gen: Any = VllmGenerator.__new__(VllmGenerator)  # no engine: only the comparison of reports
+    gen.llm = Llm([report(0.5), report(0.5)])
+    assert gen.weight_report() == report(0.5)
+    gen.llm = Llm([report(0.5), report(0.25)])
+    with pytest.raises(RuntimeError, match=r"workers 0 and 1 .* hold different weights \(the KV cache\)"):
+        gen.weight_report()
+    gen.llm = Llm([report(0.5), report(0.5), report(0.5, holds="missing")])
+    with pytest.raises(RuntimeError, match=r"workers 0 and 2 .*\(lm_head.weight\)"):
+        gen.weight_report()
