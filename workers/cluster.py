@@ -37,7 +37,9 @@ def collective_backend(spec: JobSpec) -> str:
 class Cluster:
     """The job's actors: trainers (ranks 0..T-1) and generators."""
 
-    def __init__(self, spec: JobSpec, vocab_size: int, tok: Tokenizer) -> None:
+    def __init__(
+        self, spec: JobSpec, vocab_size: int, tok: Tokenizer, max_prompt_tokens: int | None = None
+    ) -> None:
         import ray
 
         from workers.actors import GeneratorWorker, TrainerWorker, open_weight_channel
@@ -50,7 +52,8 @@ class Cluster:
         gen_cls: Any = ray.remote(**actor_options(spec, "generation"))(GeneratorWorker)
         self.trainers: list[Any] = [trainer_cls.remote(spec_json, r, world, vocab_size) for r in range(t)]
         self.generators: list[Any] = [
-            gen_cls.remote(spec_json, t + i, world, vocab_size, tok.eos_id, tok.pad_id) for i in range(g)
+            gen_cls.remote(spec_json, t + i, world, vocab_size, tok.eos_id, tok.pad_id, max_prompt_tokens)
+            for i in range(g)
         ]
         backend = collective_backend(spec)
         address = ray.get(self.trainers[0].free_address.remote())

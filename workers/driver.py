@@ -103,7 +103,8 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     cluster: Cluster | None = None
     step = first_step - 1
     try:
-        cluster = Cluster(spec, tok.vocab_size, tok)
+        longest = max(len(tok.encode(task.prompt(p))) for p in task.problems())
+        cluster = Cluster(spec, tok.vocab_size, tok, longest)
         audits = {"trainer": cluster.trainer_audit, "generator": cluster.generator_audit}
         _write_json(out / "quantization_audit.json", audits)
         for role, audit in audits.items():

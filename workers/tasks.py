@@ -84,6 +84,10 @@ class Task:
         """Training problems."""
         return len(self._problems)
 
+    def problems(self) -> list[Problem]:
+        """Every problem the job may prompt with: the training ones, then the held-out ones."""
+        return [*self._problems, *self._validation]
+
     def validation_problems(self) -> list[Problem]:
         """The held-out problems, in a fixed order (empty without validation)."""
         return list(self._validation)

@@ -120,14 +120,20 @@ def _installed(module: str) -> bool:
 
 
 def build_generator(
-    spec: JobSpec, vocab_size: int, eos_id: int, pad_id: int, device: str = "cpu"
+    spec: JobSpec,
+    vocab_size: int,
+    eos_id: int,
+    pad_id: int,
+    device: str = "cpu",
+    max_prompt_tokens: int | None = None,
 ) -> Generator:
-    """The generator the spec asks for, on ``device``."""
+    """The generator the spec asks for, on ``device``. ``max_prompt_tokens`` (the job's longest
+    prompt) sizes vLLM's sequences and KV cache; None: as long as the model allows."""
     if engine_for(spec, "generator") == "vllm":
         check_engines(spec)
         from workers.engines.vllm.generator import VllmGenerator
 
-        return VllmGenerator(spec, vocab_size, eos_id, pad_id, device)
+        return VllmGenerator(spec, vocab_size, eos_id, pad_id, device, max_prompt_tokens)
     from workers.engines.native.generator import NativeGenerator
 
     return NativeGenerator(spec, vocab_size, eos_id, pad_id, device)

@@ -206,8 +206,16 @@ def vllm_environment(spec: JobSpec, device: str) -> dict[str, str]:
     to cores of its choosing, the same ones for every engine on a node, and keep one core for its
     scheduler; instead its threads are left unpinned, as many as :func:`omp_threads` says (on 2
     shared cores, pinned: 2.1k tokens/s, unpinned: 8.2k, the tests' tiny model).
+
+    vLLM logs errors only (``VLLM_LOGGING_LEVEL``, unless the user set it): at its default it
+    writes ~100 lines at start-up and warnings at every weight update that are expected here (no
+    tokenizer to warm up with, RoPE buffers that an update does not carry), which would bury the
+    job's own log.
     """
-    env = {"VLLM_USE_DEEP_GEMM_E8M0": "1" if spec.precision.power_of_two_scales else "0"}
+    env = {
+        "VLLM_USE_DEEP_GEMM_E8M0": "1" if spec.precision.power_of_two_scales else "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+    }
     if device == "cpu":
         env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(omp_threads(spec))}
     return env

@@ -185,9 +185,9 @@ class VllmGenerator:
             gpu_memory=self._gpu_memory() if self.device == "cuda" else None,
             generation_config=directory,
         )
-        from vllm import LLM
-
         with scoped_environment(vllm_environment(spec, self.device)):
+            from vllm import LLM  # its logging reads VLLM_LOGGING_LEVEL at the first import
+
             self.llm = LLM(**kwargs)
 
     def _gpu_memory(self) -> float:

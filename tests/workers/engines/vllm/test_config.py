@@ -98,7 +98,11 @@ def test_engine_arguments_of_an_fp8_job() -> None:
     assert getattr(importlib.import_module(module), name) is WeightChannelExtension
     plain = vg.engine_kwargs(spec(recipe="bf16"), "m", [])
     assert "quantization" not in plain and "kv_cache_dtype" not in plain
-    assert vg.vllm_environment(job, "cuda") == {"VLLM_USE_DEEP_GEMM_E8M0": "0"}
+    env = vg.vllm_environment(job, "cuda")
+    assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0" and set(env) == {
+        "VLLM_USE_DEEP_GEMM_E8M0",
+        "VLLM_LOGGING_LEVEL",
+    }
     assert vg.vllm_environment(spec(power_of_two_scales=True), "cuda")["VLLM_USE_DEEP_GEMM_E8M0"] == "1"
 
 
