@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ def engines_spec() -> dict[str, Any]:
     }
 
 
-def check_rows(rows: list[Mapping[str, Any]]) -> None:
+def check_rows(rows: Sequence[Mapping[str, Any]]) -> None:
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
         missing = [k for k in REQUIRED_KEYS if k not in row]
