@@ -189,6 +189,8 @@ def test_an_engine_that_is_not_installed_fails_before_ray(
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr("workers.driver.ray_init", no_ray)
+    # make test installs vLLM's CPU build: this machine is one without vLLM only for this test
+    monkeypatch.setattr("workers.engines.factory._installed", lambda module: not module.startswith("vllm"))
     spec = tiny_spec("bf16", resources={"generator_engine": "vllm", "gpus_per_generator": 1})
     with pytest.raises(
         EngineUnavailable, match=r"resources.generator_engine=vllm: .*needs vllm.*worker image"
