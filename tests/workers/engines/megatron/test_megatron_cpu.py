@@ -31,14 +31,9 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+import megatron.core as megatron_core  # noqa: F401  # `make engines` installs it (make test does): missing is an error
 import pytest
 import torch
-
-pytest.importorskip(
-    "megatron.core",
-    reason="Megatron-Core is not installed (`make install` leaves it out; pip install megatron-core==0.16.1 "
-    "runs these): test_adapter.py covers the adapter against a stand-in",
-)
 
 from rljob import JobSpec
 from tests.workers.engines.megatron.megatron_cpu import (

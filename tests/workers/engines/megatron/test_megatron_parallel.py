@@ -16,14 +16,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import megatron.core  # noqa: F401  # `make engines` installs it (make test does): missing is an error
 import pytest
 import torch
-
-pytest.importorskip(
-    "megatron.core",
-    reason="Megatron-Core is not installed (`make install` leaves it out; pip install megatron-core==0.16.1 "
-    "runs these)",
-)
 
 from tests.workers.engines.megatron.megatron_cpu import (
     REWARDS,

@@ -3,8 +3,8 @@ rollouts, a weight sync from the trainer through vLLM's weight-transfer API over
 channel, log-probs checked against the native trainer's (and a float32 reference), and the
 precision report. One engine for the whole module (it takes ~20-40 s to start).
 
-Runs wherever vllm is installed (``make install`` puts the CPU build in); skipped, saying so,
-only where it is not."""
+Needs vllm (``make engines``, which ``make test`` runs, installs the CPU build): without it the
+module fails to import; it never skips."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import vllm  # noqa: F401  # `make engines` installs the CPU build (make test does): missing is an error
 
 from tests.workers.engines.vllm.engine import (
     TOK,
@@ -33,7 +34,6 @@ from workers.engines.vllm.generator import VllmGenerator
 from workers.weight_contract import KvHeld, compare, sent_report
 from workers.weight_sync import SyncResult
 
-pytest.importorskip("vllm", reason="vllm is not installed here (the CPU build comes with `make install`)")
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 48

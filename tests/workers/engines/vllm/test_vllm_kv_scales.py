@@ -5,7 +5,7 @@ vLLM has no parameter for ``model.layers.{i}.self_attn.k_scale`` without a quant
 (BF16 weights), so loading them through ``load_weights`` killed the engine ("There is no module or
 parameter named 'layers.0.self_attn.k_scale'"); fp8rl's transfer backend writes them into the
 attention layers after the reload (:mod:`workers.engines.vllm.kv_scales`). One engine for the
-module; skipped, saying so, only where vllm is not installed."""
+module; needs vllm (``make engines``), and skips only on a CPU without AVX-512 or AMX (below)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import vllm  # noqa: F401  # `make engines` installs the CPU build (make test does): missing is an error
 from transformers import DynamicCache
 
 from tests.workers.engines.vllm.engine import (
@@ -36,7 +37,6 @@ from workers.engines.vllm.generator import VllmGenerator
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name
 from workers.weight_contract import compare, sent_report
 
-pytest.importorskip("vllm", reason="vllm is not installed here (the CPU build comes with `make install`)")
 pytestmark = pytest.mark.slow
 if not (CpuFeatures.detect().avx512 or CpuFeatures.detect().amx):
     # what the product does on such a CPU is refuse the job (test_config); there is nothing to run
