@@ -29,11 +29,7 @@ from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
 
 
 def _threads(spec: JobSpec) -> None:
-    # Default: share the node's cores between the actors. Oversubscribed OpenMP threads wait on
-    # busy cores and make small kernels 10-30x slower (measured on 2 cores).
-    actors = spec.resources.trainers + spec.resources.generators
-    n = spec.resources.threads_per_actor or max(1, (os.cpu_count() or 1) // actors)
-    torch.set_num_threads(n)
+    torch.set_num_threads(spec.resources.threads(os.cpu_count() or 1))
 
 
 def _device(gpus: int) -> str:

@@ -39,7 +39,6 @@ from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, kv_cache_bytes
-from workers.fp8.linear import Fp8Linear
 from workers.weight_contract import KvHeld, WeightReport, dtype_name, kv_cache_dtype, received_weights
 from workers.weight_sync import CollectiveWeightSync, SyncResult
 
@@ -125,14 +124,8 @@ class NativeGenerator:
         precision its layer computes with (an ``Fp8Linear``'s weight: ``fp8``; else the dtype of
         the parameter it was copied into). The KV cache calibrates its own scales per batch."""
         params = dict(self.model.named_parameters())
-        holds = {}
-        for name in payload:
-            module_name, _, attr = name.rpartition(".")
-            module = self.model.get_submodule(module_name) if module_name else self.model
-            if isinstance(module, Fp8Linear) and attr == "weight":
-                holds[name] = "fp8"
-            elif name in params:
-                holds[name] = dtype_name(params[name].dtype)
+        fp8 = set(fp8_weight_names(self.model))
+        holds = {n: "fp8" if n in fp8 else dtype_name(params[n].dtype) for n in payload if n in params}
         kv = KvHeld(dtype=kv_cache_dtype(self.spec.precision.fp8_kv_cache), k_scales=[], v_scales=[])
         return WeightReport(weights=received_weights(payload, holds), kv=kv)
 

@@ -192,20 +192,14 @@ def gpu_memory_utilization(weight_bytes: int, total_bytes: int) -> float:
     return round(share, 3)
 
 
-def omp_threads(spec: JobSpec) -> int:
-    """Threads of vLLM's CPU worker: ``resources.threads_per_actor``, or the node's cores shared out
-    between the actors (the native engines' rule, :func:`workers.actors._threads`)."""
-    res = spec.resources
-    return res.threads_per_actor or max(1, (os.cpu_count() or 1) // (res.trainers + res.generators))
-
-
 def vllm_environment(spec: JobSpec, device: str) -> dict[str, str]:
     """Environment of vLLM's processes (set while the engine starts, inherited by its processes).
 
     DeepGEMM must not re-round float scales to powers of two. On CPU, vLLM would pin its worker
     to cores of its choosing, the same ones for every engine on a node, and keep one core for its
-    scheduler; instead its threads are left unpinned, as many as :func:`omp_threads` says (on 2
-    shared cores, pinned: 2.1k tokens/s, unpinned: 8.2k, the tests' tiny model).
+    scheduler; instead its threads are left unpinned, as many as every actor gets
+    (``ResourcesSpec.threads``; on 2 shared cores, pinned: 2.1k tokens/s, unpinned: 8.2k, the
+    tests' tiny model).
 
     vLLM logs errors only (``VLLM_LOGGING_LEVEL``, unless the user set it): at its default it
     writes ~100 lines at start-up and warnings at every weight update that are expected here (no
@@ -217,7 +211,8 @@ def vllm_environment(spec: JobSpec, device: str) -> dict[str, str]:
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
     }
     if device == "cpu":
-        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(omp_threads(spec))}
+        threads = spec.resources.threads(os.cpu_count() or 1)
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads)}
     return env
 
 
