@@ -1,4 +1,4 @@
-"""The tiers import only downward (README "Architecture"):
+"""The tiers import only downward (docs/architecture.md):
 
     rljob  <  workers  <  service | operators  <  bench  <  fp8rl
 

@@ -1,7 +1,7 @@
 """The operator's decisions (``operators.plan``): a hand-written table of situations (the RLJob,
 its RayJob and ConfigMap as read, the driver's metrics) and the exact actions each calls for, in
-order. Expected statuses, events and messages are written out from the rules in the README's
-operator section and KubeRay's documented states, not produced by the code under test; object
+order. Expected statuses, events and messages are written out from the rules in
+docs/operator.md and KubeRay's documented states, not produced by the code under test; object
 bodies come from the builders (tested in ``test_builders.py``)."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def configmap(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def exposition(step: int, reward: float) -> str:
-    """The driver's /metrics as Prometheus text (names from the README's metrics table)."""
+    """The driver's /metrics as Prometheus text (names from the metrics table in docs/running.md)."""
     return (
         "# TYPE fp8rl_step gauge\n"
         f'fp8rl_step{{job="j",namespace="team-a",recipe="fp8-e2e"}} {step}\n'

@@ -5,7 +5,7 @@ schemathesis runs with every check (status codes, media types, headers, response
 ``positive_data_acceptance`` aside (a valid-looking spec can still be refused on purpose, e.g.
 over a tenant's job limit), against a real ``fp8rl serve`` in both store modes: ``sql`` (jobs run
 as local drivers; one at a time, so the run stays small) and ``kubernetes`` on kmock. It must find
-nothing. The command is the one in the README's REST section; the seed is fixed so that CI is
+nothing. The command is the one in docs/control-plane.md; the seed is fixed so that CI is
 repeatable (run it by hand without ``--seed`` to explore further).
 """
 
