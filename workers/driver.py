@@ -1,6 +1,6 @@
 """The job driver: one per job, on the laptop (``fp8rl run``) or in a KubeRay RayJob.
 
-It starts the job's actors (``workers.cluster``) and runs the steps (``workers.rl_step``). Every
+It starts the job's actors (``workers.job_actors``) and runs the steps (``workers.rl_step``). Every
 ``validation.interval`` steps (and at the last) the generators then answer the task's held-out
 problems, and the step's line gets ``val/accuracy`` and ``val/reward_mean``. Metrics go to
 ``metrics.jsonl`` (one line per step), Prometheus and the progress bar.
@@ -26,8 +26,8 @@ from rljob.metrics import MetricsLog, StepMetrics, ValidatedStepMetrics
 from rljob.spec import JobSpec
 from rljob.status import EXIT_OUT_OF_MEMORY
 from workers import checkpoint
-from workers.cluster import Cluster, ray_init
 from workers.engines.factory import check_engines
+from workers.job_actors import Cluster, ray_init
 from workers.metrics import PromExporter
 from workers.rl_step import rl_step, save, sync_weights, validate, validation_due, warmup
 from workers.tasks import Task

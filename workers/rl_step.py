@@ -22,10 +22,10 @@ from rljob.metrics import StepMetrics, SyncMetrics, TrainMetrics, ValidationMetr
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
-from workers.cluster import Cluster
 from workers.engines.batching import concat_rollouts, even_split, left_pad, split_rows
 from workers.engines.native.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts
+from workers.job_actors import Cluster
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer
 from workers.weight_contract import compare
