@@ -109,8 +109,8 @@ def test_adapters_are_not_imported_with_workers() -> None:
     import sys
 
     code = (
-        "import sys, workers.driver, workers.job_actors, workers.rl_step, workers.actors, "
-        "workers.engines.factory; "
+        "import sys, workers.driver, workers.job_actors, workers.step_actors, workers.rl_step, "
+        "workers.actors, workers.engines.factory; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'transformer_engine') "
         "or m in ('workers.engines.vllm.generator', 'workers.engines.megatron.trainer', "
         "'workers.engines.megatron.model', 'workers.engines.megatron.schedule', "
