@@ -99,7 +99,7 @@ class JobActors:
 
         refs = [
             g.generate.remote(c, s, temperature)
-            for g, c, s in zip(self._generators, chunks, seeds, strict=False)
+            for g, c, s in zip(self._generators, chunks, seeds, strict=True)
             if c
         ]
         out: list[Generated] = ray.get(refs)

@@ -50,10 +50,10 @@ class StepActors(Protocol):
     def generate(
         self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
     ) -> list[Generated]:
-        """Generator ``i`` samples responses to ``chunks[i]`` (token ids) with ``seeds[i]``; all
-        generators run in parallel. A generator whose chunk is empty sits out. Returns one
-        :class:`Generated` per non-empty chunk, in chunk order. ``temperature`` overrides
-        ``rollout.temperature`` (validation; 0 = greedy)."""
+        """Generator ``i`` samples responses to ``chunks[i]`` (token ids) with ``seeds[i]``, one
+        chunk and one seed per generator; all generators run in parallel, and one whose chunk is
+        empty sits out. Returns one :class:`Generated` per non-empty chunk, in chunk order.
+        ``temperature`` overrides ``rollout.temperature`` (validation; 0 = greedy)."""
         ...
 
     def train(self, parts: list[Rollouts], rewards: list[torch.Tensor]) -> list[TrainStats]:

@@ -56,7 +56,7 @@ class InProcessActors:
         r = self.spec.rollout
         temp = r.temperature if temperature is None else temperature
         out = []
-        for g, chunk, seed in zip(self.generators, chunks, seeds, strict=False):
+        for g, chunk, seed in zip(self.generators, chunks, seeds, strict=True):
             if chunk:
                 rollouts = g.generate(chunk, r.max_new_tokens, temp, r.top_p, seed)
                 out.append(Generated(rollouts, g.kv_cache_bytes, g.weight_bytes))

@@ -172,6 +172,7 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     assert all(torch.equal(loaded[n], trained[n]) for n in trained)
 
 
+@pytest.mark.slow  # a fresh interpreter (torch, transformers) and a step: ~25 s on 2 cores
 def test_the_step_never_imports_ray() -> None:
     """A fresh interpreter runs a step, its sync and a validation: Ray is never imported."""
     code = """
