@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from rljob.metrics import TrainMetrics
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel, weight_receivers
-from workers.engines.protocols import Generator, Rollouts, Trainer
+from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
 from workers.engines.weight_channel import channel_ranks
+from workers.step_actors import Generated
 from workers.weight_contract import kv_cache_dtype, sent_report
 from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
 
@@ -100,9 +100,8 @@ class TrainerWorker(_Member):
     def sft_step(self, batch: Rollouts) -> float:
         return self.engine.sft_step(batch)
 
-    def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> tuple[torch.Tensor, TrainMetrics]:
-        out = self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
-        return out.logprobs_old, out.stats
+    def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> TrainStats:
+        return self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.native.layer_diff`)."""
@@ -181,16 +180,14 @@ class GeneratorWorker(_Member):
         (:mod:`workers.engines.native.layer_diff`)."""
         return _traced(self.engine, prompt, response)
 
-    def generate(
-        self, prompts: list[list[int]], seed: int, temperature: float | None = None
-    ) -> tuple[Rollouts, dict[str, int]]:
+    def generate(self, prompts: list[list[int]], seed: int, temperature: float | None = None) -> Generated:
         """Rollouts, and the bytes this generator holds: KV cache (at the end) and weights.
 
         ``temperature`` overrides ``rollout.temperature`` (validation; 0 = greedy)."""
         r = self.spec.rollout
         temp = r.temperature if temperature is None else temperature
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
-        return out, {"kv_cache": self.engine.kv_cache_bytes, "weights": self.engine.weight_bytes}
+        return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes)
 
 
 def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:

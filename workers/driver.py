@@ -1,6 +1,7 @@
 """The job driver: one per job, on the laptop (``fp8rl run``) or in a KubeRay RayJob.
 
-It starts the job's actors (``workers.cluster``) and runs the steps (``workers.rl_step``). Every
+It starts the job's actors (``workers.job_actors``, the one object that knows Ray) and runs the
+steps (``workers.rl_step``). Every
 ``validation.interval`` steps (and at the last) the generators then answer the task's held-out
 problems, and the step's line gets ``val/accuracy`` and ``val/reward_mean``. Metrics go to
 ``metrics.jsonl`` (one line per step), Prometheus and the progress bar.
@@ -26,8 +27,8 @@ from rljob.metrics import MetricsLog, StepMetrics, ValidatedStepMetrics
 from rljob.spec import JobSpec
 from rljob.status import EXIT_OUT_OF_MEMORY
 from workers import checkpoint
-from workers.cluster import Cluster, ray_init
 from workers.engines.factory import check_engines
+from workers.job_actors import JobActors, ray_init, ray_shutdown
 from workers.metrics import PromExporter
 from workers.rl_step import rl_step, save, sync_weights, validate, validation_due, warmup
 from workers.tasks import Task
@@ -80,8 +81,6 @@ def _write_json(path: Path, data: Any) -> None:
 
 def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | None = None) -> RunResult:
     """Run ``spec`` to its last step (or until ``opts.stop`` is set); see the module docstring."""
-    import ray
-
     opts = opts or RunOptions()
     out = Path(output_dir or spec.output_dir)
     check_engines(spec)  # an engine that is not installed fails here, before Ray does any work
@@ -100,29 +99,29 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         prom.stop()
         return RunResult(out, first_step - 1, False, rows, port)
     started_ray = ray_init(spec, opts.ray_address)
-    cluster: Cluster | None = None
+    actors: JobActors | None = None
     step = first_step - 1
     try:
         longest = max(len(tok.encode(task.prompt(p))) for p in task.problems())
-        cluster = Cluster(spec, tok.vocab_size, tok, longest)
-        audits = {"trainer": cluster.trainer_audit, "generator": cluster.generator_audit}
+        actors = JobActors(spec, tok.vocab_size, tok, longest)
+        audits = {"trainer": actors.trainer_audit, "generator": actors.generator_audit}
         _write_json(out / "quantization_audit.json", audits)
         for role, audit in audits.items():
             opts.log(f"quantization audit ({role}):\n{audit['table']}")
         if ckpt is not None:
-            ray.get([t.load.remote(str(ckpt)) for t in cluster.trainers])
+            actors.load(ckpt)
             opts.log(f"resumed from {ckpt} at step {first_step}")
         elif spec.warmup.sft_steps:
-            warmup(spec, task, tok, cluster, out, opts.log)
-        sync_weights(cluster)  # generators start from the trainer's weights
+            warmup(spec, task, tok, actors, out, opts.log)
+        sync_weights(actors)  # generators start from the trainer's weights
         for step in range(first_step, spec.steps + 1):
-            row: StepMetrics = rl_step(spec, task, tok, cluster, step)
+            row: StepMetrics = rl_step(spec, task, tok, actors, step)
             if validation_due(spec, step):  # after the step's weight sync: the updated policy
-                validated: ValidatedStepMetrics = {**row, **validate(spec, task, tok, cluster, step)}
+                validated: ValidatedStepMetrics = {**row, **validate(spec, task, tok, actors, step)}
                 row = validated
             due = step % spec.checkpoint_interval == 0 or step == spec.steps
             if due:  # before the metrics line: a line never refers to weights that were not saved
-                save(cluster, out, step)
+                save(actors, out, step)
             log.append(row)
             rows.append(row)
             prom.observe(row)
@@ -130,15 +129,15 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
                 opts.on_step(row)
             if opts.stop.is_set():
                 if not due:
-                    save(cluster, out, step)
+                    save(actors, out, step)
                 opts.log(f"stopped after step {step}; continue with --resume")
                 break
         return RunResult(out, step, opts.stop.is_set(), rows, port)
     finally:
-        if cluster is not None:
-            cluster.shutdown()
+        if actors is not None:
+            actors.shutdown()
         if started_ray:
-            ray.shutdown()
+            ray_shutdown()
         prom.stop()
 
 

@@ -1,8 +1,10 @@
 """Weight sync: the trainer broadcasts its weights to the generators after every update.
 
-The protocol has four methods (as NeMo RL's): ``init_communicator``, ``sync_weights``,
-``is_stale``, ``shutdown``, so the driver never branches on the transport.
-:class:`BroadcastWeightSync` is the torch.distributed implementation: gloo on CPU, NCCL on GPU.
+:class:`CollectiveWeightSync` is the wire format below over any broadcast primitive (every member
+calls ``sync_weights`` once per version). :class:`BroadcastWeightSync` runs it over the job's
+torch.distributed group (gloo on CPU, NCCL on GPU) for native engines;
+:class:`~workers.engines.weight_channel.WeightChannel` over an NCCL group of its own for vLLM and
+Megatron. Which one a job uses is the actors' business (:mod:`workers.actors`), never the step's.
 
 Wire format of one sync, from the trainer (rank 0 of the sync group) to every generator:
 1. a manifest (``broadcast_object_list``): version and, per parameter, its kind (``fp8``: data +
@@ -21,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,16 +33,6 @@ from workers.fp8.formats import get_format
 from workers.fp8.quant import Fp8Tensor
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-
-
-class WeightSync(Protocol):
-    def init_communicator(self) -> None: ...
-
-    def sync_weights(self, payload: Payload | None = None) -> SyncResult: ...
-
-    def is_stale(self, version: int) -> bool: ...
-
-    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -201,10 +193,6 @@ class CollectiveWeightSync(ABC):
     @abstractmethod
     def _broadcast(self, tensor: torch.Tensor) -> None:
         """The sender's ``tensor`` into every member's ``tensor`` (same shape, in place)."""
-
-    def is_stale(self, version: int) -> bool:
-        """True when weights of ``version`` are older than the last synced version."""
-        return version < self.version
 
     def sync_weights(self, payload: Payload | None = None) -> SyncResult:
         if not self._ready():

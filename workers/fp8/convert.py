@@ -60,10 +60,6 @@ class Fp8Audit:
     def fp8_layers(self) -> list[str]:
         return [r.name for r in self.rows if r.precision == "fp8"]
 
-    @property
-    def high_precision_layers(self) -> list[str]:
-        return [r.name for r in self.rows if r.precision != "fp8"]
-
     def summary(self) -> dict[str, int | float | str]:
         fp8 = [r for r in self.rows if r.precision == "fp8"]
         linear = [r for r in self.rows if r.kind in ("linear", "lm_head")]

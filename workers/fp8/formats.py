@@ -30,11 +30,6 @@ class Fp8Format:
     min_subnormal: float
 
     @property
-    def unit_roundoff(self) -> float:
-        """Largest relative rounding error of a normal number (round to nearest)."""
-        return 2.0 ** -(self.mantissa_bits + 1)
-
-    @property
     def bits(self) -> int:
         return 8
 

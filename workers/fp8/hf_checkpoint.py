@@ -20,8 +20,8 @@ Tensor parallelism (vLLM): column-parallel linears (q/k/v, gate/up) are split by
 row-parallel ones (o, down) by input columns. A GPU's share of a block-FP8 weight must be whole
 128x128 blocks, so that it takes whole rows (or columns) of the scale: rank ``r`` of ``tp`` gets rows
 ``[r*N/tp, (r+1)*N/tp)`` of the weight and rows ``[r*N/tp/128, (r+1)*N/tp/128)`` of the scale.
-:func:`tp_shard` cuts a rank's share; :func:`check_tp_partitions` says before a load which layers
-cannot be cut that way.
+vLLM cuts each rank's share so as it loads; :func:`check_tp_partitions` says before a load which
+layers cannot be cut that way.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.fp8.formats import E4M3
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.quant import Fp8Tensor
 
@@ -124,30 +123,6 @@ def checkpoint_tensors(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> dict[
     return out
 
 
-def from_checkpoint_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fp8Tensor | torch.Tensor]:
-    """The inverse of :func:`checkpoint_tensors`: each ``X.weight`` with an ``X.weight_scale_inv``
-    becomes an :class:`Fp8Tensor` (E4M3, 128x128 blocks); other tensors are returned as they are."""
-    out: dict[str, Fp8Tensor | torch.Tensor] = {}
-    for name, value in tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            weight = name.removesuffix(SCALE_SUFFIX)
-            if weight not in tensors:
-                raise ValueError(f"{name}: a scale without its weight {weight}; the checkpoint is incomplete")
-            continue
-        scale = tensors.get(name + SCALE_SUFFIX)
-        if scale is None:
-            if value.dtype in _FLOAT8:
-                raise ValueError(
-                    f"{name}: {value.dtype} without {name + SCALE_SUFFIX}; the checkpoint is incomplete"
-                )
-            out[name] = value
-            continue
-        fp8 = Fp8Tensor(value, scale, WEIGHT_BLOCK, E4M3)
-        _check_fp8_weight(name, fp8)
-        out[name] = fp8
-    return out
-
-
 def ignored_linear_names(model: nn.Module) -> list[str]:
     """Module paths of the ``nn.Linear`` layers that are not :class:`Fp8Linear` (the decoder
     linears kept in BF16, and ``lm_head``), sorted: the checkpoint's ``ignored_layers``."""
@@ -183,40 +158,9 @@ def _split_message(layer: str, which: str, size: int, tp: int) -> str:
     )
 
 
-def _check_tp(tp: int, rank: int = 0) -> None:
-    if tp < 1 or not 0 <= rank < tp:
-        raise ValueError(f"rank {rank} of tensor_parallel_size {tp}: need tp >= 1 and 0 <= rank < tp")
-
-
-def tp_shard(name: str, value: Fp8Tensor, rank: int, tp: int) -> Fp8Tensor:
-    """Rank ``rank``'s share of a block-FP8 weight under vLLM's tensor parallelism.
-
-    Column-parallel (``COLUMN_PARALLEL``): rows ``[rank*N/tp, (rank+1)*N/tp)`` of ``data [N, K]``
-    and rows ``/128`` of ``scale``; row-parallel (``ROW_PARALLEL``): the same on columns (``K``).
-    Raises ValueError where the split does not fall on 128 boundaries, or ``name`` is not a
-    tensor-parallel linear.
-    """
-    _check_tp(tp, rank)
-    style = _parallel_style(name)
-    if style is None:
-        raise ValueError(
-            f"{name}: not a tensor-parallel linear (column-parallel: {', '.join(COLUMN_PARALLEL)}; "
-            f"row-parallel: {', '.join(ROW_PARALLEL)}); vLLM keeps a whole copy on every GPU"
-        )
-    if value.block != WEIGHT_BLOCK or value.data.dim() != 2:
-        raise ValueError(
-            f"{name}: tp_shard needs a 2-D weight in {WEIGHT_BLOCK} blocks, got shape "
-            f"{tuple(value.shape)} with block {value.block}"
-        )
-    dim = 0 if style == "column" else 1
-    size, block = value.shape[dim], WEIGHT_BLOCK[dim]
-    if tp > 1 and not _splits_into_blocks(size, tp, block):
-        which = "output" if style == "column" else "input"
-        raise ValueError(_split_message(name.removesuffix(".weight"), which, size, tp))
-    per = size // tp
-    data = value.data.narrow(dim, rank * per, per)  # [N/tp, K] or [N, K/tp]
-    scale = value.scale.narrow(dim, rank * per // block, math.ceil(per / block))
-    return Fp8Tensor(data.contiguous(), scale.contiguous(), value.block, value.fmt)
+def _check_tp(tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size {tp}: need tp >= 1")
 
 
 def check_tp_partitions(

@@ -169,7 +169,15 @@ def blockwise_scales_for_cublas(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tenso
     ``b`` are ``[K/128 padded to a multiple of 4, N/128]`` whose transpose is contiguous; 128x1
     scales of ``b`` are ``[N, K/128]`` with stride 1 along N.
     """
-    return a.scale.t().contiguous().t(), _cublas_b_scale(b)  # a: [M, K/128], strides (1, M)
+    sa = a.scale.t().contiguous().t()  # [M, K/128], strides (1, M): free when already so
+    # a weight's scale layout is made once per weight (kept with its FP8 copy), not per call
+    owner = b._transpose_of
+    sb = owner._memo.get("cublas_scale_t") if owner is not None else None
+    if sb is None:
+        sb = _cublas_b_scale(b)
+        if owner is not None:
+            owner._memo["cublas_scale_t"] = sb
+    return sa, sb
 
 
 def _cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:
@@ -188,14 +196,7 @@ def _blockwise(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tens
     recipe = {(1, 128): scaling.BlockWise1x128, (128, 1): scaling.BlockWise1x128}
     recipe[(128, 128)] = scaling.BlockWise128x128
     assert a.block is not None and b.block is not None
-    sa = a.scale.t().contiguous().t()  # [M, K/128], strides (1, M): free when already so
-    # a weight's scale layout is made once per weight (kept with its FP8 copy), not per call
-    owner = b._transpose_of
-    sb = owner._memo.get("cublas_scale_t") if owner is not None else None
-    if sb is None:
-        sb = _cublas_b_scale(b)
-        if owner is not None:
-            owner._memo["cublas_scale_t"] = sb
+    sa, sb = blockwise_scales_for_cublas(a, b)
     return torch.nn.functional.scaled_mm(
         a.data, b.data, sa, recipe[a.block], sb, recipe[b.block], output_dtype=out_dtype
     )

@@ -22,7 +22,7 @@ Llama/Qwen2):
 - Pipeline stages hold consecutive layers, numbered from 0 in each stage's state dict.
 - The vocabulary is padded to a multiple of ``128 * tp``: every rank's share of the embedding and
   output layer must be equal, and 128 keeps those GEMMs tensor-core shaped. The padded rows are
-  never looked up, and their logits are masked to -inf (:func:`mask_padded_vocab`), so the
+  never looked up, and their logits are masked to -inf (:func:`token_logprobs`), so the
   softmax runs over the Hugging Face vocabulary exactly.
 """
 
@@ -326,14 +326,6 @@ def _padding_columns(width: int, valid_vocab: int, vocab_start: int, device: tor
     return torch.arange(width, device=device) + vocab_start >= valid_vocab
 
 
-def mask_padded_vocab(logits: torch.Tensor, valid_vocab: int, vocab_start: int = 0) -> torch.Tensor:
-    """``logits [..., V_local]`` (this rank's columns ``vocab_start..``) with the padding columns
-    (global id >= ``valid_vocab``) at -inf, so they take no probability."""
-    return logits.masked_fill(
-        _padding_columns(logits.shape[-1], valid_vocab, vocab_start, logits.device), -math.inf
-    )
-
-
 def token_logprobs(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -348,9 +340,9 @@ def token_logprobs(
     ``vocab_parallel_ce``: Megatron's ``tensor_parallel.vocab_parallel_cross_entropy`` (the
     negative log-prob over a vocabulary split across the tensor-parallel ranks; it overwrites its
     input, which is the temporary ``logits / T`` here). Without it, ``log_softmax`` over a full
-    vocabulary. ``valid_vocab``: columns from this global id on are padding (see
-    :func:`mask_padded_vocab`; this rank's columns start at ``vocab_start``), masked in place in
-    the temporary, so the logits are copied once.
+    vocabulary. ``valid_vocab``: columns from this global id on are padding (set to -inf, so they
+    take no probability; this rank's columns start at ``vocab_start``), masked in place in the
+    temporary, so the logits are copied once.
     """
     scaled = logits.float() / temperature  # a new tensor: the caller's logits stay untouched
     if valid_vocab is not None and vocab_start + scaled.shape[-1] > valid_vocab:

@@ -38,13 +38,20 @@ class ExactMismatchError(RuntimeError):
 
     ``row``/``position``: the first differing token in the trainer's own rows (``row = -1``: the
     difference is on another data-parallel trainer). Raised before any weight update, so the
-    trainer still holds the weights that generated.
+    trainer still holds the weights that generated. ``trainer_index``: which trainer found it (set
+    where the trainers' errors are gathered, :meth:`on_trainer`).
     """
 
     def __init__(self, row: int, position: int, trainer: float = 0.0, generator: float = 0.0) -> None:
         super().__init__(row, position, trainer, generator)
         self.row, self.position, self.trainer, self.generator = row, position, trainer, generator
         self.detail = ""
+        self.trainer_index = 0
+
+    def on_trainer(self, index: int) -> ExactMismatchError:
+        """The same error, found by trainer ``index``."""
+        self.trainer_index = index
+        return self
 
     def with_detail(self, detail: str) -> ExactMismatchError:
         """The same error with what the per-layer comparison found."""

@@ -30,7 +30,6 @@ from workers.engines.megatron.convert import (
     hf_payload,
     hf_to_megatron,
     local_name,
-    mask_padded_vocab,
     megatron_to_hf,
     merge_tp_shards,
     parallel_kind,
@@ -405,16 +404,26 @@ def test_padded_vocab_columns_take_no_probability() -> None:
     logits = torch.randn(2, 3, 8)  # 6 real tokens, 2 padding columns
     targets = torch.randint(0, 6, (2, 3))
     reference = torch.log_softmax(logits[..., :6].double(), -1).gather(-1, targets[..., None]).squeeze(-1)
-    # two tensor-parallel ranks of 4 columns each: rank 1 holds global ids 4..7
-    shards = [mask_padded_vocab(logits[..., 4 * r : 4 * r + 4], 6, 4 * r) for r in range(2)]
-    assert torch.isinf(shards[1][..., 2:]).all() and torch.isfinite(shards[0]).all()
-    got = token_logprobs(torch.cat(shards, -1), targets, 1.0)
-    torch.testing.assert_close(got, reference.float(), atol=1e-6, rtol=0)
-    # the same mask applied inside token_logprobs, on its own temporary
+    # unmasked, the padding columns take probability
+    assert not torch.allclose(token_logprobs(logits, targets, 1.0), reference.float(), atol=1e-3)
+    # masked inside token_logprobs, on its own temporary
     before = logits.clone()
     got = token_logprobs(logits, targets, 1.0, overwriting_ce, valid_vocab=6)
     torch.testing.assert_close(got, reference.float(), atol=1e-6, rtol=0)
     assert torch.equal(logits, before)
+    # two tensor-parallel ranks of 4 columns each: rank 1 holds global ids 4..7, of which 6 and 7 pad
+    seen: list[torch.Tensor] = []
+
+    def capture(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        seen.append(x.clone())
+        return torch.zeros(t.shape)
+
+    for rank in range(2):
+        token_logprobs(
+            logits[..., 4 * rank : 4 * rank + 4], targets, 1.0, capture, valid_vocab=6, vocab_start=4 * rank
+        )
+    assert torch.isfinite(seen[0]).all() and torch.isfinite(seen[1][..., :2]).all()
+    assert torch.isinf(seen[1][..., 2:]).all()
 
 
 # -- payload and audit -----------------------------------------------------------------------------

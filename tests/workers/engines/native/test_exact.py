@@ -266,8 +266,11 @@ class _Trainer:
     def __init__(self, row: int) -> None:
         self.row = row
 
+    def error(self) -> ExactMismatchError:
+        return ExactMismatchError(self.row, 2 if self.row >= 0 else -1, -0.5, -0.25)
+
     def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> None:
-        raise ExactMismatchError(self.row, 2 if self.row >= 0 else -1, -0.5, -0.25)
+        raise self.error()
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"embed": prompt[None].float(), "norm": torch.ones(1, 3), "head": torch.ones(1, 3)}
@@ -278,22 +281,52 @@ class _Generator:
         return {"embed": prompt[None].float(), "norm": torch.full((1, 3), 2.0), "head": torch.zeros(1, 3)}
 
 
-def test_the_driver_names_the_token_and_the_first_differing_module(ray_cluster: None) -> None:
-    """Two trainers (2 rows each): the second finds its row 1 differing; the generator's trace of
-    the unpadded prompt agrees on ``embed`` and first differs on ``norm``."""
-    from types import SimpleNamespace
-
-    from workers.rl_step import train_results
+def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: None) -> None:
+    """Two trainer actors: the first reports the difference is elsewhere (row -1), the second
+    finds its row 1 differing; ``JobActors``' gathering raises our error, not Ray's wrapper."""
+    from workers.job_actors import gather_train_results
 
     remote: Any = ray.remote
     trainers = [remote(_Trainer).remote(-1), remote(_Trainer).remote(1)]
-    cluster: Any = SimpleNamespace(trainers=trainers, generators=[remote(_Generator).remote()])
+    refs = [t.train_step.remote(None, torch.zeros(2)) for t in trainers]
+    with pytest.raises(ExactMismatchError) as err:
+        gather_train_results(refs)
+    assert type(err.value) is ExactMismatchError
+    assert (err.value.trainer_index, err.value.row, err.value.position) == (1, 1, 2)
+    assert (err.value.trainer, err.value.generator) == (-0.5, -0.25)
+    for a in trainers:
+        ray.kill(a)
+
+
+class _MismatchActors:
+    """The step's actors as far as an exact mismatch goes: two trainers of 2 rows each, the
+    second finding its row 1 differing (as :func:`gather_train_results` hands it back)."""
+
+    num_trainers, num_generators = 2, 1
+
+    def __init__(self) -> None:
+        self.traced: list[tuple[int, list[int], list[int]]] = []
+
+    def train(self, parts: list[Rollouts], rewards: list[torch.Tensor]) -> Any:
+        assert [len(p.prompt_ids) for p in parts] == [2, 2] and [len(r) for r in rewards] == [2, 2]
+        raise _Trainer(1).error().on_trainer(1)
+
+    def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> Any:
+        self.traced.append((trainer, prompt.tolist(), response.tolist()))
+        return _Generator().trace_token(prompt, response), _Trainer(1).trace_token(prompt, response)
+
+
+def test_the_step_names_the_token_and_the_first_differing_module() -> None:
+    """The batch's row 3 (trainer 1's row 1) is traced on trainer 1 with its unpadded prompt; the
+    generator's trace agrees on ``embed`` and first differs on ``norm``. No Ray."""
+    from workers.rl_step import train
+
+    actors: Any = _MismatchActors()
     ids, mask = left_pad([[5, 6], [7], [8, 9, 10], [11]], TOK.pad_id)
     batch = Rollouts(ids, mask, torch.full((4, 4), 3), torch.ones(4, 4), torch.zeros(4, 4))
-    refs = [t.train_step.remote(batch, torch.zeros(2)) for t in trainers]
     with pytest.raises(ExactMismatchError) as err:
-        train_results(refs, cluster, batch, [2, 2])
+        train(actors, batch, torch.zeros(4), [2, 2])
     assert (err.value.row, err.value.position) == (3, 2)
+    assert actors.traced == [(1, [11], [3, 3, 3])]
     assert "first differing module: norm (max |diff| 1)" in str(err.value)
-    for a in [*trainers, *cluster.generators]:
-        ray.kill(a)
+    assert "at row 3, response position 2" in str(err.value)

@@ -1,0 +1,91 @@
+"""What one RL step needs from the job's trainers and generators, whatever runs them.
+
+:mod:`workers.rl_step` orchestrates over :class:`StepActors` and never sees the transport:
+:class:`workers.job_actors.JobActors` runs the trainers and generators as Ray actors (the only code
+in the RL loop that knows Ray); the tests run the same step on a native trainer and generator in
+one process. Each method says what runs concurrently inside it; a method returns once all of it
+is done, so two calls never overlap.
+
+Every argument and result is plain data (tensors, NamedTuples, dicts): it crosses a process
+boundary as is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import torch
+
+from workers.engines.native.layer_diff import Trace
+from workers.engines.protocols import Rollouts, TrainStats
+from workers.weight_contract import WeightReport
+
+
+class Generated(NamedTuple):
+    """One generator's answer to its chunk of prompts."""
+
+    rollouts: Rollouts
+    kv_cache_bytes: int  # bytes its KV cache held at the end of the generation
+    weight_bytes: int  # bytes its weights hold on the device (FP8 layers: data + scales)
+
+
+class WeightTransfer(NamedTuple):
+    """One weight sync: what trainer 0 sent, and what each generator holds after it."""
+
+    bytes: int  # bytes trainer 0 sent (each generator receives the same)
+    sent: WeightReport  # trainer 0's report of what it sent (:func:`~workers.weight_contract.sent_report`)
+    received: list[WeightReport]  # [G] each generator's report of what it holds, in generator order
+
+
+class StepActors(Protocol):
+    """The job's trainers (``0..T-1``, data-parallel replicas) and generators (``0..G-1``)."""
+
+    @property
+    def num_trainers(self) -> int: ...
+
+    @property
+    def num_generators(self) -> int: ...
+
+    def generate(
+        self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
+    ) -> list[Generated]:
+        """Generator ``i`` samples responses to ``chunks[i]`` (token ids) with ``seeds[i]``, one
+        chunk and one seed per generator; all generators run in parallel, and one whose chunk is
+        empty sits out. Returns one :class:`Generated` per non-empty chunk, in chunk order.
+        ``temperature`` overrides ``rollout.temperature`` (validation; 0 = greedy)."""
+        ...
+
+    def train(self, parts: list[Rollouts], rewards: list[torch.Tensor]) -> list[TrainStats]:
+        """Trainer ``i`` takes one RL update on ``parts[i]`` with ``rewards[i]`` (``[B_i]``); the
+        trainers run in parallel (gradients all-reduced), so every trainer's stats cover the whole
+        batch. Under ``precision.exact`` a trainer that finds a log-prob differing from the
+        generator's raises :class:`~workers.engines.native.layer_diff.ExactMismatchError` before
+        any update; ``trainer_index`` names it and ``row`` is a row of its own part."""
+        ...
+
+    def sft_step(self, parts: list[Rollouts]) -> float:
+        """One supervised warm-up step, trainer ``i`` on ``parts[i]``, the trainers in parallel;
+        the mean token NLL over the whole batch."""
+        ...
+
+    def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> tuple[Trace, Trace]:
+        """Per-module outputs at the last token of ``response`` after the unpadded ``prompt``:
+        generator 0's way and trainer ``trainer``'s way, the two in parallel
+        (:mod:`workers.engines.native.layer_diff`; native engines only)."""
+        ...
+
+    def send_and_receive_weights(self) -> WeightTransfer:
+        """Trainer 0 sends its current weights while every generator receives them (the other
+        trainers export alongside: a sharded trainer gathers), all at once; returns once every
+        generator computes with them."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Every trainer takes part (a sharded trainer gathers), in parallel; trainer 0 writes
+        ``trainer.pt`` into ``directory``."""
+        ...
+
+    def load(self, directory: Path) -> None:
+        """Every trainer loads ``trainer.pt`` from ``directory``, in parallel."""
+        ...
