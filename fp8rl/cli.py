@@ -98,9 +98,9 @@ def serve_cmd(
     import uvicorn
 
     from rljob.jobs import JobStore
-    from service.app import create_app
     from service.auth import TokenFileError
-    from service.executor import Executor, LocalExecutor
+    from service.local_executor import Executor, LocalExecutor
+    from service.main import create_app
     from service.settings import Settings
     from service.store import SqlJobStore
 
@@ -119,7 +119,7 @@ def serve_cmd(
         executor: Executor
         if settings.store == "kubernetes":
             from rljob.kube import KubernetesJobStore, api_client
-            from service.executor import OperatorHandoff
+            from service.local_executor import OperatorHandoff
 
             kube = KubernetesJobStore(api_client(settings.kubeconfig))
             db, executor = kube, OperatorHandoff(kube)

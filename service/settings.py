@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.executor import DriverLimits
+from service.local_executor import DriverLimits
 
 
 class TenantLimits(BaseModel):

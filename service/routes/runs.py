@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from rljob.jobs import JobNotFound
 from rljob.status import ACTIVE
 from service.deps import JOB, SettingsDep, StoreDep, TenantDep
-from service.executor import read_metrics, run_dir
+from service.local_executor import read_metrics, run_dir
 from service.problems import ProblemError
 
 router = APIRouter(prefix="/v1/jobs", tags=["runs"])

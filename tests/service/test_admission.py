@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 
 from rljob import parse_spec
 from rljob.paths import POD_HOME, path_problems
-from service.app import create_app
-from service.executor import LocalExecutor, tenant_home
+from service.local_executor import LocalExecutor, tenant_home
+from service.main import create_app
 from service.settings import Settings
 from service.store import SqlJobStore
 from tests.helpers import wait_for
@@ -166,7 +166,7 @@ def test_the_driver_runs_in_the_tenant_home_and_a_late_symlink_fails_the_job(
         def __init__(self, cmd: list[str], **kwargs: Any) -> None:
             started.append(kwargs)
 
-    monkeypatch.setattr("service.executor.subprocess.Popen", FakePopen)
+    monkeypatch.setattr("service.local_executor.subprocess.Popen", FakePopen)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path)
     job = store.create("team-a", "j", parse_spec({"task": {"dataset": "mine.jsonl"}}))
@@ -209,7 +209,7 @@ def test_a_job_over_its_memory_limit_fails_alone(tmp_path: Path, monkeypatch: py
         code = _HOG if job.tenant == "team-a" else _FINISH
         return [sys.executable, "-c", code, str(out / "metrics.jsonl")]
 
-    monkeypatch.setattr("service.executor.driver_command", command)
+    monkeypatch.setattr("service.local_executor.driver_command", command)
     settings = Settings(data_dir=tmp_path, tenant_limits={"team-a": {"max_memory_mb": 256}})
     assert settings.driver_limits("team-a").memory_bytes == 256 * 2**20
     assert settings.driver_limits("team-b").memory_bytes is None
@@ -269,7 +269,7 @@ def test_drivers_get_their_cpus_and_a_lower_priority(tmp_path: Path, monkeypatch
     def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
         return [sys.executable, "-c", _REPORT, str(out / "report.json")]
 
-    monkeypatch.setattr("service.executor.driver_command", command)
+    monkeypatch.setattr("service.local_executor.driver_command", command)
     settings = Settings(data_dir=tmp_path, max_cpus=1, driver_nice=7)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path, limits=settings.driver_limits)

@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 from rljob.metrics import MetricsLog
 from rljob.spec import JobSpec
 from rljob.status import JobStatus, Phase
-from service.app import create_app
-from service.executor import LocalExecutor, run_dir
+from service.local_executor import LocalExecutor, run_dir
+from service.main import create_app
 from service.settings import Settings
 from service.store import SqlJobStore
 from tests.helpers import tiny_spec, wait_for
@@ -236,7 +236,7 @@ def test_a_resume_waits_for_the_suspended_driver_to_exit(
     def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
         return [sys.executable, "-c", _SLOW_TO_STOP, str(out), *(["resume"] if resume else [])]
 
-    monkeypatch.setattr("service.executor.driver_command", command)
+    monkeypatch.setattr("service.local_executor.driver_command", command)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path, poll_s=0.05)
     executor.start()

@@ -16,7 +16,7 @@ from rljob.status import Phase
 from rljob.version import __version__
 from service import problems
 from service.auth import TokenAuth, load_tokens
-from service.executor import Executor
+from service.local_executor import Executor
 from service.problems import RETRY_AFTER_S, problem_response
 from service.routes import jobs, runs
 from service.settings import Settings
