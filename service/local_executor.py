@@ -1,108 +1,47 @@
-"""Runs the jobs of the embedded default: one ``python -m workers.driver`` process per job.
+"""Runs the jobs of the embedded default: one driver process per job (``driver_command``).
 
-Each job gets a run directory ``<data_dir>/runs/<tenant>/<name>/`` with ``job.json`` (the spec),
-``driver.log`` and what the driver writes (``metrics.jsonl``, checkpoints). A monitor thread turns
-what it observes into phases through the state machine: a started process is Starting, its first
-metrics line makes it Running, exit 0 Succeeded, any other exit Failed with the exit code and the
-log's last line (resumable from the last checkpoint). Suspend sends SIGINT, which the driver answers
-by checkpointing after the current step; resume starts the driver again with ``--resume``.
+Each job gets a run directory ``<data_dir>/runs/<tenant>/<name>/`` (``rljob.run_dir.RunDir``)
+with ``job.json`` (the spec), ``driver.log`` and what the driver writes (``metrics.jsonl``,
+checkpoints). A monitor thread turns what it observes into phases through the state machine: a
+started process is Starting, its first metrics line makes it Running, exit 0 Succeeded, any other
+exit Failed with the exit code and the log's last line (resumable from the last checkpoint).
+Suspend sends SIGINT, which the driver answers by checkpointing after the current step; resume
+starts the driver again with ``--resume``.
 
-Drivers run in their own session, so they outlive a restart of the service. Each run directory
-holds ``driver.pid`` (pid and the process's start time, which tells a live driver from a reused
-pid). On start, a job left Starting/Running by a previous service process is re-attached if its
-driver still runs: it is watched as before, and when it exits the outcome is read from what it
-wrote (its last step reaching ``steps`` is Succeeded; otherwise Failed, reason ``WorkerExited``).
-If the driver is gone, the job is Succeeded if it finished, else Failed with reason
-``ServiceRestarted``, resumable. Nothing stays Running forever.
+Drivers outlive a restart of the service (``service.driver_process``). On start, a job left
+Starting/Running by a previous service process is re-attached if its driver still runs: it is
+watched as before, and when it exits the outcome is read from what it wrote (its last step
+reaching ``steps`` is Succeeded; otherwise Failed, reason ``WorkerExited``). If the driver is
+gone, the job is Succeeded if it finished, else Failed with reason ``ServiceRestarted``,
+resumable. Nothing stays Running forever.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import resource
 import signal
-import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from rljob.jobs import Job, JobNotFound, JobStore
-from rljob.kube import KubernetesJobStore
 from rljob.metrics import MetricsLog
-from rljob.paths import path_problems
+from rljob.paths import path_problems, tenant_home
+from rljob.run_dir import RunDir, driver_argv
 from rljob.status import EXIT_OUT_OF_MEMORY, TERMINAL, IllegalTransition, JobStatus, Phase, Progress, Reason
+from service.driver_process import UNKNOWN_EXIT, DriverLimits, DriverProcess, confine
 
-
-class Executor(Protocol):
-    """What the routes call after recording a user's action."""
-
-    runs_locally: bool  # its jobs write their logs and metrics under the service's data dir
-
-    def submit(self, job: Job) -> None: ...
-
-    def suspend(self, job: Job) -> None: ...
-
-    def resume(self, job: Job) -> None: ...
-
-    def cancel(self, job: Job) -> None: ...
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None
-    if there is no such process or it has exited (a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
-    if fields[0] in ("Z", "X"):
-        return None
-    return fields[19]
-
-
-UNKNOWN_EXIT = -1000  # a re-attached driver is not our child: its exit code cannot be read
 # a resume waits this long for the suspended driver to save its step and exit, then kills it
 RESUME_WAIT_S = 120.0
-
-
-class _Process:
-    """A driver process: started here (``Popen``) or re-attached after a restart (pid only)."""
-
-    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None, started: str = "") -> None:
-        self.pid, self.popen = pid, popen
-        self.started = started or (_start_time(pid) or "")
-
-    def poll(self) -> int | None:
-        """None while it runs; the exit code when known; ``UNKNOWN_EXIT`` for a re-attached one."""
-        if self.popen is not None:
-            return self.popen.poll()
-        return None if _start_time(self.pid) == self.started else UNKNOWN_EXIT
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        """SIGKILL the driver's whole process group: its session holds the local Ray processes."""
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-        if self.popen is not None:
-            self.popen.wait()
 
 
 @dataclass
 class _Running:
     job: Job
-    proc: _Process
+    proc: DriverProcess
     log: Path
     metrics: MetricsLog
     seen_step: int = 0
@@ -110,42 +49,23 @@ class _Running:
     stopping: bool = False  # suspended: its exit is not the job's outcome
 
 
-@dataclass(frozen=True)
-class DriverLimits:
-    """What one driver (and the local Ray processes it starts, which inherit all three) may take."""
-
-    memory_bytes: int | None = None  # address space of each process (RLIMIT_AS); None: no limit
-    cpus: int | None = None  # CPUs it may run on (affinity); None: all
-    nice: int = 10  # added to the service's niceness, so the API answers while drivers compute
+def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
+    """The run directory of a local job: ``<data_dir>/runs/<tenant>/<name>``."""
+    return RunDir(data_dir / "runs" / tenant / name)
 
 
-def _confine(pid: int, tenant: str, limits: DriverLimits) -> None:
-    """Apply ``limits`` to a just-started driver, before it starts Ray (its imports take seconds)."""
-    with contextlib.suppress(ProcessLookupError):
-        if limits.memory_bytes:
-            resource.prlimit(pid, resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        # niceness relative to the service's own (raising it needs no privilege)
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + limits.nice))
-        if limits.cpus:
-            allowed = sorted(os.sched_getaffinity(0))
-            start = zlib.crc32(tenant.encode()) % len(allowed)  # tenants spread over the CPUs
-            picked = {allowed[(start + i) % len(allowed)] for i in range(min(limits.cpus, len(allowed)))}
-            os.sched_setaffinity(pid, picked)
-
-
-def driver_command(spec_file: Path, out: Path, job: Job, resume: bool) -> list[str]:
-    """The driver process of ``job``."""
-    cmd = [sys.executable, "-m", "workers.driver", str(spec_file), "--output", str(out)]
-    return cmd + ["--job", job.name, "--namespace", job.tenant] + (["--resume"] if resume else [])
-
-
-def run_dir(data_dir: Path, tenant: str, name: str) -> Path:
-    return data_dir / "runs" / tenant / name
-
-
-def tenant_home(data_dir: Path, tenant: str) -> Path:
-    """Where a tenant's drivers run and its jobs' relative paths resolve (:mod:`rljob.paths`)."""
-    return data_dir / "tenants" / tenant
+def driver_command(run: RunDir, job: Job, resume: bool) -> list[str]:
+    """The driver process of ``job``: the service's own interpreter, and no Prometheus server
+    (drivers on one machine would fight for the port; the service reads ``metrics.jsonl``)."""
+    return driver_argv(
+        run.job_spec,
+        run.root,
+        job=job.name,
+        namespace=job.tenant,
+        resume=resume,
+        metrics_port=None,
+        python=sys.executable,
+    )
 
 
 def _finished(job: Job, metrics: MetricsLog) -> bool:
@@ -185,16 +105,12 @@ class LocalExecutor:
         self._thread.start()
 
     def _recover(self, job: Job) -> None:
-        out = run_dir(self.data_dir, job.tenant, job.name)
-        metrics = MetricsLog(out / "metrics.jsonl")
-        try:
-            record = json.loads((out / "driver.pid").read_text())
-            proc = _Process(int(record["pid"]), started=str(record["started"]))
-        except (OSError, ValueError, KeyError):
-            proc = None
+        run = run_dir(self.data_dir, job.tenant, job.name)
+        metrics = MetricsLog(run.metrics)
+        proc = DriverProcess.attach(run.driver_pid)
         if proc is not None and proc.poll() is None:
             with self._lock:
-                self._procs[(job.tenant, job.name)] = _Running(job, proc, out / "driver.log", metrics)
+                self._procs[(job.tenant, job.name)] = _Running(job, proc, run.driver_log, metrics)
         elif _finished(job, metrics):
             self._move(job, Phase.SUCCEEDED, Reason.COMPLETED, "finished while the control plane was down")
         else:
@@ -221,23 +137,16 @@ class LocalExecutor:
             problem = "; ".join(f"{p.field}: {p.message}" for p in outside)
             self._move(job, Phase.FAILED, Reason.PATH_OUTSIDE_TENANT, problem)
             return
-        out = run_dir(self.data_dir, job.tenant, job.name)
-        out.mkdir(parents=True, exist_ok=True)
-        spec_file = out / "job.json"
-        spec_file.write_text(job.spec.model_dump_json())
-        resume = (out / "checkpoints").exists() or (out / "metrics.jsonl").exists()
-        cmd = driver_command(spec_file, out, job, resume)
-        log = out / "driver.log"
-        with log.open("ab") as f:
-            # in the tenant's directory: the job's relative paths resolve there (rljob.paths)
-            popen = subprocess.Popen(
-                cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=home
-            )
-        _confine(popen.pid, job.tenant, self.limits(job.tenant))
-        proc = _Process(popen.pid, popen)
-        (out / "driver.pid").write_text(json.dumps({"pid": proc.pid, "started": proc.started}))
+        run = run_dir(self.data_dir, job.tenant, job.name)
+        run.root.mkdir(parents=True, exist_ok=True)
+        run.job_spec.write_text(job.spec.model_dump_json())
+        resume = run.checkpoints.exists() or run.metrics.exists()
+        # in the tenant's directory: the job's relative paths resolve there (rljob.paths)
+        proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home)
+        confine(proc.pid, job.tenant, self.limits(job.tenant))
+        proc.save(run.driver_pid)
         with self._lock:
-            self._procs[(job.tenant, job.name)] = _Running(job, proc, log, MetricsLog(out / "metrics.jsonl"))
+            self._procs[(job.tenant, job.name)] = _Running(job, proc, run.driver_log, MetricsLog(run.metrics))
         self._move(job, Phase.STARTING, Reason.PROCESS_STARTED, f"driver pid {proc.pid}")
 
     def suspend(self, job: Job) -> None:
@@ -355,27 +264,4 @@ class LocalExecutor:
 
 
 def read_metrics(data_dir: Path, job: Job) -> list[dict[str, object]]:
-    return MetricsLog(run_dir(data_dir, job.tenant, job.name) / "metrics.jsonl").rows()
-
-
-class OperatorHandoff:
-    """The executor of ``--store kubernetes``: the operator runs the jobs, so submitting is the
-    create itself; suspend and resume flip ``spec.suspend``; cancel is the delete (the operator's
-    finalizer removes the RayJob)."""
-
-    runs_locally = False
-
-    def __init__(self, store: KubernetesJobStore) -> None:
-        self.store = store
-
-    def submit(self, job: Job) -> None:
-        pass
-
-    def suspend(self, job: Job) -> None:
-        self.store.set_suspend(job.tenant, job.name, True)
-
-    def resume(self, job: Job) -> None:
-        self.store.set_suspend(job.tenant, job.name, False)
-
-    def cancel(self, job: Job) -> None:
-        pass
+    return MetricsLog(run_dir(data_dir, job.tenant, job.name).metrics).rows()
