@@ -15,6 +15,7 @@ files written here.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
@@ -146,21 +147,24 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         prom.stop()
 
 
+def parser() -> argparse.ArgumentParser:
+    """The driver's command line, as ``rljob.run_dir.driver_argv`` writes it."""
+    p = argparse.ArgumentParser(prog=f"python -m {DRIVER_MODULE}", description=main.__doc__)
+    p.add_argument("spec", help="job spec file (YAML/JSON, or an RLJob manifest)")
+    p.add_argument("--output", help="override output_dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    p.add_argument("--job", default="", help="job label of the metrics")
+    p.add_argument("--namespace", default="default", help="namespace label of the metrics")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """The driver's entrypoint (``rljob.run_dir.driver_argv``): a RayJob's, and each local job's
     of the service (no progress bar, a line per step)."""
-    import argparse
-
     from rljob.spec import SpecError, load_spec
 
-    parser = argparse.ArgumentParser(prog=f"python -m {DRIVER_MODULE}", description=main.__doc__)
-    parser.add_argument("spec", help="job spec file (YAML/JSON, or an RLJob manifest)")
-    parser.add_argument("--output", help="override output_dir")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
-    parser.add_argument("--job", default="", help="job label of the metrics")
-    parser.add_argument("--namespace", default="default", help="namespace label of the metrics")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         spec = load_spec(args.spec)
     except SpecError as err:
