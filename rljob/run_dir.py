@@ -1,23 +1,22 @@
 """The run contract: what a run directory holds, and the one command line that starts a driver.
 
 A run directory is a job's ``output_dir`` (``fp8rl run --output``; ``<data-dir>/runs/<tenant>/<name>``
-for a job the service runs locally; the job's ``output_dir`` in its RayJob's pods). Its files:
+for a job the service runs locally; the job's ``output_dir`` in its RayJob's pods). Its files, who
+writes them and who reads them:
 
-=========================  =========================================  ================================
-file                       written by                                 read by
-=========================  =========================================  ================================
-``spec.resolved.json``     the driver, at start (the spec it runs)    ``fp8rl report``, ``fp8rl export``
-``metrics.jsonl``          the driver, one line per step              the service's monitor and
-                                                                      ``/metrics``, ``fp8rl report``
-``quantization_audit.json``  the driver, once its actors are up       a person (which layers are FP8)
-``warmup.jsonl``           the SFT warm-up, one line per step          a person
-``checkpoints/step_N/``    the driver (``workers.checkpoint``)        ``--resume``, ``fp8rl export``
-``job.json``               the service's local executor (the spec     the driver (its SPEC argument)
-                           as submitted; on Kubernetes the key of
-                           the job's ConfigMap)
-``driver.log``             the local executor (driver stdout/stderr)  ``/v1/jobs/{name}/logs``
-``driver.pid``             the local executor (pid, start time)       the executor after a restart
-=========================  =========================================  ================================
+- ``spec.resolved.json``: the spec the driver runs, written at its start; ``fp8rl report`` and
+  ``fp8rl export`` read it.
+- ``metrics.jsonl``: one line per step, by the driver; the service's monitor and
+  ``/v1/jobs/{name}/metrics``, ``fp8rl report`` and the benchmarks read it.
+- ``quantization_audit.json``: which layers are FP8 (and why not), by the driver once its actors
+  are up.
+- ``warmup.jsonl``: one line per SFT warm-up step (``warmup.sft_steps``).
+- ``checkpoints/step_N/``: by the driver (``workers.checkpoint``); ``--resume`` and
+  ``fp8rl export`` read them.
+- ``job.json``: the spec as submitted, which the driver is started with: written by the service's
+  local executor; on Kubernetes it is the key of the job's ConfigMap, mounted in the head pod.
+- ``driver.log``: the driver's output, by the local executor; ``/v1/jobs/{name}/logs`` serves it.
+- ``driver.pid``: the local driver's pid and start time, so a restarted service re-attaches it.
 
 ``driver_argv`` is the driver's command line, for both places that start one: the service's local
 executor (a process per job) and the operator (a RayJob's entrypoint).
