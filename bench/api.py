@@ -26,7 +26,7 @@ TOKEN = "bench-token-0123456789abcdef"
 def local_server(data_dir: Path) -> Iterator[str]:
     import uvicorn
 
-    from service.app import create_app
+    from service.main import create_app
     from service.settings import Settings
 
     with socket.socket() as s:

@@ -314,6 +314,7 @@ def run_recipes(quick: bool) -> str:
     import json
 
     from rljob import metrics as m
+    from rljob.run_dir import RunDir
 
     if importlib.util.find_spec("ray") is None:
         return "skipped: ray is not installed in this Python (the GPU worker image has it)"
@@ -332,7 +333,7 @@ def run_recipes(quick: bool) -> str:
             "--steps", steps, "--output", str(out_dir), "--no-progress",
         ]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        metrics = out_dir / "metrics.jsonl"
+        metrics = RunDir(out_dir).metrics
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
         if rows:
             last = rows[-1]

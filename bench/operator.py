@@ -67,10 +67,10 @@ def _baseline(kube: Any, n: int) -> float:
     for body in bodies:
         name = body["metadata"]["name"]
         obj: Any = objects.get_namespaced_custom_object(rl.GROUP, rl.VERSION, BASE_NS, rl.PLURAL, name)
-        spec = rl.spec_of(obj)
-        core.create_namespaced_config_map(BASE_NS, builders.spec_configmap(obj, spec))
+        job = rl.RLJob.of(obj)
+        core.create_namespaced_config_map(BASE_NS, builders.spec_configmap(job))
         objects.create_namespaced_custom_object(
-            "ray.io", "v1", BASE_NS, "rayjobs", builders.rayjob(obj, spec, settings)
+            "ray.io", "v1", BASE_NS, "rayjobs", builders.rayjob(job, settings)
         )
         store.write_status(BASE_NS, name, lambda s: s)
     return time.perf_counter() - start

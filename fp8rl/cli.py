@@ -97,12 +97,9 @@ def serve_cmd(
     --store kubernetes: each job is an RLJob in the tenant's namespace, run by `fp8rl operator`."""
     import uvicorn
 
-    from rljob.jobs import JobStore
-    from service.app import create_app
     from service.auth import TokenFileError
-    from service.executor import Executor, LocalExecutor
+    from service.main import create_app
     from service.settings import Settings
-    from service.store import SqlJobStore
 
     given = {
         "host": host,
@@ -112,33 +109,13 @@ def serve_cmd(
         "store": store,
         "kubeconfig": kubeconfig,
     }
-    local: LocalExecutor | None = None
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
-        db: JobStore
-        executor: Executor
-        if settings.store == "kubernetes":
-            from rljob.kube import KubernetesJobStore, api_client
-            from service.executor import OperatorHandoff
-
-            kube = KubernetesJobStore(api_client(settings.kubeconfig))
-            db, executor = kube, OperatorHandoff(kube)
-        else:
-            db = SqlJobStore(settings.data_dir / "jobs.sqlite")
-            executor = local = LocalExecutor(
-                db, settings.data_dir, read_only=settings.read_only_roots, limits=settings.driver_limits
-            )
-        application = create_app(settings, db, executor=executor)
+        application = create_app(settings, run_jobs=True)
     except (ValueError, TokenFileError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
-    if local is not None:
-        local.start()
-    try:
-        uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
-    finally:
-        if local is not None:
-            local.shutdown()
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
 
 
 @app.command("operator")

@@ -14,6 +14,7 @@ from typing import Any
 
 from rljob import metrics as m
 from rljob.metrics import MetricsLog
+from rljob.run_dir import METRICS, RunDir
 
 PANELS: tuple[tuple[str, str, float | None], ...] = (
     (m.REWARD_MEAN, "reward (mean)", None),
@@ -37,11 +38,12 @@ class Run:
 
 def load_run(run_dir: Path) -> Run:
     """A run directory's metrics lines and recipe."""
-    rows = MetricsLog(run_dir / "metrics.jsonl").rows()
+    files = RunDir(run_dir)
+    rows = MetricsLog(files.metrics).rows()
     if not rows:
-        raise ValueError(f"{run_dir}: no metrics.jsonl with steps; is this an fp8rl run directory?")
+        raise ValueError(f"{run_dir}: no {METRICS} with steps; is this an fp8rl run directory?")
     label, recipe = run_dir.name, None
-    spec = run_dir / "spec.resolved.json"
+    spec = files.spec_resolved
     if spec.exists():
         recipe = json.loads(spec.read_text()).get("precision", {}).get("recipe")
         if recipe and recipe not in label:

@@ -47,7 +47,7 @@ def run_from_cli(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from workers.driver import RunOptions, run
+    from workers import driver
     from workers.engines.factory import EngineUnavailable
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -82,12 +82,12 @@ def run_from_cli(
         if not live:
             console.print(_format_row(row), highlight=False)
 
-    opts = RunOptions(
+    opts = driver.RunOptions(
         resume=resume, metrics_port=metrics_port, stop=stop, on_step=on_step, log=lambda m: console.print(m)
     )
     try:
         with bar:
-            result = run(spec, spec.output_dir, opts)
+            result = driver.run(spec, spec.output_dir, opts)
     except (FileExistsError, ValueError, EngineUnavailable) as err:
         console.print(f"[red]error:[/red] {err}", highlight=False)
         return 2

@@ -1,4 +1,5 @@
-"""Pure builders: an RLJob (and the operator's defaults) in, Kubernetes objects out.
+"""Pure builders: an RLJob (``rljob.resource.RLJob``: metadata and parsed spec) and the operator's
+defaults in, Kubernetes objects out. No builder changes its arguments.
 
 - ``spec_configmap``: the job spec the driver reads, as ``job.json`` (owned by the RLJob).
 - ``rayjob``: a KubeRay ``ray.io/v1`` RayJob in HTTPMode whose Ray cluster has a CPU head (runs the
@@ -23,7 +24,8 @@ from operators.settings import OperatorSettings
 from rljob import paths
 from rljob import resource as rl
 from rljob.paths import POD_HOME
-from rljob.resource import ClusterSpec, Pool, RLJobSpec
+from rljob.resource import Pool, RLJob, RLJobSpec
+from rljob.run_dir import JOB_SPEC, driver_argv
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fp8rl-operator"}
 RLJOB_LABEL = "fp8rl.io/rljob"
@@ -43,13 +45,12 @@ def configmap_name(name: str) -> str:
     return f"{name}-spec"
 
 
-def owner_reference(rljob: dict[str, Any]) -> dict[str, Any]:
-    meta = rljob["metadata"]
+def owner_reference(job: RLJob) -> dict[str, Any]:
     return {
         "apiVersion": rl.API_VERSION,
         "kind": rl.KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
+        "name": job.metadata.name,
+        "uid": job.metadata.uid,
         "controller": True,
         "blockOwnerDeletion": True,
     }
@@ -61,22 +62,22 @@ def spec_hash(spec: RLJobSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _meta(rljob: dict[str, Any], name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
-    meta = rljob["metadata"]
+def _meta(job: RLJob, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     return {
         "name": name,
-        "namespace": meta["namespace"],
-        "labels": {**MANAGED_BY, RLJOB_LABEL: meta["name"], **(extra_labels or {})},
-        "ownerReferences": [owner_reference(rljob)],
+        "namespace": job.metadata.namespace,
+        "labels": {**MANAGED_BY, RLJOB_LABEL: job.metadata.name, **(extra_labels or {})},
+        "ownerReferences": [owner_reference(job)],
     }
 
 
-def spec_configmap(rljob: dict[str, Any], spec: RLJobSpec) -> dict[str, Any]:
+def spec_configmap(job: RLJob) -> dict[str, Any]:
+    """The job spec the driver reads, mounted at ``SPEC_DIR`` (its key is the file name)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(rljob, configmap_name(rljob["metadata"]["name"])),
-        "data": {"job.json": spec.job.model_dump_json(indent=2)},
+        "metadata": _meta(job, configmap_name(job.metadata.name)),
+        "data": {JOB_SPEC: job.spec.job.model_dump_json(indent=2)},
     }
 
 
@@ -96,17 +97,19 @@ def _security() -> dict[str, Any]:
 
 
 def _pod(
-    rljob: dict[str, Any],
-    cluster: ClusterSpec,
+    job: RLJob,
     s: OperatorSettings,
     container: dict[str, Any],
     group: str,
     placement: dict[str, Any],
-    extra_volumes: list[dict[str, Any]],
+    extra_volumes: list[tuple[dict[str, Any], str]],
 ) -> dict[str, Any]:
-    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.shm_size}}, *extra_volumes]
+    """A pod template; ``extra_volumes``: (volume, where it is mounted)."""
+    cluster = job.spec.cluster
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.shm_size}}]
+    volumes += [volume for volume, _ in extra_volumes]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    mounts += [{"name": v["name"], "mountPath": v.pop("_mount")} for v in volumes if "_mount" in v]
+    mounts += [{"name": volume["name"], "mountPath": path} for volume, path in extra_volumes]
     if cluster.volume_claim:
         volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": cluster.volume_claim}})
         mounts.append({"name": "runs", "mountPath": RUNS_DIR})
@@ -129,7 +132,7 @@ def _pod(
         spec["serviceAccountName"] = s.service_account
     if cluster.priority_class:
         spec["priorityClassName"] = cluster.priority_class
-    labels = {RLJOB_LABEL: rljob["metadata"]["name"], "fp8rl.io/group": group}
+    labels = {RLJOB_LABEL: job.metadata.name, "fp8rl.io/group": group}
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
@@ -137,19 +140,23 @@ def _env(values: dict[str, str]) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in sorted(values.items())]
 
 
-def entrypoint(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> str:
-    """The driver command: always ``--resume``, so a resumed RayJob continues from the checkpoint
-    (on a fresh output directory it starts from step 1)."""
-    meta = rljob["metadata"]
-    args = ["python", "-m", "workers.driver", f"{SPEC_DIR}/job.json", "--output", spec.job.output_dir]
-    args += ["--resume", "--metrics-port", str(s.metrics_port)]
-    args += ["--job", meta["name"], "--namespace", meta["namespace"]]
-    return shlex.join(args)
+def entrypoint(job: RLJob, s: OperatorSettings) -> str:
+    """The driver command (``rljob.run_dir.driver_argv``): always ``--resume``, so a resumed RayJob
+    continues from the checkpoint (on a fresh output directory it starts from step 1), and
+    Prometheus on the operator's metrics port of the head pod, where the operator scrapes progress."""
+    argv = driver_argv(
+        f"{SPEC_DIR}/{JOB_SPEC}",
+        job.spec.job.output_dir,
+        job=job.metadata.name,
+        namespace=job.metadata.namespace,
+        resume=True,
+        metrics_port=s.metrics_port,
+    )
+    return shlex.join(argv)
 
 
-def _group(
-    rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings, group: str, actors: int, gpus: int
-) -> dict[str, Any]:
+def _group(job: RLJob, s: OperatorSettings, group: str, actors: int, gpus: int) -> dict[str, Any]:
+    spec = job.spec
     cluster = spec.cluster
     own, default = (
         (cluster.generation, s.generation) if group == "generation" else (cluster.training, s.training)
@@ -174,21 +181,17 @@ def _group(
             "num-gpus": str(gpus),
             "resources": json.dumps(json.dumps({rl.RAY_GROUP_RESOURCES[group]: 1})),
         },
-        "template": _pod(rljob, cluster, s, container, group, _pool(own, default), []),
+        "template": _pod(job, s, container, group, _pool(own, default), []),
     }
 
 
-def rayjob(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> dict[str, Any]:
+def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
     """The RayJob for an RLJob (same name and namespace)."""
+    spec, name = job.spec, job.metadata.name
     cluster, res = spec.cluster, spec.job.resources
-    meta = rljob["metadata"]
     labels = QUEUE_LABELS[cluster.queue.scheduler](cluster.queue.name) if cluster.queue else {}
     head_resources = {"cpu": s.head_cpu, "memory": s.head_memory}
-    spec_volume = {
-        "name": "job-spec",
-        "configMap": {"name": configmap_name(meta["name"])},
-        "_mount": SPEC_DIR,
-    }
+    spec_volume = {"name": "job-spec", "configMap": {"name": configmap_name(name)}}
     head_container = {
         "name": "ray-head",
         "env": _env({**s.nccl_env, rl.RAY_GROUPS_ENV: "1"}),
@@ -205,10 +208,10 @@ def rayjob(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> dict[
     body: dict[str, Any] = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": {**_meta(rljob, meta["name"], labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
+        "metadata": {**_meta(job, name, labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
         "spec": {
             "submissionMode": "HTTPMode",
-            "entrypoint": entrypoint(rljob, spec, s),
+            "entrypoint": entrypoint(job, s),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": _pick(
                 cluster.ttl_seconds_after_finished, s.ttl_seconds_after_finished
@@ -221,11 +224,11 @@ def rayjob(rljob: dict[str, Any], spec: RLJobSpec, s: OperatorSettings) -> dict[
                 "enableInTreeAutoscaling": False,
                 "headGroupSpec": {
                     "rayStartParams": {"num-gpus": "0", "no-monitor": "true", "dashboard-host": "0.0.0.0"},
-                    "template": _pod(rljob, cluster, s, head_container, "head", {}, [spec_volume]),
+                    "template": _pod(job, s, head_container, "head", {}, [(spec_volume, SPEC_DIR)]),
                 },
                 "workerGroupSpecs": [
-                    _group(rljob, spec, s, "generation", res.generators, res.gpus_per_generator),
-                    _group(rljob, spec, s, "training", res.trainers, res.gpus_per_trainer),
+                    _group(job, s, "generation", res.generators, res.gpus_per_generator),
+                    _group(job, s, "training", res.trainers, res.gpus_per_trainer),
                 ],
             },
         },

@@ -48,7 +48,7 @@ def on_rayjob(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _reconciler(memo).cleanup(dict(body))
+    _reconciler(memo).cleanup(rl.ObjectMeta.of(dict(body)))
 
 
 def registry(operator: OperatorSettings, kubeconfig: str | None = None) -> kopf.OperatorRegistry:

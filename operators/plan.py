@@ -121,7 +121,7 @@ Action = (
 
 def settled(rljob: dict[str, Any]) -> bool:
     """Nothing to do for this RLJob (being deleted, or finished): its RayJob need not be read."""
-    if (rljob.get("metadata") or {}).get("deletionTimestamp"):
+    if rl.ObjectMeta.of(rljob).deletion_timestamp:
         return True
     return rl.status_of(rljob).phase in TERMINAL
 
@@ -154,9 +154,10 @@ def plan(
         return []
     status = rl.status_of(rljob)
     try:
-        spec = rl.spec_of(rljob)
+        job = rl.RLJob.of(rljob)
     except ValidationError as err:
         return _fail_invalid(status, "; ".join(describe_errors(err)), now)
+    spec = job.spec
     refused = builders.placement_problems(spec, settings) + builders.path_problems(spec, settings)
     if refused:
         return _fail_invalid(status, "; ".join(refused), now)
@@ -164,12 +165,12 @@ def plan(
     actions: list[Action] = []
     after: list[Event] = []  # events that describe the status write: posted once it landed
     new, observed = status, rayjob
-    ns, name = rljob["metadata"]["namespace"], rljob["metadata"]["name"]
-    configmap_actions = _configmap(configmap, builders.spec_configmap(rljob, spec))
+    ns, name = job.metadata.namespace, job.metadata.name
+    configmap_actions = _configmap(configmap, builders.spec_configmap(job))
 
     def create(reason: Reason) -> CreateRayJob:
         nonlocal observed
-        observed = builders.rayjob(rljob, spec, settings)
+        observed = builders.rayjob(job, settings)
         kind = "Normal" if reason == Reason.RAYJOB_CREATED else "Warning"
         return CreateRayJob(observed, Event(kind, reason, f"RayJob {ns}/{name}"))
 

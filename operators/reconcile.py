@@ -131,16 +131,19 @@ class Reconciler:
                 configmap = self.read_configmap(ns, name)
                 metrics = self.scrape(ns, rayjob) if rayjob and wants_progress(rljob, rayjob) else None
                 try:
-                    self.execute(rljob, plan(rljob, rayjob, configmap, self.settings, metrics))
+                    self.execute(
+                        rl.ObjectMeta.of(rljob), plan(rljob, rayjob, configmap, self.settings, metrics)
+                    )
                 except _Stale:
                     continue
                 return
             log.warning("%s/%s kept changing while being reconciled; the next tick retries", ns, name)
 
-    def execute(self, rljob: dict[str, Any], actions: Sequence[Action]) -> None:
-        """Run ``actions`` in order. Raises ``_Stale`` (the rest left undone) where the status write
-        finds the RLJob changed since it was read."""
-        ns, name = rljob["metadata"]["namespace"], rljob["metadata"]["name"]
+    def execute(self, meta: rl.ObjectMeta, actions: Sequence[Action]) -> None:
+        """Run ``actions`` for the RLJob of ``meta`` (as read) in order. Raises
+        ``_Stale`` (the rest left undone) where the status write finds the RLJob changed since it
+        was read."""
+        ns, name = meta.namespace, meta.name
         for action in actions:
             match action:
                 case CreateConfigMap(body):
@@ -151,34 +154,33 @@ class Reconciler:
                     )
                 case CreateRayJob(body, event):
                     if self._create_rayjob(ns, body):
-                        self.event(rljob, event)
+                        self.event(meta, event)
                 case DeleteRayJob():
                     unless_missing(self.objects.delete_namespaced_custom_object, *RAY, ns, "rayjobs", name)
                 case PatchRayJobSuspend(suspend):
                     body = {"spec": {"suspend": suspend}}
                     self.objects.patch_namespaced_custom_object(*RAY, ns, "rayjobs", name, body)
                 case WriteStatus(status):
-                    if not self._write_status(rljob, status):
+                    if not self._write_status(meta, status):
                         return  # the RLJob is gone
                 case Event():
-                    self.event(rljob, action)
+                    self.event(meta, action)
 
     # -- the API calls of the actions -----------------------------------------------------------
 
-    def event(self, rljob: dict[str, Any], event: Event) -> None:
+    def event(self, meta: rl.ObjectMeta, event: Event) -> None:
         """A core/v1 Event on the RLJob (what `kubectl describe rljob` shows)."""
-        meta = rljob["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+            "metadata": {"name": f"{meta.name}.{uuid.uuid4().hex[:12]}", "namespace": meta.namespace},
             "involvedObject": {
                 "apiVersion": rl.API_VERSION,
                 "kind": rl.KIND,
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid", ""),
+                "name": meta.name,
+                "namespace": meta.namespace,
+                "uid": meta.uid,
             },
             "reason": event.reason,
             "message": event.message[:1000],
@@ -189,10 +191,10 @@ class Reconciler:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body)
+            self.core.create_namespaced_event(meta.namespace, body)
         except Exception as err:  # an event that cannot be posted must not stop reconciling
-            log.warning("could not post event %s on %s: %s", event.reason, meta["name"], err)
-        log.info("%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message)
+            log.warning("could not post event %s on %s: %s", event.reason, meta.name, err)
+        log.info("%s/%s %s: %s", meta.namespace, meta.name, event.reason, event.message)
 
     def _create_configmap(self, ns: str, body: dict[str, Any]) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -215,18 +217,17 @@ class Reconciler:
             raise
         return True
 
-    def _write_status(self, rljob: dict[str, Any], status: JobStatus) -> bool:
+    def _write_status(self, meta: rl.ObjectMeta, status: JobStatus) -> bool:
         """PATCH the status at the RLJob's ``resourceVersion`` as read; False if the RLJob is gone.
         Raises ``_Stale`` on 409 Conflict (someone wrote the RLJob since it was read)."""
         from kubernetes.client.exceptions import ApiException
 
-        meta = rljob["metadata"]
         body: dict[str, Any] = {"status": status.model_dump(mode="json")}
-        if meta.get("resourceVersion"):
-            body["metadata"] = {"resourceVersion": meta["resourceVersion"]}
+        if meta.resource_version:
+            body["metadata"] = {"resourceVersion": meta.resource_version}
         try:
             self.objects.patch_namespaced_custom_object_status(
-                rl.GROUP, rl.VERSION, meta["namespace"], rl.PLURAL, meta["name"], body
+                rl.GROUP, rl.VERSION, meta.namespace, rl.PLURAL, meta.name, body
             )
         except ApiException as err:
             if err.status == 409:
@@ -240,10 +241,9 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault((ns, name), threading.Lock())
 
-    def cleanup(self, rljob: dict[str, Any]) -> None:
+    def cleanup(self, meta: rl.ObjectMeta) -> None:
         """On delete (behind the finalizer): remove the RayJob and the ConfigMap."""
-        meta = rljob["metadata"]
-        ns, name = meta["namespace"], meta["name"]
+        ns, name = meta.namespace, meta.name
         with self._lock(ns, name):
             unless_missing(self.objects.delete_namespaced_custom_object, *RAY, ns, "rayjobs", name)
             unless_missing(self.core.delete_namespaced_config_map, builders.configmap_name(name), ns)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Sequence
-from pathlib import PurePath, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import NamedTuple
 
 from rljob.spec import JobSpec
@@ -82,3 +82,9 @@ def path_problems(
 
 
 POD_HOME = PurePosixPath("/data")  # a job's working directory in its pods on Kubernetes
+
+
+def tenant_home(data_dir: Path, tenant: str) -> Path:
+    """A tenant's home on the embedded default: where its drivers run and its jobs' relative paths
+    resolve (the service's admission check and its local executor both read it here)."""
+    return data_dir / "tenants" / tenant

@@ -16,6 +16,7 @@ status: {...}           # phase, reason, conditions, progress (rljob.status.JobS
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -105,6 +106,43 @@ class RLJobSpec(_Strict):
     job: JobSpec = Field(default_factory=JobSpec, description="The RL job (as `fp8rl run` reads it).")
     suspend: bool = Field(False, description="True: stop after a checkpoint; false again: resume.")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Placement on the cluster.")
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """The metadata fields of an RLJob that fp8rl reads (as the API server returns them)."""
+
+    name: str
+    namespace: str
+    uid: str = ""
+    resource_version: str | None = None  # the version read: a status write carries it
+    deletion_timestamp: str | None = None  # set once the object is being deleted
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> ObjectMeta:
+        """The metadata of ``obj``, an object as read from the API server."""
+        meta = obj.get("metadata") or {}
+        return cls(
+            name=str(meta["name"]),
+            namespace=str(meta["namespace"]),
+            uid=str(meta.get("uid") or ""),
+            resource_version=str(meta["resourceVersion"]) if meta.get("resourceVersion") else None,
+            deletion_timestamp=str(meta["deletionTimestamp"]) if meta.get("deletionTimestamp") else None,
+        )
+
+
+@dataclass(frozen=True)
+class RLJob:
+    """An RLJob with a valid spec: what the operator builds a RayJob and a ConfigMap from."""
+
+    metadata: ObjectMeta
+    spec: RLJobSpec
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> RLJob:
+        """``obj`` (an object as read from the API server), parsed; raises pydantic's
+        ValidationError on an invalid spec."""
+        return cls(ObjectMeta.of(obj), spec_of(obj))
 
 
 def manifest(

@@ -1,4 +1,5 @@
-"""Dependencies of the routes: the tenant behind the bearer token, the store, the settings."""
+"""Dependencies of the routes: the tenant behind the bearer token, the store, the settings, the
+executor (all set on the app by ``service.main.create_app``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from rljob.jobs import JobStore
 from service.auth import TokenAuth
+from service.executor import Executor
 from service.settings import Settings
 
 
@@ -40,6 +42,12 @@ def get_settings(request: Request) -> Settings:
     return settings
 
 
+def get_executor(request: Request) -> Executor | None:
+    """What runs the jobs; None where the app only records them (jobs stay Pending)."""
+    executor: Executor | None = request.app.state.executor
+    return executor
+
+
 def get_tenant(request: Request) -> str:
     auth: TokenAuth = request.app.state.auth
     tenant = auth.tenant(request.headers.get("authorization"))
@@ -55,3 +63,4 @@ def get_tenant(request: Request) -> str:
 StoreDep = Annotated[JobStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 TenantDep = Annotated[str, Depends(get_tenant)]
+ExecutorDep = Annotated[Executor | None, Depends(get_executor)]

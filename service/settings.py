@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.executor import DriverLimits
+from rljob import paths
+from service.driver_process import DriverLimits
 
 
 class TenantLimits(BaseModel):
@@ -87,9 +88,8 @@ class Settings(BaseSettings):
         return [Path(p) for p in self.model_roots.split(":") if p]
 
     def tenant_home(self, tenant: str) -> Path:
-        """Where a tenant's jobs run and its relative paths resolve (the embedded default; the
-        executor's ``tenant_home`` is the same directory)."""
-        return self.data_dir / "tenants" / tenant
+        """Where a tenant's jobs run and its relative paths resolve (``rljob.paths.tenant_home``)."""
+        return paths.tenant_home(self.data_dir, tenant)
 
     def caps(self, tenant: str) -> dict[str, int]:
         """The size caps of ``tenant``'s jobs: max_problems, max_new_tokens, max_actors."""

@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
+from rljob.run_dir import RunDir
+
 _PREFIX = "step_"
 
 
 def checkpoint_root(output_dir: Path) -> Path:
-    return output_dir / "checkpoints"
+    return RunDir(output_dir).checkpoints
 
 
 def begin(output_dir: Path, step: int) -> Path:

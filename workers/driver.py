@@ -9,11 +9,14 @@ problems, and the step's line gets ``val/accuracy`` and ``val/reward_mean``. Met
 Nothing is lost on a stop or crash: checkpoints are atomic (``workers.checkpoint``), and
 ``resume=True`` restarts from the newest one, dropping metric lines of steps after it, so every
 step appears exactly once. Prompts and sampling seeds are functions of (seed, step), so the
-resumed steps see the same prompts. ``python -m workers.driver SPEC`` is the RayJob entrypoint.
+resumed steps see the same prompts. ``main`` is the entrypoint of a RayJob and of the service's
+local drivers; ``rljob.run_dir.driver_argv`` builds their command line, and ``RunDir`` names the
+files written here.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
@@ -24,6 +27,7 @@ from typing import Any
 
 from rljob import metrics as m
 from rljob.metrics import MetricsLog, StepMetrics, ValidatedStepMetrics
+from rljob.run_dir import DRIVER_MODULE, RunDir
 from rljob.spec import JobSpec
 from rljob.status import EXIT_OUT_OF_MEMORY
 from workers import checkpoint
@@ -63,7 +67,7 @@ def _prepare_output(spec: JobSpec, out: Path, resume: bool) -> tuple[int, Path |
     out.mkdir(parents=True, exist_ok=True)
     last = checkpoint.latest(out)
     if not resume:
-        if last is not None or (out / "metrics.jsonl").exists():
+        if last is not None or RunDir(out).metrics.exists():
             raise FileExistsError(
                 f"{out} already holds a run; pass --resume to continue it, or choose another --output"
             )
@@ -87,8 +91,9 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     # a bad task, held-out split (validation.size) or tokenizer fails here, before Ray starts
     task, tok = Task.for_job(spec), build_tokenizer(spec)
     first_step, ckpt = _prepare_output(spec, out, opts.resume)
-    _write_json(out / "spec.resolved.json", spec.model_dump(mode="json"))
-    log = MetricsLog(out / "metrics.jsonl")
+    run_dir = RunDir(out)
+    _write_json(run_dir.spec_resolved, spec.model_dump(mode="json"))
+    log = MetricsLog(run_dir.metrics)
     rows: list[Mapping[str, Any]] = list(log.truncate(first_step - 1)) if opts.resume else []
     prom = PromExporter(opts.job or out.name, opts.namespace, spec.precision.recipe)
     port = prom.serve(opts.metrics_port) if opts.metrics_port is not None else None
@@ -105,7 +110,7 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         longest = max(len(tok.encode(task.prompt(p))) for p in task.problems())
         actors = JobActors(spec, tok.vocab_size, tok, longest)
         audits = {"trainer": actors.trainer_audit, "generator": actors.generator_audit}
-        _write_json(out / "quantization_audit.json", audits)
+        _write_json(run_dir.quantization_audit, audits)
         for role, audit in audits.items():
             opts.log(f"quantization audit ({role}):\n{audit['table']}")
         if ckpt is not None:
@@ -141,20 +146,24 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         prom.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m workers.driver SPEC``: the entrypoint of a RayJob (no progress bar, a line per step)."""
-    import argparse
+def parser() -> argparse.ArgumentParser:
+    """The driver's command line, as ``rljob.run_dir.driver_argv`` writes it."""
+    p = argparse.ArgumentParser(prog=f"python -m {DRIVER_MODULE}", description=main.__doc__)
+    p.add_argument("spec", help="job spec file (YAML/JSON, or an RLJob manifest)")
+    p.add_argument("--output", help="override output_dir")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    p.add_argument("--job", default="", help="job label of the metrics")
+    p.add_argument("--namespace", default="default", help="namespace label of the metrics")
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The driver's entrypoint (``rljob.run_dir.driver_argv``): a RayJob's, and each local job's
+    of the service (no progress bar, a line per step)."""
     from rljob.spec import SpecError, load_spec
 
-    parser = argparse.ArgumentParser(prog="python -m workers.driver", description=main.__doc__)
-    parser.add_argument("spec", help="job spec file (YAML/JSON, or an RLJob manifest)")
-    parser.add_argument("--output", help="override output_dir")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
-    parser.add_argument("--job", default="", help="job label of the metrics")
-    parser.add_argument("--namespace", default="default", help="namespace label of the metrics")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         spec = load_spec(args.spec)
     except SpecError as err:

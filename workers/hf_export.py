@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rljob.run_dir import SPEC_RESOLVED, RunDir
 from rljob.spec import JobSpec, parse_spec
 from workers.checkpoint import list_checkpoints, load_master_weights
 from workers.engines.factory import native_trainer
@@ -49,7 +50,6 @@ FORMATS: dict[str, str] = {
     "hf-fp8": "block-FP8 E4M3 weights with 128x128 scales (vLLM, SGLang, transformers FineGrainedFP8)",
     "hf-bf16": "plain BF16 weights, no quantization",
 }
-SPEC_FILE = "spec.resolved.json"
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,10 @@ def load_run_spec(run_dir: Path) -> JobSpec:
             f"run directory {run_dir} does not exist; give the output_dir of an fp8rl run "
             "(e.g. runs/arithmetic)"
         )
-    path = run_dir / SPEC_FILE
+    path = RunDir(run_dir).spec_resolved
     if not path.is_file():
         raise ValueError(
-            f"{run_dir} has no {SPEC_FILE}; is it an fp8rl run directory? (`fp8rl run` writes it "
+            f"{run_dir} has no {SPEC_RESOLVED}; is it an fp8rl run directory? (`fp8rl run` writes it "
             "when a run starts)"
         )
     try:
@@ -199,7 +199,9 @@ def export_run(
     try:
         trainer = native_trainer(spec, tok.vocab_size, load_master_weights(ckpt_dir))
     except ValueError as err:
-        raise ValueError(f"{ckpt_dir}: does not fit the model of {run_dir / SPEC_FILE}: {err}") from None
+        raise ValueError(
+            f"{ckpt_dir}: does not fit the model of {RunDir(run_dir).spec_resolved}: {err}"
+        ) from None
     fp8 = fmt == "hf-fp8"
     layout = generator_layout(spec, tok.vocab_size, fp8)
     if fp8:

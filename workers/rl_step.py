@@ -22,6 +22,7 @@ import torch
 
 from rljob import metrics as m
 from rljob.metrics import StepMetrics, SyncMetrics, ValidationMetrics
+from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
@@ -119,7 +120,7 @@ def warmup(
     w = spec.warmup
     sizes = even_split(w.batch_size, 1, actors.num_trainers)
     loss = float("nan")
-    with (out / "warmup.jsonl").open("w") as f:
+    with RunDir(out).warmup.open("w") as f:
         for i in range(1, w.sft_steps + 1):
             batch = sft_batch(task, tok, task.sample(-i, w.batch_size, spec.rollout.seed))
             loss = actors.sft_step(split_rows(batch, sizes))

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rljob.jobs import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
 from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
-from service.deps import JOB, SettingsDep, StoreDep, TenantDep
+from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep
 from service.schemas import JobCreate, JobList, JobPublic
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -59,7 +59,7 @@ def create_job(
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
-    request: Request,
+    executor: ExecutorDep,
     response: Response,
 ) -> JobPublic:
     """Record a job (201, with its URL in ``Location``). 422 for files outside the tenant's reach
@@ -96,7 +96,6 @@ def create_job(
         ) from None
     except TenantNamespaceMissing as err:
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
-    executor = getattr(request.app.state, "executor", None)
     if executor is not None:
         executor.submit(job)
     response.headers["Location"] = f"{router.prefix}/{job.name}"
@@ -127,7 +126,7 @@ def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
 
 
 @router.delete(f"/{JOB}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> None:
+def delete_job(name: str, tenant: TenantDep, store: StoreDep, executor: ExecutorDep) -> None:
     """Cancel the job if it is active, then delete its record."""
     try:
         job: Job | None = store.get(tenant, name)
@@ -135,7 +134,6 @@ def delete_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) 
         raise _not_found(name) from None
     except InvalidRecord:
         job = None  # nothing runs an invalid job: just delete it
-    executor = getattr(request.app.state, "executor", None)
     if executor is not None and job is not None:
         executor.cancel(job)
     try:
@@ -144,7 +142,7 @@ def delete_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) 
         raise _not_found(name) from None
 
 
-def _action(name: str, action: str, tenant: str, store: StoreDep, request: Request) -> JobPublic:
+def _action(name: str, action: str, tenant: str, store: StoreDep, executor: ExecutorDep) -> JobPublic:
     target = ACTIONS[action]
     try:
         job = store.update(
@@ -156,19 +154,18 @@ def _action(name: str, action: str, tenant: str, store: StoreDep, request: Reque
         raise _not_found(name) from None
     except IllegalTransition as err:
         raise HTTPException(status.HTTP_409_CONFLICT, str(err)) from None
-    executor = getattr(request.app.state, "executor", None)
     if executor is not None:
         getattr(executor, action)(job)
     return public(job)
 
 
 @router.post(f"/{JOB}:suspend", response_model=JobPublic)
-def suspend_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> JobPublic:
+def suspend_job(name: str, tenant: TenantDep, store: StoreDep, executor: ExecutorDep) -> JobPublic:
     """Stop the job after its current step, with a checkpoint. 409 from a phase that cannot."""
-    return _action(name, "suspend", tenant, store, request)
+    return _action(name, "suspend", tenant, store, executor)
 
 
 @router.post(f"/{JOB}:resume", response_model=JobPublic)
-def resume_job(name: str, tenant: TenantDep, store: StoreDep, request: Request) -> JobPublic:
+def resume_job(name: str, tenant: TenantDep, store: StoreDep, executor: ExecutorDep) -> JobPublic:
     """Continue a suspended or failed job from its last checkpoint."""
-    return _action(name, "resume", tenant, store, request)
+    return _action(name, "resume", tenant, store, executor)

@@ -11,17 +11,17 @@ from fastapi.responses import StreamingResponse
 
 from rljob.jobs import JobNotFound
 from rljob.status import ACTIVE
-from service.deps import JOB, SettingsDep, StoreDep, TenantDep
-from service.executor import read_metrics, run_dir
+from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep
+from service.executor import Executor
+from service.local_executor import read_metrics, run_dir
 from service.problems import ProblemError
 
 router = APIRouter(prefix="/v1/jobs", tags=["runs"])
 
 
-def _local_only(request: Request, what: str) -> None:
+def _local_only(executor: Executor | None, what: str) -> None:
     """With ``--store kubernetes`` the driver runs in the job's Ray cluster, not beside the service:
     404 (this server has no such resource; a 5xx would say the server failed), with where to look."""
-    executor = request.app.state.executor
     if executor is not None and not executor.runs_locally:
         raise ProblemError(
             status.HTTP_404_NOT_FOUND,
@@ -38,7 +38,7 @@ def job_metrics(
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
-    request: Request,
+    executor: ExecutorDep,
     since: Annotated[int, Query(ge=0, description="Only steps after this one.")] = 0,
 ) -> list[dict[str, Any]]:
     """One object per completed step, as in the run's ``metrics.jsonl``."""
@@ -46,7 +46,7 @@ def job_metrics(
         job = store.get(tenant, name)
     except JobNotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found") from None
-    _local_only(request, "per-step history")
+    _local_only(executor, "per-step history")
     return [r for r in read_metrics(settings.data_dir, job) if int(str(r.get("step", 0))) > since]
 
 
@@ -56,6 +56,7 @@ def job_logs(
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
+    executor: ExecutorDep,
     request: Request,
     follow: Annotated[bool, Query(description="Keep streaming until the job stops.")] = False,
 ) -> StreamingResponse:
@@ -64,12 +65,12 @@ def job_logs(
         job = store.get(tenant, name)
     except JobNotFound:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found") from None
-    _local_only(request, "the driver log")
-    path = run_dir(settings.data_dir, job.tenant, job.name) / "driver.log"
+    _local_only(executor, "the driver log")
+    path = run_dir(settings.data_dir, job.tenant, job.name).driver_log
 
     async def stream() -> AsyncIterator[bytes]:
         # without an executor nothing will ever write the log: do not wait for it
-        offset, tail = 0, follow and request.app.state.executor is not None
+        offset, tail = 0, follow and executor is not None
         while True:
             if path.exists():
                 with path.open("rb") as f:

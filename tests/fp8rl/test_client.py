@@ -13,7 +13,7 @@ import uvicorn
 from typer.testing import CliRunner
 
 from fp8rl.cli import app
-from service.app import create_app
+from service.main import create_app
 from service.settings import Settings
 from tests.helpers import wait_for
 

@@ -276,7 +276,7 @@ def test_the_pod_monitor_selects_the_head_pods_the_operator_builds() -> None:
     settings = OperatorSettings(**config)
     rljob = rl.manifest("j", "default", rl.RLJobSpec().job)
     rljob["metadata"]["uid"] = "u-1"
-    rayjob = builders.rayjob(rljob, rl.spec_of(rljob), settings)
+    rayjob = builders.rayjob(rl.RLJob.of(rljob), settings)
     head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
     labels = head["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())

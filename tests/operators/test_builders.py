@@ -44,7 +44,7 @@ def rljob(path: str = "rljob-qwen-gpu.yaml", namespace: str = "team-a") -> dict[
 
 
 def build(obj: dict[str, Any], **settings: Any) -> dict[str, Any]:
-    return builders.rayjob(obj, rl.spec_of(obj), OperatorSettings(**settings))
+    return builders.rayjob(rl.RLJob.of(obj), OperatorSettings(**settings))
 
 
 def groups(rayjob: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -64,7 +64,7 @@ def test_pod_templates_and_configmap_validate_as_kubernetes_objects(example: str
     for i, template in enumerate(templates):
         pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}"}, "template": template}
         kubernetes_validate.validate(pod, desired_version=K8S_VERSION, strict=True)
-    cm = builders.spec_configmap(obj, rl.spec_of(obj))
+    cm = builders.spec_configmap(rl.RLJob.of(obj))
     kubernetes_validate.validate(cm, desired_version=K8S_VERSION, strict=True)
     assert rl.spec_of({"spec": {"job": json.loads(cm["data"]["job.json"])}}).job == rl.spec_of(obj).job
 
@@ -118,8 +118,8 @@ def test_rayjob_fields() -> None:
     # the queue: Kueue's label, and created suspended for Kueue to admit
     assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
     assert spec["suspend"] is True
-    assert body["metadata"]["ownerReferences"] == [builders.owner_reference(obj)]
-    assert builders.owner_reference(obj)["uid"] == obj["metadata"]["uid"]
+    assert body["metadata"]["ownerReferences"] == [builders.owner_reference(rl.RLJob.of(obj))]
+    assert builders.owner_reference(rl.RLJob.of(obj))["uid"] == obj["metadata"]["uid"]
 
 
 def test_operator_defaults_fill_what_the_rljob_leaves_unset() -> None:
@@ -163,6 +163,29 @@ def test_spec_hash_changes_with_the_job_not_with_suspend() -> None:
     assert builders.spec_hash(rl.spec_of(obj)) == base
     obj["spec"]["job"]["steps"] = 501
     assert builders.spec_hash(rl.spec_of(obj)) != base
+
+
+def test_the_builders_change_nothing_they_are_given() -> None:
+    """Building twice from one RLJob gives the same objects, and leaves the RLJob and the settings
+    as they were (no builder pops or updates what it was passed)."""
+    obj = rljob()
+    obj["spec"]["cluster"]["volumeClaim"] = "runs"  # a second extra volume
+    job, settings = rl.RLJob.of(obj), OperatorSettings()
+    before = (job.spec.model_dump(), settings.model_dump())
+    first = (builders.rayjob(job, settings), builders.spec_configmap(job))
+    assert (builders.rayjob(job, settings), builders.spec_configmap(job)) == first
+    assert (job.spec.model_dump(), settings.model_dump()) == before
+    head = first[0]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert [sorted(v) for v in head["volumes"]] == [  # Kubernetes' keys only
+        ["emptyDir", "name"],
+        ["configMap", "name"],
+        ["name", "persistentVolumeClaim"],
+    ]
+    assert [m["mountPath"] for m in head["containers"][0]["volumeMounts"]] == [
+        "/dev/shm",
+        "/etc/fp8rl",
+        "/runs",
+    ]
 
 
 def test_the_kuberay_schema_catches_mistakes() -> None:

@@ -20,8 +20,8 @@ from rljob import resource as rl
 from rljob.kube import KubernetesJobStore, api_client
 from rljob.spec import JobSpec
 from rljob.status import Phase
-from service.app import create_app
-from service.executor import OperatorHandoff
+from service.main import create_app
+from service.operator_handoff import OperatorHandoff
 from service.settings import Settings
 from tests.helpers import wait_for
 from workers.metrics import PromExporter

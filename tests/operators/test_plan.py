@@ -72,7 +72,7 @@ def rljob(
 
 def built(obj: dict[str, Any]) -> dict[str, Any]:
     """The RayJob the builders make for ``obj``."""
-    return builders.rayjob(obj, rl.spec_of(obj), SETTINGS)
+    return builders.rayjob(rl.RLJob.of(obj), SETTINGS)
 
 
 def rayjob(
@@ -92,7 +92,7 @@ def from_other_spec(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def configmap(obj: dict[str, Any]) -> dict[str, Any]:
-    return builders.spec_configmap(obj, rl.spec_of(obj))
+    return builders.spec_configmap(rl.RLJob.of(obj))
 
 
 def exposition(step: int, reward: float) -> str:

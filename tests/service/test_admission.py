@@ -16,9 +16,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rljob import parse_spec
-from rljob.paths import POD_HOME, path_problems
-from service.app import create_app
-from service.executor import LocalExecutor, tenant_home
+from rljob.paths import POD_HOME, path_problems, tenant_home
+from rljob.run_dir import RunDir
+from service.local_executor import LocalExecutor
+from service.main import create_app
 from service.settings import Settings
 from service.store import SqlJobStore
 from tests.helpers import wait_for
@@ -166,7 +167,7 @@ def test_the_driver_runs_in_the_tenant_home_and_a_late_symlink_fails_the_job(
         def __init__(self, cmd: list[str], **kwargs: Any) -> None:
             started.append(kwargs)
 
-    monkeypatch.setattr("service.executor.subprocess.Popen", FakePopen)
+    monkeypatch.setattr("service.driver_process.subprocess.Popen", FakePopen)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path)
     job = store.create("team-a", "j", parse_spec({"task": {"dataset": "mine.jsonl"}}))
@@ -205,11 +206,11 @@ open(sys.argv[1], "w").write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\\n"
 def test_a_job_over_its_memory_limit_fails_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rljob.status import EXIT_OUT_OF_MEMORY
 
-    def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
+    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
         code = _HOG if job.tenant == "team-a" else _FINISH
-        return [sys.executable, "-c", code, str(out / "metrics.jsonl")]
+        return [sys.executable, "-c", code, str(run.metrics)]
 
-    monkeypatch.setattr("service.executor.driver_command", command)
+    monkeypatch.setattr("service.local_executor.driver_command", command)
     settings = Settings(data_dir=tmp_path, tenant_limits={"team-a": {"max_memory_mb": 256}})
     assert settings.driver_limits("team-a").memory_bytes == 256 * 2**20
     assert settings.driver_limits("team-b").memory_bytes is None
@@ -266,10 +267,10 @@ open(sys.argv[1], "w").write(json.dumps(report))
 def test_drivers_get_their_cpus_and_a_lower_priority(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
-        return [sys.executable, "-c", _REPORT, str(out / "report.json")]
+    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
+        return [sys.executable, "-c", _REPORT, str(run.root / "report.json")]
 
-    monkeypatch.setattr("service.executor.driver_command", command)
+    monkeypatch.setattr("service.local_executor.driver_command", command)
     settings = Settings(data_dir=tmp_path, max_cpus=1, driver_nice=7)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path, limits=settings.driver_limits)

@@ -66,7 +66,7 @@ def test_the_document_states_errors_media_types_and_rules() -> None:
     """What the schemathesis runs rely on, read from the document itself (fast, no server)."""
     import tempfile
 
-    from service.app import create_app
+    from service.main import create_app
     from service.settings import Settings
 
     doc = create_app(Settings(data_dir=Path(tempfile.mkdtemp())), tokens={TOKEN: TENANT}).openapi()

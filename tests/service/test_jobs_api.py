@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.auth import TokenFileError, load_tokens
+from service.main import create_app
 from service.settings import Settings
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"

@@ -16,8 +16,8 @@ from rljob.jobs import JobExists, JobNotFound, TenantNamespaceMissing
 from rljob.kube import KubernetesJobStore, api_client
 from rljob.spec import JobSpec, load_spec
 from rljob.status import JobStatus, Phase
-from service.app import create_app
-from service.executor import OperatorHandoff
+from service.main import create_app
+from service.operator_handoff import OperatorHandoff
 from service.settings import Settings
 
 ALICE, BOB, CAROL = "alice-token-0123456789", "bob-token-0123456789ab", "carol-token-0123456789"

@@ -17,10 +17,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rljob.metrics import MetricsLog
+from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from rljob.status import JobStatus, Phase
-from service.app import create_app
-from service.executor import LocalExecutor, run_dir
+from service.local_executor import LocalExecutor, run_dir
+from service.main import create_app
 from service.settings import Settings
 from service.store import SqlJobStore
 from tests.helpers import tiny_spec, wait_for
@@ -52,8 +53,8 @@ def getter(api: TestClient, name: str) -> Callable[[], dict[str, Any]]:
     return lambda: api.get(f"/v1/jobs/{name}", headers=HEADERS).json()
 
 
-def _driver_pid(run: Path) -> int:
-    return int(json.loads((run / "driver.pid").read_text())["pid"])
+def _driver_pid(run: RunDir) -> int:
+    return int(json.loads(run.driver_pid.read_text())["pid"])
 
 
 def _reaped(pid: int) -> bool:
@@ -169,7 +170,7 @@ def test_a_restarted_service_reattaches_a_live_driver(tmp_path: Path) -> None:
         status = store.get("team-a", "long").status
         assert status.progress.step == steps and status.reason == "Completed"
         assert _driver_pid(run) == pid  # no second driver
-        assert [r["step"] for r in MetricsLog(run / "metrics.jsonl").rows()] == list(range(1, steps + 1))
+        assert [r["step"] for r in MetricsLog(run.metrics).rows()] == list(range(1, steps + 1))
     finally:
         second.shutdown()
         # this test process is the driver's parent: stop what is left of it (all of it, had the
@@ -187,10 +188,10 @@ def test_restart_with_a_finished_or_vanished_driver(tmp_path: Path) -> None:
         store.create("team-a", name, JobSpec.model_validate(tiny_spec()))
         store.update("team-a", name, lambda s: s.moved(Phase.STARTING, "ProcessStarted"))
         run = run_dir(tmp_path, "team-a", name)
-        run.mkdir(parents=True)
-        (run / "driver.pid").write_text(json.dumps({"pid": os.getpid(), "started": "0"}))
+        run.root.mkdir(parents=True)
+        run.driver_pid.write_text(json.dumps({"pid": os.getpid(), "started": "0"}))
         rows = 2 if name == "finished" else 1
-        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1}) + "\n" for i in range(rows)))
+        run.metrics.write_text("".join(json.dumps({"step": i + 1}) + "\n" for i in range(rows)))
     executor = LocalExecutor(store, tmp_path)
     executor.start()
     executor.shutdown()
@@ -233,10 +234,10 @@ def test_a_resume_waits_for_the_suspended_driver_to_exit(
     driver starts only after the old one exited (never two on one run directory), the old one's
     exit code 130 does not fail the resumed job, and the job finishes."""
 
-    def command(spec_file: Path, out: Path, job: Any, resume: bool) -> list[str]:
-        return [sys.executable, "-c", _SLOW_TO_STOP, str(out), *(["resume"] if resume else [])]
+    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
+        return [sys.executable, "-c", _SLOW_TO_STOP, str(run.root), *(["resume"] if resume else [])]
 
-    monkeypatch.setattr("service.executor.driver_command", command)
+    monkeypatch.setattr("service.local_executor.driver_command", command)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     executor = LocalExecutor(store, tmp_path, poll_s=0.05)
     executor.start()
@@ -257,8 +258,8 @@ def test_a_resume_waits_for_the_suspended_driver_to_exit(
         )
     finally:
         executor.shutdown()
-    log = (run_dir(tmp_path, "team-a", "quick") / "driver.log").read_text()
+    log = run_dir(tmp_path, "team-a", "quick").driver_log.read_text()
     assert "another driver holds" not in log, log
     assert final.phase is Phase.SUCCEEDED, final
-    rows = MetricsLog(run_dir(tmp_path, "team-a", "quick") / "metrics.jsonl").rows()
+    rows = MetricsLog(run_dir(tmp_path, "team-a", "quick").metrics).rows()
     assert [r["step"] for r in rows] == [1, 2]

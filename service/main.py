@@ -1,8 +1,16 @@
-"""The FastAPI application: routes, auth, body limits and error bodies (RFC 9457 problem details,
-:mod:`service.problems`)."""
+"""The composition root of the control plane: ``create_app`` builds the FastAPI application (routes,
+auth, body limits, error bodies as RFC 9457 problem details, :mod:`service.problems`) and, for
+``fp8rl serve``, the job store and the executor the settings name, started and stopped with the app.
+
+``--store sql`` (the embedded default): ``SqlJobStore`` + ``LocalExecutor`` (a driver process per
+job on this machine). ``--store kubernetes``: ``KubernetesJobStore`` (RLJobs) + ``OperatorHandoff``
+(the operator runs them).
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +25,7 @@ from rljob.version import __version__
 from service import problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
+from service.local_executor import LocalExecutor
 from service.problems import RETRY_AFTER_S, problem_response
 from service.routes import jobs, runs
 from service.settings import Settings
@@ -81,26 +90,70 @@ SUCCESS: dict[tuple[str, str], dict[int, dict[str, Any]]] = {
 }
 
 
+def build_store(settings: Settings) -> JobStore:
+    """The job store the settings name: SQLite under the data dir, or RLJobs in the cluster."""
+    if settings.store == "kubernetes":
+        from rljob.kube import KubernetesJobStore, api_client
+
+        return KubernetesJobStore(api_client(settings.kubeconfig))
+    return SqlJobStore(settings.data_dir / "jobs.sqlite")
+
+
+def build_executor(settings: Settings, store: JobStore) -> Executor:
+    """The executor of ``store``: the operator runs RLJobs; the service runs SQLite's jobs itself."""
+    from rljob.kube import KubernetesJobStore
+
+    if isinstance(store, KubernetesJobStore):
+        from service.operator_handoff import OperatorHandoff
+
+        return OperatorHandoff(store)
+    return LocalExecutor(
+        store, settings.data_dir, read_only=settings.read_only_roots, limits=settings.driver_limits
+    )
+
+
 def create_app(
     settings: Settings,
     store: JobStore | None = None,
     tokens: dict[str, str] | None = None,
     executor: Executor | None = None,
+    *,
+    run_jobs: bool = False,
 ) -> FastAPI:
-    """The app for ``settings``; ``store`` and ``tokens`` default to what the settings name."""
+    """The app for ``settings``; ``store`` and ``tokens`` default to what the settings name.
+
+    ``executor`` runs the jobs the routes record; its ``start`` and ``shutdown`` are the caller's.
+    Without one (and without ``run_jobs``) jobs are recorded and stay Pending. ``run_jobs``
+    (``fp8rl serve``): the executor of the store instead (``build_executor``), started before the
+    app serves and shut down after it stopped (the app's lifespan).
+    """
     if tokens is None:
         if settings.tokens_file is None:
             raise ValueError("no tokens: pass --tokens-file (or FP8RL_TOKENS_FILE) with {token: tenant}")
         tokens = load_tokens(settings.tokens_file)
+    store = store if store is not None else build_store(settings)
+    owned = build_executor(settings, store) if run_jobs and executor is None else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if owned is not None:
+            owned.start()  # re-attach drivers a previous process left, start pending jobs
+        try:
+            yield
+        finally:
+            if owned is not None:
+                owned.shutdown()
+
     app = FastAPI(
         title="fp8rl control plane",
         version=__version__,
         description="Submit and watch end-to-end FP8 RL post-training jobs.",
+        lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.store = store or SqlJobStore(settings.data_dir / "jobs.sqlite")
+    app.state.store = store
     app.state.auth = TokenAuth(tokens)
-    app.state.executor = executor
+    app.state.executor = owned or executor
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":

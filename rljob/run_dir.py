@@ -1,0 +1,104 @@
+"""The run contract: what a run directory holds, and the one command line that starts a driver.
+
+A run directory is a job's ``output_dir`` (``fp8rl run --output``; ``<data-dir>/runs/<tenant>/<name>``
+for a job the service runs locally; the job's ``output_dir`` in its RayJob's pods). Its files, who
+writes them and who reads them:
+
+- ``spec.resolved.json``: the spec the driver runs, written at its start; ``fp8rl report`` and
+  ``fp8rl export`` read it.
+- ``metrics.jsonl``: one line per step, by the driver; the service's monitor and
+  ``/v1/jobs/{name}/metrics``, ``fp8rl report`` and the benchmarks read it.
+- ``quantization_audit.json``: which layers are FP8 (and why not), by the driver once its actors
+  are up.
+- ``warmup.jsonl``: one line per SFT warm-up step (``warmup.sft_steps``).
+- ``checkpoints/step_N/``: by the driver (``workers.checkpoint``); ``--resume`` and
+  ``fp8rl export`` read them.
+- ``job.json``: the spec as submitted, which the driver is started with: written by the service's
+  local executor; on Kubernetes it is the key of the job's ConfigMap, mounted in the head pod.
+- ``driver.log``: the driver's output, by the local executor; ``/v1/jobs/{name}/logs`` serves it.
+- ``driver.pid``: the local driver's pid and start time, so a restarted service re-attaches it.
+
+``driver_argv`` is the driver's command line, for both places that start one: the service's local
+executor (a process per job) and the operator (a RayJob's entrypoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+SPEC_RESOLVED = "spec.resolved.json"
+METRICS = "metrics.jsonl"
+QUANTIZATION_AUDIT = "quantization_audit.json"
+WARMUP = "warmup.jsonl"
+CHECKPOINTS = "checkpoints"
+JOB_SPEC = "job.json"
+DRIVER_LOG = "driver.log"
+DRIVER_PID = "driver.pid"
+
+# the driver's module: the entrypoint both the local executor and the operator start
+DRIVER_MODULE = "workers.driver"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory: the path of each file a run writes (see the module docstring)."""
+
+    root: Path
+
+    @property
+    def spec_resolved(self) -> Path:
+        return self.root / SPEC_RESOLVED
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS
+
+    @property
+    def quantization_audit(self) -> Path:
+        return self.root / QUANTIZATION_AUDIT
+
+    @property
+    def warmup(self) -> Path:
+        return self.root / WARMUP
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINTS
+
+    @property
+    def job_spec(self) -> Path:
+        return self.root / JOB_SPEC
+
+    @property
+    def driver_log(self) -> Path:
+        return self.root / DRIVER_LOG
+
+    @property
+    def driver_pid(self) -> Path:
+        return self.root / DRIVER_PID
+
+
+def driver_argv(
+    spec_file: str | PurePath,
+    output: str | PurePath,
+    *,
+    job: str,
+    namespace: str,
+    resume: bool,
+    metrics_port: int | None,
+    python: str = "python",
+) -> list[str]:
+    """The driver's command line: ``python -m <driver> SPEC --output DIR [--resume]
+    [--metrics-port PORT] --job NAME --namespace NS``.
+
+    ``resume``: continue from the newest checkpoint in ``output``; ``metrics_port``: serve
+    Prometheus ``/metrics`` there (None: no HTTP server); ``job`` and ``namespace`` label the
+    metrics. ``python``: the interpreter (the image's ``python``, or the service's own).
+    """
+    argv = [python, "-m", DRIVER_MODULE, str(spec_file), "--output", str(output)]
+    if resume:
+        argv.append("--resume")
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    return [*argv, "--job", job, "--namespace", namespace]

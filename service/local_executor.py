@@ -1,0 +1,267 @@
+"""Runs the jobs of the embedded default: one driver process per job (``driver_command``).
+
+Each job gets a run directory ``<data_dir>/runs/<tenant>/<name>/`` (``rljob.run_dir.RunDir``)
+with ``job.json`` (the spec), ``driver.log`` and what the driver writes (``metrics.jsonl``,
+checkpoints). A monitor thread turns what it observes into phases through the state machine: a
+started process is Starting, its first metrics line makes it Running, exit 0 Succeeded, any other
+exit Failed with the exit code and the log's last line (resumable from the last checkpoint).
+Suspend sends SIGINT, which the driver answers by checkpointing after the current step; resume
+starts the driver again with ``--resume``.
+
+Drivers outlive a restart of the service (``service.driver_process``). On start, a job left
+Starting/Running by a previous service process is re-attached if its driver still runs: it is
+watched as before, and when it exits the outcome is read from what it wrote (its last step
+reaching ``steps`` is Succeeded; otherwise Failed, reason ``WorkerExited``). If the driver is
+gone, the job is Succeeded if it finished, else Failed with reason ``ServiceRestarted``,
+resumable. Nothing stays Running forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rljob.jobs import Job, JobNotFound, JobStore
+from rljob.metrics import MetricsLog
+from rljob.paths import path_problems, tenant_home
+from rljob.run_dir import RunDir, driver_argv
+from rljob.status import EXIT_OUT_OF_MEMORY, TERMINAL, IllegalTransition, JobStatus, Phase, Progress, Reason
+from service.driver_process import UNKNOWN_EXIT, DriverLimits, DriverProcess, confine
+
+# a resume waits this long for the suspended driver to save its step and exit, then kills it
+RESUME_WAIT_S = 120.0
+
+
+@dataclass
+class _Running:
+    job: Job
+    proc: DriverProcess
+    log: Path
+    metrics: MetricsLog
+    seen_step: int = 0
+    offset: int = 0  # bytes of metrics.jsonl already read
+    stopping: bool = False  # suspended: its exit is not the job's outcome
+
+
+def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
+    """The run directory of a local job: ``<data_dir>/runs/<tenant>/<name>``."""
+    return RunDir(data_dir / "runs" / tenant / name)
+
+
+def driver_command(run: RunDir, job: Job, resume: bool) -> list[str]:
+    """The driver process of ``job``: the service's own interpreter, and no Prometheus server
+    (drivers on one machine would fight for the port; the service reads ``metrics.jsonl``)."""
+    return driver_argv(
+        run.job_spec,
+        run.root,
+        job=job.name,
+        namespace=job.tenant,
+        resume=resume,
+        metrics_port=None,
+        python=sys.executable,
+    )
+
+
+def _finished(job: Job, metrics: MetricsLog) -> bool:
+    rows = metrics.rows()
+    return bool(rows) and int(str(rows[-1]["step"])) >= job.spec.steps
+
+
+class LocalExecutor:
+    runs_locally = True
+
+    def __init__(
+        self,
+        store: JobStore,
+        data_dir: Path,
+        poll_s: float = 0.5,
+        read_only: list[Path] | None = None,
+        limits: Callable[[str], DriverLimits] = lambda tenant: DriverLimits(),
+    ) -> None:
+        self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
+        self.read_only = read_only or []  # the service's read-only roots (FP8RL_MODEL_ROOTS)
+        self.limits = limits  # what a tenant's drivers may take of this machine
+        self._procs: dict[tuple[str, str], _Running] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._monitor, name="fp8rl-executor", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Recover after a restart (re-attach live drivers), start pending jobs, then watch."""
+        jobs, _ = self.store.query(None, None, limit=1_000_000)
+        for job in jobs:
+            if job.status.phase in (Phase.STARTING, Phase.RUNNING):
+                self._recover(job)
+            elif job.status.phase is Phase.PENDING:
+                self.submit(job)
+        self._thread.start()
+
+    def _recover(self, job: Job) -> None:
+        run = run_dir(self.data_dir, job.tenant, job.name)
+        metrics = MetricsLog(run.metrics)
+        proc = DriverProcess.attach(run.driver_pid)
+        if proc is not None and proc.poll() is None:
+            with self._lock:
+                self._procs[(job.tenant, job.name)] = _Running(job, proc, run.driver_log, metrics)
+        elif _finished(job, metrics):
+            self._move(job, Phase.SUCCEEDED, Reason.COMPLETED, "finished while the control plane was down")
+        else:
+            self._move(
+                job,
+                Phase.FAILED,
+                Reason.SERVICE_RESTARTED,
+                "the driver stopped while the control plane was down; resume the job",
+            )
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    # -- actions (called by the routes) ---------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        home = tenant_home(self.data_dir, job.tenant)
+        home.mkdir(parents=True, exist_ok=True)
+        # checked at POST; again here, since a symlink may have changed since (nothing is opened)
+        outside = path_problems(job.spec, home, self.read_only)
+        if outside:
+            problem = "; ".join(f"{p.field}: {p.message}" for p in outside)
+            self._move(job, Phase.FAILED, Reason.PATH_OUTSIDE_TENANT, problem)
+            return
+        run = run_dir(self.data_dir, job.tenant, job.name)
+        run.root.mkdir(parents=True, exist_ok=True)
+        run.job_spec.write_text(job.spec.model_dump_json())
+        resume = run.checkpoints.exists() or run.metrics.exists()
+        # in the tenant's directory: the job's relative paths resolve there (rljob.paths)
+        proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home)
+        confine(proc.pid, job.tenant, self.limits(job.tenant))
+        proc.save(run.driver_pid)
+        with self._lock:
+            self._procs[(job.tenant, job.name)] = _Running(job, proc, run.driver_log, MetricsLog(run.metrics))
+        self._move(job, Phase.STARTING, Reason.PROCESS_STARTED, f"driver pid {proc.pid}")
+
+    def suspend(self, job: Job) -> None:
+        with self._lock:
+            running = self._procs.get((job.tenant, job.name))
+            if running is not None:
+                running.stopping = True
+        self._signal(job, signal.SIGINT)
+
+    def resume(self, job: Job) -> None:
+        """Start the driver again; a suspended driver still saving its step is waited for first
+        (two drivers must never share a run directory), in the background."""
+        with self._lock:
+            old = self._procs.get((job.tenant, job.name))
+        if old is None or old.proc.poll() is not None:
+            self.submit(job)
+            return
+        threading.Thread(target=self._resume_after, args=(old, job), name="fp8rl-resume", daemon=True).start()
+
+    def _resume_after(self, old: _Running, job: Job) -> None:
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while old.proc.poll() is None and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.1)
+        if old.proc.poll() is None:
+            old.proc.kill()  # it was told to stop and did not: it must not write beside the new one
+        with self._lock:
+            if self._procs.get((job.tenant, job.name)) is old:
+                del self._procs[(job.tenant, job.name)]
+        try:
+            current = self.store.get(job.tenant, job.name)
+        except JobNotFound:
+            return
+        if current.status.phase is Phase.PENDING:  # not suspended or cancelled again meanwhile
+            self.submit(current)
+
+    def cancel(self, job: Job) -> None:
+        with self._lock:
+            running = self._procs.pop((job.tenant, job.name), None)
+        if running is not None:
+            running.proc.kill()
+        if job.status.phase not in TERMINAL:
+            self._move(job, Phase.CANCELLED, Reason.USER_CANCELLED, "cancelled")
+
+    def _signal(self, job: Job, sig: int) -> None:
+        with self._lock:
+            running = self._procs.get((job.tenant, job.name))
+        if running is not None:
+            running.proc.send_signal(sig)
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def _move(self, job: Job, target: Phase, reason: str, message: str = "") -> None:
+        def change(s: JobStatus) -> JobStatus:
+            return s if s.phase is target else s.moved(target, reason, message)
+
+        # the user may have moved it meanwhile (e.g. cancelled or deleted): their move wins
+        with contextlib.suppress(IllegalTransition, JobNotFound):
+            self.store.update(job.tenant, job.name, change)
+
+    def _observe(self, key: tuple[str, str], r: _Running) -> None:
+        rows, r.offset = r.metrics.read_new(r.offset)
+        if rows and int(rows[-1]["step"]) != r.seen_step:
+            r.seen_step = int(rows[-1]["step"])
+            progress = Progress.from_row(rows[-1], r.job.spec.steps)
+
+            def change(s: JobStatus) -> JobStatus:
+                s = s.model_copy(update={"progress": progress})
+                return (
+                    s.moved(Phase.RUNNING, Reason.TRAINING, f"step {progress.step}")
+                    if s.phase is Phase.STARTING
+                    else s
+                )
+
+            with contextlib.suppress(IllegalTransition, JobNotFound):
+                self.store.update(r.job.tenant, r.job.name, change)
+        code = r.proc.poll()
+        if code is None:
+            return
+        with self._lock:
+            if self._procs.get(key) is not r:
+                return  # a newer driver of this job took its place
+            del self._procs[key]
+        if r.stopping:
+            return  # suspended: the job's phase says so already
+        try:
+            current = self.store.get(r.job.tenant, r.job.name).status.phase
+        except JobNotFound:
+            return
+        if current is Phase.SUSPENDED or current is Phase.CANCELLED:
+            return
+        if code == 0 or (code == UNKNOWN_EXIT and _finished(r.job, r.metrics)):
+            self._move(r.job, Phase.SUCCEEDED, Reason.COMPLETED, f"finished step {r.seen_step}")
+        elif code == EXIT_OUT_OF_MEMORY:
+            limit = self.limits(r.job.tenant).memory_bytes
+            what = (
+                f"its memory limit of {limit // 2**20} MiB (max_memory_mb)"
+                if limit
+                else "the machine's memory"
+            )
+            self._move(
+                r.job, Phase.FAILED, Reason.OUT_OF_MEMORY, f"the driver ran out of memory: over {what}"
+            )
+        else:
+            lines = r.log.read_text(errors="replace").strip().splitlines() if r.log.exists() else []
+            last = lines[-1][:300] if lines else ""
+            how = "with an unknown code (re-attached)" if code == UNKNOWN_EXIT else f"with code {code}"
+            self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
+
+    def _monitor(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                items = list(self._procs.items())
+            for key, r in items:
+                self._observe(key, r)
+
+
+def read_metrics(data_dir: Path, job: Job) -> list[dict[str, object]]:
+    return MetricsLog(run_dir(data_dir, job.tenant, job.name).metrics).rows()

@@ -1,0 +1,80 @@
+"""The composition root (``service.main.create_app``): with ``run_jobs`` (what ``fp8rl serve`` asks)
+the app builds the executor the settings name, starts it before it serves (a job left Pending by a
+previous process is started) and shuts it down after; without, jobs are only recorded."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rljob.run_dir import RunDir
+from rljob.spec import parse_spec
+from rljob.status import Phase
+from service.local_executor import LocalExecutor
+from service.main import create_app
+from service.settings import Settings
+from service.store import SqlJobStore
+from tests.helpers import wait_for
+
+TOKEN = "main-token-0123456789"
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+# a stand-in driver: one metrics line for step 1, then exit 0
+_FINISH = """
+import json, sys
+open(sys.argv[1], "w").write(json.dumps({"step": 1, "reward/mean": 0.5}) + "\\n")
+"""
+
+
+def test_serving_runs_the_jobs_with_the_settings_executor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
+        return [sys.executable, "-c", _FINISH, str(run.metrics)]
+
+    monkeypatch.setattr("service.local_executor.driver_command", command)
+    calls: list[str] = []
+    for method in ("start", "shutdown"):
+        original = getattr(LocalExecutor, method)
+
+        def recorded(self: LocalExecutor, method: str = method, original: Any = original) -> None:
+            calls.append(method)
+            original(self)
+
+        monkeypatch.setattr(LocalExecutor, method, recorded)
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    store.create("team-a", "left", parse_spec({"steps": 1}))  # recorded before this process started
+    app = create_app(Settings(data_dir=tmp_path), store, {TOKEN: "team-a"}, run_jobs=True)
+    executor = app.state.executor
+    assert isinstance(executor, LocalExecutor) and executor.data_dir == tmp_path
+    assert store.get("team-a", "left").status.phase is Phase.PENDING  # nothing runs before it serves
+    with TestClient(app) as api:
+        assert calls == ["start"]
+        created = api.post("/v1/jobs", json={"name": "new", "spec": {"steps": 1}}, headers=HEADERS)
+        assert created.status_code == 201
+
+        def phases() -> dict[str, str]:
+            return {
+                n: api.get(f"/v1/jobs/{n}", headers=HEADERS).json()["status"]["phase"]
+                for n in ("left", "new")
+            }
+
+        seen = wait_for(
+            phases, "both jobs to end", lambda p: set(p.values()) <= {"Succeeded", "Failed"}, timeout=60
+        )
+        assert seen == {"left": "Succeeded", "new": "Succeeded"}
+    assert calls == ["start", "shutdown"]  # once each, with the app
+
+
+def test_without_run_jobs_the_app_only_records(tmp_path: Path) -> None:
+    app = create_app(Settings(data_dir=tmp_path), tokens={TOKEN: "team-a"})
+    assert app.state.executor is None
+    with TestClient(app) as api:
+        assert (
+            api.post("/v1/jobs", json={"name": "j", "spec": {"steps": 1}}, headers=HEADERS).status_code == 201
+        )
+        assert api.get("/v1/jobs/j", headers=HEADERS).json()["status"]["phase"] == "Pending"
+    assert (tmp_path / "jobs.sqlite").exists()  # the store the settings name
