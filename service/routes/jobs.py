@@ -10,12 +10,23 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from rljob.jobs import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+from rljob.jobs import (
+    InvalidRecord,
+    Job,
+    JobExists,
+    JobNotFound,
+    JobStore,
+    TenantNamespaceMissing,
+    gpus_of,
+)
 from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
 from service.deps import JOB, SettingsDep, StoreDep, TenantDep
+from service.executor import Executor
 from service.schemas import JobCreate, JobList, JobPublic
+from service.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -54,7 +65,7 @@ async def strict_json(request: Request) -> None:
     response_model=JobPublic,
     dependencies=[Depends(strict_json)],
 )
-def create_job(
+async def create_job(
     body: JobCreate,
     tenant: TenantDep,
     store: StoreDep,
@@ -65,6 +76,17 @@ def create_job(
     """Record a job (201, with its URL in ``Location``). 422 for files outside the tenant's reach
     or sizes over its caps (:mod:`service.admission`); 409 if the name exists for this tenant;
     403 over the tenant's job or GPU limits."""
+    executor = getattr(request.app.state, "executor", None)
+    # Checking paths, counting, committing and starting a driver block: one trip to a worker
+    # thread for them all. The rest (validation, the answer) stays on the event loop.
+    job = await run_in_threadpool(_create, body, tenant, store, settings, executor)
+    response.headers["Location"] = f"{router.prefix}/{job.name}"
+    return public(job)
+
+
+def _create(
+    body: JobCreate, tenant: str, store: JobStore, settings: Settings, executor: Executor | None
+) -> Job:
     refused = admission_problems(body.spec, tenant, settings)
     if refused:  # files outside the tenant's reach, or sizes over its caps: invalid fields, 422
         raise RequestValidationError(
@@ -96,11 +118,9 @@ def create_job(
         ) from None
     except TenantNamespaceMissing as err:
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
-    executor = getattr(request.app.state, "executor", None)
     if executor is not None:
         executor.submit(job)
-    response.headers["Location"] = f"{router.prefix}/{job.name}"
-    return public(job)
+    return job
 
 
 @router.get("", response_model=JobList)
