@@ -14,7 +14,7 @@ from starlette.responses import Response
 from rljob.jobs import InvalidRecord, JobStore
 from rljob.status import Phase
 from rljob.version import __version__
-from service import problems
+from service import middleware, problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
 from service.problems import RETRY_AFTER_S, problem_response
@@ -101,7 +101,7 @@ def create_app(
     app.state.store = store or SqlJobStore(settings.data_dir / "jobs.sqlite")
     app.state.auth = TokenAuth(tokens)
     app.state.executor = executor
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(middleware.BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":
         from kubernetes.client.exceptions import ApiException
