@@ -2,7 +2,8 @@
 
 The service runs in this process on a free port (uvicorn, SQLite store, no executor, so only the
 control plane is measured), and clients are threads with their own HTTP connections. It prints
-p50/p99 per operation and concurrency level.
+p50/p99 per operation and concurrency level, and the requests per second all clients together
+got answered (requests over the wall time from the first request sent to the last answer).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
-def _clients(url: str, concurrency: int, requests: int, op: str, prefix: str) -> list[float]:
+def _clients(url: str, concurrency: int, requests: int, op: str, prefix: str) -> tuple[list[float], float]:
+    """Every request's latency, and the wall time of them all (s)."""
     latencies: list[float] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -79,13 +81,15 @@ def _clients(url: str, concurrency: int, requests: int, op: str, prefix: str) ->
                     latencies.append(dt)
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in range(concurrency)]
+    start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    wall = time.perf_counter() - start
     if errors:
         raise RuntimeError(f"{len(errors)} clients failed: {errors[0]!r}")
-    return latencies
+    return latencies, wall
 
 
 def run(levels: tuple[int, ...] = (1, 10, 50), requests: int = 20) -> list[dict[str, Any]]:
@@ -94,7 +98,7 @@ def run(levels: tuple[int, ...] = (1, 10, 50), requests: int = 20) -> list[dict[
         for n in levels:
             post = _clients(url, n, requests, "POST", f"c{n}")
             get = _clients(url, n, requests, "GET", f"c{n}")
-            for op, lat in (("POST", post), ("GET", get)):
+            for op, (lat, wall) in (("POST", post), ("GET", get)):
                 rows.append(
                     {
                         "op": op,
@@ -103,15 +107,17 @@ def run(levels: tuple[int, ...] = (1, 10, 50), requests: int = 20) -> list[dict[
                         "p50_ms": 1000 * percentile(lat, 50),
                         "p99_ms": 1000 * percentile(lat, 99),
                         "mean_ms": 1000 * statistics.fmean(lat),
+                        "per_s": len(lat) / wall,
                     }
                 )
     return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'op':<5} {'clients':>7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8}"]
+    lines = [f"{'op':<5} {'clients':>7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7}"]
     for r in rows:
         lines.append(
             f"{r['op']:<5} {r['clients']:>7} {r['requests']:>8} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}"
+            f" {r['per_s']:>7.0f}"
         )
     return "\n".join(lines)
