@@ -138,10 +138,10 @@ def list_jobs(
 
 
 @router.get(f"/{JOB}", response_model=JobPublic)
-def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
+async def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
     """Spec, phase, conditions and the latest progress (step, reward, tokens/s, mismatch)."""
-    try:
-        return public(store.get(tenant, name))
+    try:  # the store blocks (SQLite, or the Kubernetes API): a worker thread reads it
+        return public(await run_in_threadpool(store.get, tenant, name))
     except JobNotFound:
         raise _not_found(name) from None
 
