@@ -5,10 +5,11 @@ keeps each job as an RLJob custom resource instead.
 Writes go through one writer thread, one at a time (so a status change's read-check-write is
 atomic, and a name is recorded once however many ask for it at once), and it commits them in
 groups: every write that arrives while a commit is on disk joins the next one, so fifty concurrent
-POSTs pay for a few fsyncs, not fifty in a row. A write returns only once the commit holding it has returned, and the database runs
-``synchronous=FULL``: the WAL is fsynced at every commit, so a job acknowledged with 201 survives a
-SIGKILL of the service and a power loss alike. Reads use connections of their own (WAL readers
-never wait for the writer, nor it for them), so a GET is not held up by a commit on disk.
+POSTs pay for a few fsyncs, not fifty in a row. A write returns only once the commit holding it
+has returned, and the database runs ``synchronous=FULL``: the WAL is fsynced at every commit, so a
+job acknowledged with 201 survives a SIGKILL of the service and a power loss alike. Reads use
+connections of their own (WAL readers never wait for the writer, nor it for them), so a GET is not
+held up by a commit on disk.
 """
 
 from __future__ import annotations
