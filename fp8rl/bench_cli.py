@@ -193,8 +193,11 @@ def bench_gradients(
 def bench_api(
     clients: Annotated[str, typer.Option(help="Concurrency levels, comma-separated.")] = "1,10,50",
     requests: Annotated[int, typer.Option(help="Requests per client per operation.")] = 20,
+    in_process: Annotated[
+        bool, typer.Option(help="Run the service in the clients' process (sharing their GIL).")
+    ] = False,
 ) -> None:
-    """p50/p99 latency of POST and GET /v1/jobs on the embedded default (SQLite)."""
+    """p50/p99 latency and requests/s of POST and GET /v1/jobs on the embedded default (SQLite)."""
     from bench import api
 
     try:
@@ -204,7 +207,7 @@ def bench_api(
     except ValueError as err:
         typer.echo("error: --clients takes positive integers like 1,10,50; --requests >= 1", err=True)
         raise typer.Exit(2) from err
-    typer.echo(api.format_table(api.run(levels, requests)))
+    typer.echo(api.format_table(api.run(levels, requests, in_process)))
 
 
 @bench_app.command("operator")

@@ -32,23 +32,23 @@ register_url_convertor("jobname", JobName())
 JOB = "{name:jobname}"  # the path parameter of every /v1/jobs/{name} route
 
 
-def get_store(request: Request) -> JobStore:
+async def get_store(request: Request) -> JobStore:
     store: JobStore = request.app.state.store
     return store
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_executor(request: Request) -> Executor | None:
+async def get_executor(request: Request) -> Executor | None:
     """What runs the jobs; None where the app only records them (jobs stay Pending)."""
     executor: Executor | None = request.app.state.executor
     return executor
 
 
-def get_tenant(request: Request) -> str:
+async def get_tenant(request: Request) -> str:
     auth: TokenAuth = request.app.state.auth
     tenant = auth.tenant(request.headers.get("authorization"))
     if tenant is None:

@@ -16,13 +16,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
-from starlette.responses import Response
 
 from rljob.jobs import InvalidRecord, JobStore
 from rljob.status import Phase
 from rljob.version import __version__
-from service import problems
+from service import middleware, problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
 from service.local_executor import LocalExecutor
@@ -30,22 +28,6 @@ from service.problems import RETRY_AFTER_S, problem_response
 from service.routes import jobs, runs
 from service.settings import Settings
 from service.store import SqlJobStore
-
-
-class BodyLimit(BaseHTTPMiddleware):
-    """413 for bodies over the limit, before they are read into memory."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        super().__init__(app)
-        self.limit = limit
-
-    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            return problem_response(
-                413, f"request body over {self.limit} bytes; job specs are small, check what is sent"
-            )
-        return await call_next(request)
 
 
 def _kube_error(request: Request, exc: Exception) -> JSONResponse:
@@ -154,7 +136,7 @@ def create_app(
     app.state.store = store
     app.state.auth = TokenAuth(tokens)
     app.state.executor = owned or executor
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(middleware.BodyLimit, limit=settings.max_body_bytes)
     app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":
         from kubernetes.client.exceptions import ApiException

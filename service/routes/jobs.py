@@ -10,12 +10,23 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 
-from rljob.jobs import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+from rljob.jobs import (
+    InvalidRecord,
+    Job,
+    JobExists,
+    JobNotFound,
+    JobStore,
+    TenantNamespaceMissing,
+    gpus_of,
+)
 from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
 from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep
+from service.executor import Executor
 from service.schemas import JobCreate, JobList, JobPublic
+from service.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -54,7 +65,7 @@ async def strict_json(request: Request) -> None:
     response_model=JobPublic,
     dependencies=[Depends(strict_json)],
 )
-def create_job(
+async def create_job(
     body: JobCreate,
     tenant: TenantDep,
     store: StoreDep,
@@ -65,6 +76,16 @@ def create_job(
     """Record a job (201, with its URL in ``Location``). 422 for files outside the tenant's reach
     or sizes over its caps (:mod:`service.admission`); 409 if the name exists for this tenant;
     403 over the tenant's job or GPU limits."""
+    # Checking paths, counting, committing and starting a driver block: one trip to a worker
+    # thread for them all. The rest (validation, the answer) stays on the event loop.
+    job = await run_in_threadpool(_create, body, tenant, store, settings, executor)
+    response.headers["Location"] = f"{router.prefix}/{job.name}"
+    return public(job)
+
+
+def _create(
+    body: JobCreate, tenant: str, store: JobStore, settings: Settings, executor: Executor | None
+) -> Job:
     refused = admission_problems(body.spec, tenant, settings)
     if refused:  # files outside the tenant's reach, or sizes over its caps: invalid fields, 422
         raise RequestValidationError(
@@ -98,8 +119,7 @@ def create_job(
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
     if executor is not None:
         executor.submit(job)
-    response.headers["Location"] = f"{router.prefix}/{job.name}"
-    return public(job)
+    return job
 
 
 @router.get("", response_model=JobList)
@@ -117,10 +137,10 @@ def list_jobs(
 
 
 @router.get(f"/{JOB}", response_model=JobPublic)
-def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
+async def get_job(name: str, tenant: TenantDep, store: StoreDep) -> JobPublic:
     """Spec, phase, conditions and the latest progress (step, reward, tokens/s, mismatch)."""
-    try:
-        return public(store.get(tenant, name))
+    try:  # the store blocks (SQLite, or the Kubernetes API): a worker thread reads it
+        return public(await run_in_threadpool(store.get, tenant, name))
     except JobNotFound:
         raise _not_found(name) from None
 

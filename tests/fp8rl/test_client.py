@@ -90,6 +90,12 @@ def test_bench_api_prints_percentiles_for_each_level() -> None:
     ]
     for r in rows:
         assert 0 < float(r[3]) <= float(r[4])  # p50 <= p99
+        assert float(r[5]) > 0  # requests per second
+    # one client sends one request at a time, so the wall time is at least the sum of latencies,
+    # of which at least half are >= p50: requests/s <= n / (n/2 * p50) = 2000 / p50_ms (p50 is
+    # printed to 0.05 ms, requests/s to 0.5)
+    for r in rows[:2]:
+        assert float(r[5]) <= 2000 / (float(r[3]) - 0.05) + 0.5
     assert runner.invoke(app, ["bench", "api", "--clients", "0"]).exit_code == 2
 
 
