@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rljob import paths
@@ -82,6 +82,13 @@ class Settings(BaseSettings):
     kubeconfig: str | None = Field(
         None, description="--store kubernetes outside a pod: kubeconfig file (default: KUBECONFIG)."
     )
+
+    @field_validator("data_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        """Absolute from the start: drivers run in the tenant's directory, so a path relative to
+        the service's working directory would name another place there."""
+        return value.absolute()
 
     @property
     def read_only_roots(self) -> list[Path]:

@@ -78,3 +78,23 @@ def test_without_run_jobs_the_app_only_records(tmp_path: Path) -> None:
         )
         assert api.get("/v1/jobs/j", headers=HEADERS).json()["status"]["phase"] == "Pending"
     assert (tmp_path / "jobs.sqlite").exists()  # the store the settings name
+
+
+def test_a_relative_data_dir_gives_drivers_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--data-dir fp8rl-data`` (the default) names the directory under the service's working
+    directory; drivers run in the tenant's directory, so the paths they get must be absolute or
+    they name files that are not there."""
+    from service.local_executor import driver_command, run_dir
+
+    monkeypatch.chdir(tmp_path)
+    settings = Settings(data_dir=Path("fp8rl-data"))
+    assert settings.data_dir == tmp_path / "fp8rl-data"
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    job = store.create("team-a", "rel", parse_spec({"steps": 1}))
+    app = create_app(settings, store, {TOKEN: "team-a"}, run_jobs=True)
+    argv = driver_command(run_dir(app.state.executor.data_dir, "team-a", "rel"), job, resume=False)
+    spec_file, output = argv[3], argv[argv.index("--output") + 1]
+    assert spec_file == str(tmp_path / "fp8rl-data" / "runs" / "team-a" / "rel" / "job.json")
+    assert output == str(tmp_path / "fp8rl-data" / "runs" / "team-a" / "rel")
