@@ -1,4 +1,4 @@
-"""Mismatch of each recipe on the *same* weights: the controlled comparison behind the README.
+"""Mismatch of each recipe on the *same* weights: the controlled comparison behind docs/results.md.
 
 Run means of ``token_mult_prob_error`` compare different training trajectories, and mismatch
 depends on how sharp the policy is. Here one checkpoint's master weights go into each recipe's

@@ -1,5 +1,5 @@
 """``fp8rl bench``: the performance benchmarks. Each prints ratios against a baseline measured in
-the same run (README: "Benchmarks"). Thin, like ``fp8rl.cli``: options in, tables out."""
+the same run (docs/benchmarks.md). Thin, like ``fp8rl.cli``: options in, tables out."""
 
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ class ValidatedStepMetrics(StepMetrics, ValidationMetrics, total=False):
     """The line of a step that also validated."""
 
 
-# The keys every step line has (README "Metrics"), in the order of the schema.
+# The keys every step line has (docs/running.md "Metrics"), in the order of the schema.
 REQUIRED_KEYS: tuple[str, ...] = tuple(
     k for k in StepMetrics.__annotations__ if k in StepMetrics.__required_keys__
 )

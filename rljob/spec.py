@@ -220,7 +220,7 @@ class ValidationSpec(StrictModel):
 
 
 class PrecisionSpec(StrictModel):
-    """Where FP8 is used (see README: precision recipes)."""
+    """Where FP8 is used (docs/precision.md: precision recipes)."""
 
     recipe: Recipe = Field("fp8-e2e", description="bf16 | fp8-gen | fp8-e2e.")
     fp8_format: Literal["e4m3", "hybrid"] = Field(
@@ -242,7 +242,7 @@ class PrecisionSpec(StrictModel):
         "alike (row-invariant matmul, norms, softmax and attention, whatever the batch, padding or KV "
         "cache), so the importance-sampling correction is a no-op; a step whose log-probs differ fails "
         "with the first differing token and layer. Recipes bf16 and fp8-e2e, native engines, CPU only; "
-        "slower (see README: exact on-policy RL).",
+        "slower (docs/precision.md: exact on-policy RL).",
     )
 
     @field_validator("keep_bf16_layers")

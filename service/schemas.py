@@ -24,7 +24,7 @@ class JobCreate(BaseModel):
         pattern=f"^{NAME_PATTERN.pattern}$",
         description="DNS label, unique per tenant.",
     )
-    spec: JobSpec = Field(default_factory=JobSpec, description="The RL job spec (see the README).")
+    spec: JobSpec = Field(default_factory=JobSpec, description="The RL job spec (docs/job-spec.md).")
 
 
 class JobPublic(BaseModel):

@@ -47,7 +47,7 @@ RoPE and the MLP's SiLU stay Hugging Face's: elementwise float32 (cos/sin of ``i
 position``, a single product) and BF16 SiLU, both measured position-invariant above.
 
 Cost: attention materializes ``[B, H, q, T, D]`` products (no fused kernel), and every reduction is
-a sequential scan. Fine for the tiny CPU models this mode targets; measured in the README.
+a sequential scan. Fine for the tiny CPU models this mode targets; measured in docs/precision.md.
 
 CUDA: not verified. cuBLAS picks GEMM kernels (and split-K) by shape, so padding M is no proof of
 row invariance there; the spec refuses ``exact`` with GPUs and :func:`check_device` refuses a CUDA
