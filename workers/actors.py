@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.factory import build_generator, build_trainer, uses_weight_channel, weight_receivers
+from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
 from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
-from workers.engines.weight_channel import channel_ranks
 from workers.step_actors import Generated
 from workers.weight_contract import kv_cache_dtype, sent_report
 from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
@@ -195,19 +194,3 @@ def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[s
         raise TypeError(f"per-layer traces need the native engines, not {type(engine).__name__}")
     trace: dict[str, torch.Tensor] = engine.trace_token(prompt, response)
     return trace
-
-
-def open_weight_channel(spec: JobSpec, trainer0: Any, generators: list[Any]) -> None:
-    """Open the NCCL weight channel of a vLLM/Megatron job: trainer 0 (a Ray actor handle) and
-    every generator join at once (each waits for the others), after their setup."""
-    import ray
-
-    address = ray.get(trainer0.free_address.remote())
-    world_size, firsts = channel_ranks(weight_receivers(spec), len(generators))
-    ray.get(
-        [trainer0.join_weight_channel.remote(address, world_size)]
-        + [
-            g.join_weight_channel.remote(address, first, world_size)
-            for g, first in zip(generators, firsts, strict=True)
-        ]
-    )

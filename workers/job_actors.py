@@ -18,9 +18,10 @@ import torch
 
 from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
-from workers.engines.factory import uses_weight_channel
+from workers.engines.factory import uses_weight_channel, weight_receivers
 from workers.engines.native.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
+from workers.engines.weight_channel import channel_ranks
 from workers.step_actors import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
 
@@ -58,7 +59,7 @@ class JobActors:
     ) -> None:
         import ray
 
-        from workers.actors import GeneratorWorker, TrainerWorker, open_weight_channel
+        from workers.actors import GeneratorWorker, TrainerWorker
 
         res = spec.resources
         t, g = res.trainers, res.generators
@@ -78,9 +79,24 @@ class JobActors:
         self.trainer_audit: dict[str, Any] = audits[0]
         self.generator_audit: dict[str, Any] = audits[t]
         if uses_weight_channel(spec):  # vLLM or Megatron: weights over an NCCL group of their own
-            open_weight_channel(spec, self._trainers[0], self._generators)
+            self._open_weight_channel(spec)
         # the weights the generators hold in FP8: what trainer 0 sends as FP8 data + scales
         self.fp8_names: list[str] = ray.get(self._generators[0].fp8_weight_names.remote())
+
+    def _open_weight_channel(self, spec: JobSpec) -> None:
+        """Open the NCCL weight channel of a vLLM/Megatron job: trainer 0 and every generator join
+        at once (each waits for the others), after their setup."""
+        import ray
+
+        address = ray.get(self._trainers[0].free_address.remote())
+        world_size, firsts = channel_ranks(weight_receivers(spec), len(self._generators))
+        ray.get(
+            [self._trainers[0].join_weight_channel.remote(address, world_size)]
+            + [
+                g.join_weight_channel.remote(address, first, world_size)
+                for g, first in zip(self._generators, firsts, strict=True)
+            ]
+        )
 
     @property
     def num_trainers(self) -> int:
