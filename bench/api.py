@@ -4,13 +4,17 @@ The service runs on a free port (uvicorn, SQLite store, no executor, so only the
 measured) in a process of its own, as it does when deployed: clients that shared its interpreter
 would take their HTTP work out of its GIL, and the numbers would be the clients' as much as the
 service's (``in_process=True`` runs it in this process, the first version of this benchmark).
-Clients are threads with their own HTTP connections. It prints
+Clients are threads, each with its own keep-alive connection through the standard library's
+``http.client`` (``client="httpx"``: through httpx, as ``fp8rl submit`` talks, which costs the
+clients several times the CPU per request and, on a 2-core machine, takes it from the service). It prints
 p50/p99 per operation and concurrency level, and the requests per second all clients together
 got answered (requests over the wall time from the first request sent to the last answer).
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import socket
 import statistics
 import subprocess
@@ -103,7 +107,48 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
-def _clients(url: str, concurrency: int, requests: int, op: str, prefix: str) -> tuple[list[float], float]:
+class _StdlibClient:
+    """One keep-alive connection through the standard library's ``http.client``: a fraction of
+    httpx's CPU per request, so that on a small machine the clients take less of the cores the
+    service runs on (the numbers are then more the service's)."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        self.headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+        self.conn.request(method, path, json.dumps(body) if body is not None else None, self.headers)
+        answer = self.conn.getresponse()
+        return answer.status, answer.read().decode(errors="replace")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _HttpxClient:
+    """The same over httpx (what ``fp8rl submit`` uses): heavier on the clients' side."""
+
+    def __init__(self, url: str) -> None:
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+        answer = self.http.request(method, path, json=body)
+        return answer.status_code, answer.text
+
+    def close(self) -> None:
+        self.http.close()
+
+
+CLIENTS: dict[str, type[_StdlibClient] | type[_HttpxClient]] = {
+    "stdlib": _StdlibClient,
+    "httpx": _HttpxClient,
+}
+
+
+def _clients(
+    url: str, concurrency: int, requests: int, op: str, prefix: str, client: str = "stdlib"
+) -> tuple[list[float], float]:
     """Every request's latency, and the wall time of them all (s)."""
     latencies: list[float] = []
     errors: list[BaseException] = []
@@ -117,18 +162,21 @@ def _clients(url: str, concurrency: int, requests: int, op: str, prefix: str) ->
                 errors.append(err)
 
     def _work(c: int) -> None:
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
+        http = CLIENTS[client](url)
+        try:
             for i in range(requests):
                 t = time.perf_counter()
                 if op == "POST":
-                    r = http.post("/v1/jobs", json={"name": f"{prefix}-{c}-{i}"})
+                    code, text = http.request("POST", "/v1/jobs", {"name": f"{prefix}-{c}-{i}"})
                 else:
-                    r = http.get(f"/v1/jobs/{prefix}-0-0")
+                    code, text = http.request("GET", f"/v1/jobs/{prefix}-0-0")
                 dt = time.perf_counter() - t
-                if r.status_code >= 400:
-                    raise RuntimeError(f"{op} answered {r.status_code}: {r.text[:200]}")
+                if code >= 400:
+                    raise RuntimeError(f"{op} answered {code}: {text[:200]}")
                 with lock:
                     latencies.append(dt)
+        finally:
+            http.close()
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in range(concurrency)]
     start = time.perf_counter()
@@ -143,14 +191,19 @@ def _clients(url: str, concurrency: int, requests: int, op: str, prefix: str) ->
 
 
 def run(
-    levels: tuple[int, ...] = (1, 10, 50), requests: int = 20, in_process: bool = False
+    levels: tuple[int, ...] = (1, 10, 50),
+    requests: int = 20,
+    in_process: bool = False,
+    client: str = "stdlib",
 ) -> list[dict[str, Any]]:
+    if client not in CLIENTS:
+        raise ValueError(f"client {client!r}: pick one of {', '.join(CLIENTS)}")
     rows = []
     server = local_server if in_process else service_process
     with tempfile.TemporaryDirectory() as tmp, server(Path(tmp)) as url:
         for n in levels:
-            post = _clients(url, n, requests, "POST", f"c{n}")
-            get = _clients(url, n, requests, "GET", f"c{n}")
+            post = _clients(url, n, requests, "POST", f"c{n}", client)
+            get = _clients(url, n, requests, "GET", f"c{n}", client)
             for op, (lat, wall) in (("POST", post), ("GET", get)):
                 rows.append(
                     {

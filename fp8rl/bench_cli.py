@@ -196,6 +196,9 @@ def bench_api(
     in_process: Annotated[
         bool, typer.Option(help="Run the service in the clients' process (sharing their GIL).")
     ] = False,
+    client: Annotated[
+        str, typer.Option(help="HTTP client of the load: stdlib (light, default) or httpx (as fp8rl submit).")
+    ] = "stdlib",
 ) -> None:
     """p50/p99 latency and requests/s of POST and GET /v1/jobs on the embedded default (SQLite)."""
     from bench import api
@@ -207,7 +210,10 @@ def bench_api(
     except ValueError as err:
         typer.echo("error: --clients takes positive integers like 1,10,50; --requests >= 1", err=True)
         raise typer.Exit(2) from err
-    typer.echo(api.format_table(api.run(levels, requests, in_process)))
+    if client not in api.CLIENTS:
+        typer.echo(f"error: --client {client!r}: pick one of {', '.join(api.CLIENTS)}", err=True)
+        raise typer.Exit(2)
+    typer.echo(api.format_table(api.run(levels, requests, in_process, client)))
 
 
 @bench_app.command("operator")

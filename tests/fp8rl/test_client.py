@@ -78,8 +78,9 @@ def test_token_is_required(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 2 and "FP8RL_TOKEN" in result.output
 
 
-def test_bench_api_prints_percentiles_for_each_level() -> None:
-    result = runner.invoke(app, ["bench", "api", "--clients", "1,3", "--requests", "4"])
+@pytest.mark.parametrize("client", ["stdlib", "httpx"])
+def test_bench_api_prints_percentiles_for_each_level(client: str) -> None:
+    result = runner.invoke(app, ["bench", "api", "--clients", "1,3", "--requests", "4", "--client", client])
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.output.strip().splitlines()[1:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [
@@ -97,6 +98,7 @@ def test_bench_api_prints_percentiles_for_each_level() -> None:
     for r in rows[:2]:
         assert float(r[5]) <= 2000 / (float(r[3]) - 0.05) + 0.5
     assert runner.invoke(app, ["bench", "api", "--clients", "0"]).exit_code == 2
+    assert runner.invoke(app, ["bench", "api", "--client", "curl"]).exit_code == 2
 
 
 def test_nearest_rank_percentile_by_hand() -> None:
