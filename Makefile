@@ -1,5 +1,6 @@
-# Everything installs into .venv on first use; torch is pinned by constraints.txt so that no
-# dependency swaps the CPU build for a CUDA one.
+# Everything installs into .venv on first use: the dev extra, which holds every tier's extra
+# (controlplane, operator, worker; pyproject.toml) and the test tools. torch is pinned by
+# constraints.txt so that no dependency swaps the CPU build for a CUDA one.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -2,36 +2,31 @@
 #
 #   docker build -f docker/controlplane.Dockerfile -t ghcr.io/fp8rl/controlplane:0.1.0 .
 #
-# Two stages, the pattern of operator.Dockerfile too: `build` has a C compiler (reasoning-gym
-# pins pycosat, which PyPI ships as source only) and fills a virtualenv; the final stage copies
-# the virtualenv alone onto a clean base and runs as uid 10001 (the chart's runAsUser).
+# The `controlplane` extra only: FastAPI, uvicorn, the Kubernetes client (--store kubernetes), no
+# torch, Ray or transformers. It serves `store: kubernetes` (the chart's default: the operator
+# runs each job); `store: sql` runs jobs as local drivers, which need the worker tier this image
+# leaves out (docker/README.md).
+#
+# Two stages, the pattern of operator.Dockerfile too: `build` fills a virtualenv (every
+# dependency is a wheel: no compiler), the final stage copies the virtualenv alone onto a clean
+# base and runs as uid 10001 (the chart's runAsUser).
 
 FROM python:3.12.12-slim-bookworm AS build
 
-# torch is a dependency of the fp8rl distribution; the control plane never runs a model, so it
-# gets the CPU build (PyPI's Linux torch is the multi-GB CUDA one). Same version as constraints.txt.
-ARG TORCH_VERSION=2.13.0
-
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
-
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv \
-    && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}+cpu"
+RUN python -m venv /opt/venv
 
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
+# Only the packages the control plane imports (the CLI, the job contract and its own tier):
+# tests/docker checks that they import nothing else and that the extra brings no torch, Ray or
+# transformers.
 COPY fp8rl fp8rl
 COPY rljob rljob
-COPY workers workers
 COPY service service
-COPY operators operators
-COPY bench bench
 # Not editable: the package is copied into the virtualenv and /src stays in this stage.
-RUN pip install --no-cache-dir -c constraints.txt .
+RUN pip install --no-cache-dir -c constraints.txt ".[controlplane]"
 
 
 FROM python:3.12.12-slim-bookworm

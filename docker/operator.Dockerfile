@@ -2,35 +2,28 @@
 #
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/fp8rl/operator:0.1.0 .
 #
+# The `operator` extra only: kopf and the Kubernetes client, no torch, Ray or transformers.
+#
 # The same two stages as controlplane.Dockerfile (kept standalone so that each file builds on
-# its own): `build` fills a virtualenv with a C compiler at hand, the final stage copies it onto
-# a clean base and runs as uid 10001 (the chart's runAsUser).
+# its own): `build` fills a virtualenv, the final stage copies it onto a clean base and runs as
+# uid 10001 (the chart's runAsUser).
 
 FROM python:3.12.12-slim-bookworm AS build
 
-# torch is a dependency of the fp8rl distribution; the operator never runs a model, so it gets
-# the CPU build (PyPI's Linux torch is the multi-GB CUDA one). Same version as constraints.txt.
-ARG TORCH_VERSION=2.13.0
-
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
-
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/venv \
-    && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}+cpu"
+RUN python -m venv /opt/venv
 
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
+# Only the packages the operator imports (the CLI, the job contract and its own tier):
+# tests/docker checks that they import nothing else and that the extra brings no torch, Ray or
+# transformers.
 COPY fp8rl fp8rl
 COPY rljob rljob
-COPY workers workers
-COPY service service
 COPY operators operators
-COPY bench bench
-RUN pip install --no-cache-dir -c constraints.txt .
+# Not editable: the package is copied into the virtualenv and /src stays in this stage.
+RUN pip install --no-cache-dir -c constraints.txt ".[operator]"
 
 
 FROM python:3.12.12-slim-bookworm

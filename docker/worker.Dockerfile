@@ -110,16 +110,16 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 COPY --from=build /usr/local/cuda-13.0/targets/x86_64-linux/include /usr/local/cuda-13.0/targets/x86_64-linux/include
 ENV NVTE_CUDA_INCLUDE_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/include
 
-# fp8rl last: it changes most often
+# fp8rl last: it changes most often. The worker tier: the driver and the engines (workers), the
+# job contract (rljob), the CLI (fp8rl run/export/report) and the benchmarks with the GPU
+# checklist (bench, `python -m bench.gpu_check`); not the control plane or the operator.
 WORKDIR /opt/fp8rl
 COPY pyproject.toml README.md ./
 COPY fp8rl fp8rl
 COPY rljob rljob
 COPY workers workers
-COPY service service
-COPY operators operators
 COPY bench bench
-RUN pip install --no-cache-dir -c /opt/venv/constraints.txt .
+RUN pip install --no-cache-dir -c /opt/venv/constraints.txt ".[worker]"
 
 ENV PYTHONUNBUFFERED=1
 USER 1000

@@ -1,3 +1,3 @@
-from fp8rl.cli import app
+from fp8rl.entry import main
 
-app()
+main()

@@ -270,6 +270,15 @@ def is_local(requirement: str) -> bool:
     return requirement.startswith((".", "/"))
 
 
+def local_source(requirement: str) -> tuple[str, tuple[str, ...]]:
+    """A local requirement's path and extras: ``.[operator]`` -> (".", ("operator",))."""
+    path, bracket, rest = requirement.partition("[")
+    if not bracket:
+        return requirement, ()
+    assert rest.endswith("]"), requirement
+    return path, tuple(e.strip() for e in rest[:-1].split(","))
+
+
 # --- .dockerignore ---------------------------------------------------------------------------
 
 

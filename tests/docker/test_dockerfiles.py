@@ -2,7 +2,8 @@
 (hadolint), COPYs only what the build context (the repository root less .dockerignore) holds,
 starts from pinned bases, pins what pip installs and installs fp8rl from the copied source, runs
 as a non-root user, and starts a command the ``fp8rl`` CLI has. Facts the images share with the
-code (ports, the Ray version KubeRay is told, the CPU torch pin) are compared with their source."""
+code (ports, the Ray version KubeRay is told) are compared with their source. What each image
+holds (one tier) is test_tiers.py's."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ from tests.docker.dockerfile import (
     ignore_rules,
     is_ignored,
     is_local,
+    local_source,
     pip_installs,
     repo_rules,
     run_text,
 )
+from tests.docker.tiers import PACKAGES
 
 IMAGES = ("controlplane", "operator", "worker")
 # the fp8rl subcommand each image starts (None: the worker's default command is only a help
@@ -221,30 +224,25 @@ def test_pip_reader() -> None:
     assert not PINNED.fullmatch("torch>=2.9") and not PINNED.fullmatch("torch==2.*")
 
 
-def _package_dirs() -> list[str]:
-    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
-    include: list[str] = meta["tool"]["setuptools"]["packages"]["find"]["include"]
-    return [name.rstrip("*") for name in include]
-
-
 @pytest.mark.parametrize("image", IMAGES)
 def test_fp8rl_is_installed_from_the_copied_source(image: str) -> None:
-    """pyproject.toml and every package it lists are COPYed into one directory, and pip installs
-    that directory (a package left out would silently be missing from the image)."""
+    """pyproject.toml and the image's packages (test_tiers: PACKAGES) are COPYed into one
+    directory, and pip installs that directory (a package left out would silently be missing from
+    the image)."""
     df = dockerfile(image)
     for stage in df.stages:
         copied = {
             path: src for c in copies(stage) if "from" not in c.flags for path, src in c.targets().items()
         }
         sources = {
-            posixpath.normpath(posixpath.join(p.workdir, r))
+            posixpath.normpath(posixpath.join(p.workdir, local_source(r)[0]))
             for p in pip_installs(stage)
             for r in p.requirements
             if is_local(r) and not r.endswith(".whl")
         }
         for src in sources:
             assert copied.get(posixpath.join(src, "pyproject.toml")) == "pyproject.toml", (stage.base, src)
-            for package in _package_dirs():
+            for package in PACKAGES[image]:
                 assert copied.get(posixpath.join(src, package)) == package, f"{package} not copied to {src}"
         if sources:
             if stage is not df.final:  # then the final stage takes the result from this one
@@ -368,25 +366,3 @@ def test_worker_pins_the_versions_the_adapters_target() -> None:
             f"transformer-engine[pytorch]=={TRANSFORMER_ENGINE_VERSION}",
         ]
     )
-
-
-@pytest.mark.parametrize("image", ["controlplane", "operator"])
-def test_cpu_images_take_the_cpu_torch_of_constraints(image: str) -> None:
-    pins: dict[str, str] = {}
-    for line in (REPO / "constraints.txt").read_text().splitlines():
-        if "==" in line and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            pins[name.strip()] = version.split("#")[0].strip()
-    df = dockerfile(image)
-    torch = [
-        (p, r)
-        for stage in df.stages
-        for p in pip_installs(stage)
-        for r in p.requirements
-        if r.startswith("torch==")
-    ]
-    assert len(torch) == 1, torch
-    pip, requirement = torch[0]
-    assert requirement == f"torch=={pins['torch']}+cpu"
-    index = pip.options[pip.options.index("--index-url") + 1]
-    assert index.rstrip("/").endswith("/whl/cpu")
