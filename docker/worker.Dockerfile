@@ -119,7 +119,8 @@ COPY fp8rl fp8rl
 COPY rljob rljob
 COPY workers workers
 COPY bench bench
-RUN pip install --no-cache-dir -c /opt/venv/constraints.txt ".[worker]"
+COPY service service
+RUN pip install --no-cache-dir -c /opt/venv/constraints.txt ".[worker,controlplane]"
 
 ENV PYTHONUNBUFFERED=1
 USER 1000

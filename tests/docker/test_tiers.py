@@ -90,7 +90,7 @@ def _source_installs(image: str) -> list[tuple[str, tuple[str, ...]]]:
 
 @pytest.mark.parametrize("image", TIERS)
 def test_the_image_installs_its_tier_extra_only(image: str) -> None:
-    assert [extras for _, extras in _source_installs(image)] == [(EXTRA[image],)]
+    assert [extras for _, extras in _source_installs(image)] == [EXTRA[image]]
 
 
 @pytest.mark.parametrize("image", SERVICE_IMAGES)
@@ -144,13 +144,13 @@ def test_the_copied_packages_are_closed_under_imports(image: str) -> None:
 
 @pytest.mark.parametrize("image", SERVICE_IMAGES)
 def test_every_third_party_import_comes_with_the_extra(image: str) -> None:
-    brought = tiers.distributions(tiers.requirements([EXTRA[image]]))
+    brought = tiers.distributions(tiers.requirements(list(EXTRA[image])))
     missing = [
         f"{i.module}:{i.line} imports {i.target}"
         for i in image_walk(image).third_party
         if not tiers.provided_by(i.target.split(".")[0]) & brought
     ]
-    assert not missing, f"the {EXTRA[image]} extra does not bring: {missing}"
+    assert not missing, f"the {EXTRA[image]} extras do not bring: {missing}"
 
 
 def test_the_walk_sees_lazy_and_dispatched_imports(tmp_path: Path) -> None:
@@ -222,7 +222,7 @@ HIDE = textwrap.dedent(
 def hidden_from(image: str) -> list[str]:
     """Everything the dev install has that the image does not: the other tiers' packages and
     the import names of the distributions its extra does not bring."""
-    brought = tiers.distributions(tiers.requirements([EXTRA[image]]))
+    brought = tiers.distributions(tiers.requirements(list(EXTRA[image])))
     everything = tiers.distributions(tiers.requirements(["dev"]))
     names = tiers.import_names(everything - brought) | (set(tiers.FIRST_PARTY) - PACKAGES[image])
     assert names >= HEAVY and "numpy" in names

@@ -31,16 +31,18 @@ FIRST_PARTY = ("rljob", "workers", "service", "operators", "bench", "fp8rl")
 # What each image is (stated here, independently of the Dockerfiles): the extra it installs, the
 # packages it holds, and the modules it starts besides its ENTRYPOINT/CMD (KubeRay runs the driver
 # in the worker image; the Makefile's gpu-check runs bench.gpu_check there).
-EXTRA = {"controlplane": "controlplane", "operator": "operator", "worker": "worker"}
+# The worker image also serves the chart's controlPlane.store "sql", whose API pod runs the
+# drivers itself: it holds the control plane's tier too.
+EXTRA = {"controlplane": ("controlplane",), "operator": ("operator",), "worker": ("worker", "controlplane")}
 PACKAGES = {
     "controlplane": {"fp8rl", "rljob", "service"},
     "operator": {"fp8rl", "rljob", "operators"},
-    "worker": {"fp8rl", "rljob", "workers", "bench"},
+    "worker": {"fp8rl", "rljob", "workers", "bench", "service"},
 }
 ALSO_RUNS: dict[str, list[str]] = {
     "controlplane": [],
     "operator": [],
-    "worker": ["workers.driver", "bench.gpu_check"],
+    "worker": ["workers.driver", "bench.gpu_check", "service.main"],
 }
 DISPATCH = {"fp8rl.cli": "app", "fp8rl.bench_cli": "bench_app"}  # module: its Typer object
 

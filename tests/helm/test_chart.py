@@ -216,6 +216,12 @@ def test_sql_store_gets_one_replica_a_volume_and_no_kubernetes_rights() -> None:
         "fp8rl-operator",
         "fp8rl-operator-discovery",
     }
+    # it runs the jobs' drivers itself: the worker image (the control-plane image has no workers)
+    [api_container] = api["spec"]["template"]["spec"]["containers"]
+    assert api_container["image"].startswith("ghcr.io/fp8rl/worker:")
+    assert api_container["command"] == ["fp8rl"] and api_container["args"] == ["serve"]
+    kube = named(render(), "Deployment", "fp8rl-api")["spec"]["template"]["spec"]["containers"][0]
+    assert kube["image"].startswith("ghcr.io/fp8rl/controlplane:")
 
 
 def test_pods_are_non_root_read_only_without_escalation() -> None:
