@@ -65,9 +65,23 @@ SYNC_LAYERS_CHECKED: Final = "sync/layers_checked"
 SYNC_LAYERS_MISMATCHED: Final = "sync/layers_mismatched"
 KV_CACHE_BYTES: Final = "kv_cache/bytes"
 WEIGHTS_BYTES: Final = "weights/bytes"
+# asynchronous RL (rollout.max_staleness >= 1; workers.async_rl): the lag of the trained sequences
+# (policy versions between the weights that generated them and those trained from), batches the
+# trainer refused as older than the bound, seconds generation and training both ran, and the
+# mismatch metrics over the lag-0 sequences only (FP8 alone; mismatch/* mixes FP8 and lag)
+STALENESS_MEAN: Final = "staleness/mean"
+STALENESS_MAX: Final = "staleness/max"
+STALENESS_DROPPED: Final = "staleness/dropped_batches"
+TIMING_OVERLAP_S: Final = "timing/overlap_s"
 # validation (every ``validation.interval`` steps)
 VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
+
+
+def lag0_key(key: str) -> str:
+    """The key of mismatch metric ``key`` over the lag-0 sequences: ``mismatch_lag0/<name>``."""
+    return "mismatch_lag0/" + key.removeprefix("mismatch/")
+
 
 # -- typed rows ------------------------------------------------------------------------------------
 # The TypedDicts spell each key once more, as a literal (Python's TypedDict takes no constants);
@@ -102,6 +116,25 @@ SyncMetrics = TypedDict(
     "SyncMetrics",
     {"weight_sync/bytes": float, "sync/layers_checked": float, "sync/layers_mismatched": float},
 )
+AsyncMetrics = TypedDict(
+    "AsyncMetrics",
+    {
+        "staleness/mean": float,
+        "staleness/max": float,
+        "staleness/dropped_batches": float,
+        "timing/overlap_s": float,
+        # the MismatchMetrics keys with the prefix mismatch_lag0/, on steps with lag-0 sequences
+        "mismatch_lag0/token_mult_prob_error": float,
+        "mismatch_lag0/gen_kl_error": float,
+        "mismatch_lag0/policy_kl_error": float,
+        "mismatch_lag0/js_divergence_error": float,
+        "mismatch_lag0/sampling_importance_ratio": float,
+        "mismatch_lag0/is_oob_ratio": float,
+        "mismatch_lag0/chi2_token": float,
+        "mismatch_lag0/num_tokens": float,
+    },
+    total=False,  # only the asynchronous loop's rows
+)
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
     {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
@@ -134,7 +167,11 @@ class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics, SyncMetrics):
     """One line of ``metrics.jsonl``: everything measured in one RL step."""
 
 
-class ValidatedStepMetrics(StepMetrics, ValidationMetrics, total=False):
+class AsyncStepMetrics(StepMetrics, AsyncMetrics, total=False):
+    """The line of a step of the asynchronous loop."""
+
+
+class ValidatedStepMetrics(AsyncStepMetrics, ValidationMetrics, total=False):
     """The line of a step that also validated."""
 
 
