@@ -10,7 +10,9 @@ gauges back into RLJob status, the control plane serves the log, and the report 
   the alert rules use only names from it. Every series carries the labels ``job``, ``namespace``
   and ``recipe``. Keys only some steps have (``val/*``: validation every N steps) are exported
   from the first step that has them and then keep their last value, so a job without validation
-  shows no validation series instead of a misleading 0.
+  shows no validation series instead of a misleading 0. The asynchronous loop's series
+  (``staleness/*``, ``timing/overlap_s``) are exported from the start: 0, their true value for a
+  synchronous job, whose rows do not have the keys.
 - ``MetricsLog`` reads and appends ``metrics.jsonl``.
 """
 
@@ -220,6 +222,13 @@ PROMETHEUS: tuple[PromMetric, ...] = (
                "Weights whose precision and bytes the last sync checked on every generator"),
     PromMetric(SYNC_LAYERS_MISMATCHED, "fp8rl_sync_layers_mismatched", "gauge",
                "Weights a generator held otherwise than the trainer sent at the last sync"),
+    # asynchronous RL: a synchronous job exports them as 0 from its first step, their true value
+    PromMetric(STALENESS_MAX, "fp8rl_policy_staleness", "gauge",
+               "Policy versions the last step's sequences lag the weights they were trained from"),
+    PromMetric(STALENESS_DROPPED, "fp8rl_stale_batches_dropped_total", "counter",
+               "Batches the trainer refused as older than rollout.max_staleness (and regenerated)"),
+    PromMetric(TIMING_OVERLAP_S, "fp8rl_generation_train_overlap_seconds", "gauge",
+               "Seconds of the last step the generators worked while the trainers trained"),
     PromMetric(KV_CACHE_BYTES, "fp8rl_kv_cache_bytes", "gauge",
                "KV-cache bytes allocated at the end of the last generation, all generators"),
     PromMetric(WEIGHTS_BYTES, "fp8rl_weight_bytes", "gauge",

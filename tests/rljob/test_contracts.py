@@ -33,7 +33,7 @@ def test_every_key_constant_is_a_field_of_the_typed_row_and_back() -> None:
 def test_every_prometheus_series_reads_a_key_of_the_row() -> None:
     typed = set(metrics.ValidatedStepMetrics.__annotations__)
     assert {m.key for m in metrics.PROMETHEUS} <= typed
-    optional = set(metrics.ValidationMetrics.__annotations__) | set(metrics.AsyncMetrics.__annotations__)
+    optional = set(metrics.ValidationMetrics.__annotations__)
     for m in metrics.PROMETHEUS:  # a series only some steps have is exported from its first step
         assert m.every_step == (m.key not in optional), m.key
     # the phases of fp8rl_step_duration_seconds are timing/<phase>_s keys of the row
