@@ -50,7 +50,7 @@ def mean(rows: Sequence[Mapping[str, Any]], key: str, skip: int) -> float:
 
 def report(spec_path: str | Path, steps: int = 12, skip: int = 2) -> str:
     """The table (module docstring)."""
-    from workers.driver import RunOptions, run
+    from workers import driver
     from workers.job_actors import ray_init, ray_shutdown
 
     if skip < 1:
@@ -63,7 +63,7 @@ def report(spec_path: str | Path, steps: int = 12, skip: int = 2) -> str:
             for k in (0, 1):
                 spec = bench_variant(base, k, steps)
                 out = Path(tmp) / f"k{k}"
-                results[k] = list(run(spec, out, RunOptions(log=lambda line: None)).rows)
+                results[k] = list(driver.run(spec, out, driver.RunOptions(log=lambda line: None)).rows)
     finally:
         if started:
             ray_shutdown()
