@@ -76,6 +76,19 @@ CheckpointOpt = Annotated[
 ]
 
 
+@bench_app.command("async")
+def bench_async(
+    spec: Annotated[Path, typer.Argument(help="job spec file (YAML/JSON)")],
+    steps: Annotated[int, typer.Option(help="steps of each run")] = 12,
+    skip: Annotated[int, typer.Option(help="first steps left out of the timing")] = 2,
+) -> None:
+    """Steps/s of SPEC synchronously and with rollout.max_staleness 1 (generation overlapping
+    training), one trainer and one generator of one core each, and the ratio."""
+    from bench import async_rl
+
+    _echo_report(lambda: async_rl.report(spec, steps=steps, skip=skip))
+
+
 @bench_app.command("rollout")
 def bench_rollout(
     model: ModelOpt = "tiny",

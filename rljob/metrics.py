@@ -10,7 +10,9 @@ gauges back into RLJob status, the control plane serves the log, and the report 
   the alert rules use only names from it. Every series carries the labels ``job``, ``namespace``
   and ``recipe``. Keys only some steps have (``val/*``: validation every N steps) are exported
   from the first step that has them and then keep their last value, so a job without validation
-  shows no validation series instead of a misleading 0.
+  shows no validation series instead of a misleading 0. The asynchronous loop's series
+  (``staleness/*``, ``timing/overlap_s``) are exported from the start: 0, their true value for a
+  synchronous job, whose rows do not have the keys.
 - ``MetricsLog`` reads and appends ``metrics.jsonl``.
 """
 
@@ -65,9 +67,23 @@ SYNC_LAYERS_CHECKED: Final = "sync/layers_checked"
 SYNC_LAYERS_MISMATCHED: Final = "sync/layers_mismatched"
 KV_CACHE_BYTES: Final = "kv_cache/bytes"
 WEIGHTS_BYTES: Final = "weights/bytes"
+# asynchronous RL (rollout.max_staleness >= 1; workers.async_rl): the lag of the trained sequences
+# (policy versions between the weights that generated them and those trained from), batches the
+# trainer refused as older than the bound, seconds generation and training both ran, and the
+# mismatch metrics over the lag-0 sequences only (FP8 alone; mismatch/* mixes FP8 and lag)
+STALENESS_MEAN: Final = "staleness/mean"
+STALENESS_MAX: Final = "staleness/max"
+STALENESS_DROPPED: Final = "staleness/dropped_batches"
+TIMING_OVERLAP_S: Final = "timing/overlap_s"
 # validation (every ``validation.interval`` steps)
 VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
+
+
+def lag0_key(key: str) -> str:
+    """The key of mismatch metric ``key`` over the lag-0 sequences: ``mismatch_lag0/<name>``."""
+    return "mismatch_lag0/" + key.removeprefix("mismatch/")
+
 
 # -- typed rows ------------------------------------------------------------------------------------
 # The TypedDicts spell each key once more, as a literal (Python's TypedDict takes no constants);
@@ -102,6 +118,25 @@ SyncMetrics = TypedDict(
     "SyncMetrics",
     {"weight_sync/bytes": float, "sync/layers_checked": float, "sync/layers_mismatched": float},
 )
+AsyncMetrics = TypedDict(
+    "AsyncMetrics",
+    {
+        "staleness/mean": float,
+        "staleness/max": float,
+        "staleness/dropped_batches": float,
+        "timing/overlap_s": float,
+        # the MismatchMetrics keys with the prefix mismatch_lag0/, on steps with lag-0 sequences
+        "mismatch_lag0/token_mult_prob_error": float,
+        "mismatch_lag0/gen_kl_error": float,
+        "mismatch_lag0/policy_kl_error": float,
+        "mismatch_lag0/js_divergence_error": float,
+        "mismatch_lag0/sampling_importance_ratio": float,
+        "mismatch_lag0/is_oob_ratio": float,
+        "mismatch_lag0/chi2_token": float,
+        "mismatch_lag0/num_tokens": float,
+    },
+    total=False,  # only the asynchronous loop's rows
+)
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
     {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
@@ -134,7 +169,11 @@ class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics, SyncMetrics):
     """One line of ``metrics.jsonl``: everything measured in one RL step."""
 
 
-class ValidatedStepMetrics(StepMetrics, ValidationMetrics, total=False):
+class AsyncStepMetrics(StepMetrics, AsyncMetrics, total=False):
+    """The line of a step of the asynchronous loop."""
+
+
+class ValidatedStepMetrics(AsyncStepMetrics, ValidationMetrics, total=False):
     """The line of a step that also validated."""
 
 
@@ -183,6 +222,13 @@ PROMETHEUS: tuple[PromMetric, ...] = (
                "Weights whose precision and bytes the last sync checked on every generator"),
     PromMetric(SYNC_LAYERS_MISMATCHED, "fp8rl_sync_layers_mismatched", "gauge",
                "Weights a generator held otherwise than the trainer sent at the last sync"),
+    # asynchronous RL: a synchronous job exports them as 0 from its first step, their true value
+    PromMetric(STALENESS_MAX, "fp8rl_policy_staleness", "gauge",
+               "Policy versions the last step's sequences lag the weights they were trained from"),
+    PromMetric(STALENESS_DROPPED, "fp8rl_stale_batches_dropped_total", "counter",
+               "Batches the trainer refused as older than rollout.max_staleness (and regenerated)"),
+    PromMetric(TIMING_OVERLAP_S, "fp8rl_generation_train_overlap_seconds", "gauge",
+               "Seconds of the last step the generators worked while the trainers trained"),
     PromMetric(KV_CACHE_BYTES, "fp8rl_kv_cache_bytes", "gauge",
                "KV-cache bytes allocated at the end of the last generation, all generators"),
     PromMetric(WEIGHTS_BYTES, "fp8rl_weight_bytes", "gauge",

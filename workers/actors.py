@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -185,8 +186,9 @@ class GeneratorWorker(_Member):
         ``temperature`` overrides ``rollout.temperature`` (validation; 0 = greedy)."""
         r = self.spec.rollout
         temp = r.temperature if temperature is None else temperature
+        started = time.time()
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
-        return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes)
+        return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes, started, time.time())
 
 
 def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:

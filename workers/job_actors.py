@@ -111,15 +111,19 @@ class JobActors:
     ) -> list[Generated]:
         """Generator ``i`` on ``chunks[i]`` with ``seeds[i]``, all generators in parallel;
         one result per non-empty chunk, in chunk order."""
-        import ray
+        return self.start_generate(chunks, seeds, temperature).result()
 
+    def start_generate(
+        self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
+    ) -> RayPending:
+        """:meth:`generate` sent now (each generator actor queues it behind its earlier calls),
+        collected by ``.result()``."""
         refs = [
             g.generate.remote(c, s, temperature)
             for g, c, s in zip(self._generators, chunks, seeds, strict=True)
             if c
         ]
-        out: list[Generated] = ray.get(refs)
-        return out
+        return RayPending(refs)
 
     def train(self, parts: list[Rollouts], rewards: list[torch.Tensor]) -> list[TrainStats]:
         """Trainer ``i`` updates on ``parts[i]``, the trainers in parallel. An actor's
@@ -176,6 +180,21 @@ class JobActors:
 
     def _all(self) -> list[Any]:
         return self._trainers + self._generators
+
+
+class RayPending:
+    """A generation in flight: the generators' object refs, collected by one blocking ``ray.get``."""
+
+    def __init__(self, refs: list[Any]) -> None:
+        self._refs = refs
+        self._out: list[Generated] | None = None
+
+    def result(self) -> list[Generated]:
+        import ray
+
+        if self._out is None:
+            self._out = ray.get(self._refs)
+        return self._out
 
 
 def gather_train_results(refs: list[Any]) -> list[TrainStats]:

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,7 +30,7 @@ from workers.algo.mismatch import mismatch_metrics
 from workers.engines.batching import concat_rollouts, even_split, left_pad, split_rows
 from workers.engines.native.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.step_actors import Generated, StepActors
+from workers.step_actors import Generated, PendingRollouts, StepActors
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer
 from workers.weight_contract import compare
@@ -169,23 +170,63 @@ def train(actors: StepActors, batch: Rollouts, rewards: torch.Tensor, sizes: lis
         raise ExactMismatchError(row, err.position, err.trainer, err.generator).with_detail(where) from err
 
 
-def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> StepMetrics:
-    """One step (the module docstring) and its metrics row."""
+class Batch(NamedTuple):
+    """A step's rollout batch, asked of the generators and maybe not yet collected."""
+
+    step: int  # the step that trains it (its prompts and seeds are functions of (seed, step))
+    version: int  # the policy version that generates it: weights after that many optimizer steps
+    problems: list[Problem]  # [B] each response's problem (groups are consecutive)
+    pending: PendingRollouts
+
+
+def start_batch(
+    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int, version: int
+) -> Batch:
+    """Ask the generators for the rollouts of ``step``; they generate with the weights they hold
+    when they reach the request, whose version the caller knows (``version``)."""
     r = spec.rollout
-    t0 = time.perf_counter()
     problems = task.sample(step, r.prompts_per_step, r.seed)
     expanded = [p for p in problems for _ in range(r.group_size)]  # groups are consecutive
     prompts = [tok.encode(task.prompt(p)) for p in expanded]
     gsizes = even_split(r.prompts_per_step, r.group_size, actors.num_generators)
-    outs = generate(spec, actors, prompts, gsizes, step)
+    seeds = [step_seed(spec, step, i) for i in range(len(gsizes))]
+    return Batch(step, version, expanded, actors.start_generate(chunked(prompts, gsizes), seeds))
+
+
+class Trained(NamedTuple):
+    """What :func:`train_and_sync` measured: the step's row, and its inputs the asynchronous loop
+    splits further (:mod:`workers.async_rl`)."""
+
+    row: StepMetrics
+    batch: Rollouts  # the rollouts trained on
+    logp_old: torch.Tensor  # [B, L] the trainer's log-probs of them before the update
+    train_wall: tuple[float, float]  # wall clock (Unix seconds) when training began and ended
+
+
+def train_and_sync(
+    spec: JobSpec,
+    task: Task,
+    tok: Tokenizer,
+    actors: StepActors,
+    step: int,
+    problems: list[Problem],
+    outs: list[Generated],
+    t0: float,
+    generation_s: float,
+) -> Trained:
+    """Score, train and sync one generated batch; the row's step time runs from ``t0``
+    (``time.perf_counter``), its generation time is ``generation_s``."""
+    r = spec.rollout
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
     t1 = time.perf_counter()
 
-    rewards = torch.tensor(scores(task, tok, batch, expanded))  # [B]
+    rewards = torch.tensor(scores(task, tok, batch, problems))  # [B]
     t2 = time.perf_counter()
 
     tsizes = even_split(r.prompts_per_step, r.group_size, actors.num_trainers)
+    wall_start = time.time()
     results = train(actors, batch, rewards, tsizes)
+    wall_end = time.time()
     logp_old = torch.cat([x.logprobs_old for x in results])  # [B, L]
     stats = results[0].stats  # each trainer's stats already cover the whole batch (all-reduced)
     stats.pop(m.TRAIN_TOKENS, None)  # tokens/trained below says it
@@ -198,18 +239,18 @@ def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step:
     mismatch = mismatch_metrics(logp_old, batch.logprobs, batch.response_mask, isc.low, isc.high, isc.mode)
     gen_tokens = float(batch.response_mask.sum())
     train_tokens = gen_tokens + float(batch.prompt_mask.sum())
-    return {
+    row: StepMetrics = {
         m.STEP: step,
         m.REWARD_MEAN: float(rewards.mean()),
         m.REWARD_STD: float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        m.RESPONSE_LENGTH_MEAN: gen_tokens / max(len(expanded), 1),
+        m.RESPONSE_LENGTH_MEAN: gen_tokens / max(len(problems), 1),
         **mismatch,
         **stats,
         m.TOKENS_GENERATED: gen_tokens,
         m.TOKENS_TRAINED: train_tokens,
-        m.GENERATION_TOKENS_PER_S: gen_tokens / max(t1 - t0, 1e-9),
+        m.GENERATION_TOKENS_PER_S: gen_tokens / max(generation_s, 1e-9),
         m.TRAIN_TOKENS_PER_S: train_tokens / max(t3 - t2, 1e-9),
-        m.TIMING_GENERATION_S: t1 - t0,
+        m.TIMING_GENERATION_S: generation_s,
         m.TIMING_REWARD_S: t2 - t1,
         m.TIMING_TRAIN_S: t3 - t2,
         m.TIMING_WEIGHT_SYNC_S: t4 - t3,
@@ -219,3 +260,13 @@ def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step:
         m.WEIGHTS_BYTES: float(sum(o.weight_bytes for o in outs)),
         m.TIME: time.time(),
     }
+    return Trained(row, batch, logp_old, (wall_start, wall_end))
+
+
+def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> StepMetrics:
+    """One synchronous step (the module docstring: ``rollout.max_staleness`` 0) and its metrics
+    row: the batch is generated with the weights of the previous step's sync, then trained on."""
+    t0 = time.perf_counter()
+    b = start_batch(spec, task, tok, actors, step, step - 1)
+    outs = b.pending.result()
+    return train_and_sync(spec, task, tok, actors, step, b.problems, outs, t0, time.perf_counter() - t0).row

@@ -4,7 +4,11 @@
 :class:`workers.job_actors.JobActors` runs the trainers and generators as Ray actors (the only code
 in the RL loop that knows Ray); the tests run the same step on a native trainer and generator in
 one process. Each method says what runs concurrently inside it; a method returns once all of it
-is done, so two calls never overlap.
+is done, so two calls never overlap, except :meth:`StepActors.start_generate`, which returns at
+once: the asynchronous loop (``rollout.max_staleness`` >= 1, :mod:`workers.async_rl`) trains while
+the generators work, and collects their rollouts later. Each generator runs its calls one at a time
+in the order they were made, so a weight sync asked for after a ``start_generate`` reaches the
+generators when that generation is done: weights change only between batches.
 
 Every argument and result is plain data (tensors, NamedTuples, dicts): it crosses a process
 boundary as is.
@@ -28,6 +32,17 @@ class Generated(NamedTuple):
     rollouts: Rollouts
     kv_cache_bytes: int  # bytes its KV cache held at the end of the generation
     weight_bytes: int  # bytes its weights hold on the device (FP8 layers: data + scales)
+    started: float = 0.0  # wall clock (Unix seconds) when the generator began this chunk
+    finished: float = 0.0  # ... and when it was done (timing/overlap_s of the asynchronous loop)
+
+
+class PendingRollouts(Protocol):
+    """A generation asked for and not yet collected (:meth:`StepActors.start_generate`)."""
+
+    def result(self) -> list[Generated]:
+        """The generators' answers, waiting for them if need be (never polling); the same list
+        on every call."""
+        ...
 
 
 class WeightTransfer(NamedTuple):
@@ -54,6 +69,13 @@ class StepActors(Protocol):
         chunk and one seed per generator; all generators run in parallel, and one whose chunk is
         empty sits out. Returns one :class:`Generated` per non-empty chunk, in chunk order.
         ``temperature`` overrides ``rollout.temperature`` (validation; 0 = greedy)."""
+        ...
+
+    def start_generate(
+        self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
+    ) -> PendingRollouts:
+        """:meth:`generate` asked for now and collected with ``.result()``: the generators run it
+        after the calls made to them before, and before any made after (a weight sync included)."""
         ...
 
     def train(self, parts: list[Rollouts], rewards: list[torch.Tensor]) -> list[TrainStats]:

@@ -23,7 +23,8 @@ def key_constants() -> dict[str, str]:
 
 
 def test_every_key_constant_is_a_field_of_the_typed_row_and_back() -> None:
-    typed = set(metrics.ValidatedStepMetrics.__annotations__)
+    # the lag-0 mismatch keys are named by lag0_key, not by constants of their own
+    typed = {k for k in metrics.ValidatedStepMetrics.__annotations__ if not k.startswith("mismatch_lag0/")}
     constants = set(key_constants().values())
     assert constants == typed, (constants - typed, typed - constants)
     assert len(key_constants()) == len(constants)  # no two constants share a key
@@ -42,6 +43,10 @@ def test_every_prometheus_series_reads_a_key_of_the_row() -> None:
 def test_required_keys_are_the_keys_of_every_step() -> None:
     assert set(metrics.REQUIRED_KEYS) == set(metrics.StepMetrics.__required_keys__)
     assert not set(metrics.REQUIRED_KEYS) & set(metrics.ValidationMetrics.__annotations__)
+    assert not set(metrics.REQUIRED_KEYS) & set(metrics.AsyncMetrics.__annotations__)
+    # the lag-0 split names every mismatch metric once more, and nothing else
+    lag0 = {k for k in metrics.AsyncMetrics.__annotations__ if k.startswith("mismatch_lag0/")}
+    assert lag0 == {metrics.lag0_key(k) for k in metrics.MismatchMetrics.__annotations__}
     assert {"step", "reward/mean", "mismatch/token_mult_prob_error", "weight_sync/bytes"} <= set(
         metrics.REQUIRED_KEYS
     )

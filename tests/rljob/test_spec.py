@@ -132,6 +132,12 @@ def test_every_problem_is_listed_at_once() -> None:
         ({"validation": {"temperature": -0.5}}, "validation.temperature", "greater than or equal to 0"),
         ({"validation": {"temperature": 11}}, "validation.temperature", "less than or equal to 10"),
         ({"validation": {"intervall": 5}}, "validation.intervall", "Extra inputs are not permitted"),
+        ({"rollout": {"max_staleness": -1}}, "rollout.max_staleness", "greater than or equal to 0"),
+        (
+            {"rollout": {"max_staleness": 1}, "precision": {"exact": True, "recipe": "bf16"}},
+            "(spec)",
+            "precision.exact is on-policy by definition, but rollout.max_staleness (1)",
+        ),
     ],
 )
 def test_bad_field(data: dict[str, object], path: str, needle: str) -> None:

@@ -217,3 +217,14 @@ def test_an_empty_control_plane_exports_zero_jobs_per_phase(api: TestClient) -> 
     text = api.get("/metrics").text
     assert 'fp8rl_jobs{namespace="team-a",phase="Pending"} 1.0' in text
     assert 'fp8rl_jobs{namespace="team-b",phase="Pending"} 0.0' in text
+
+
+def test_exact_with_async_is_422_naming_both_fields(api: TestClient) -> None:
+    spec = {"rollout": {"max_staleness": 1}, "precision": {"exact": True, "recipe": "bf16"}}
+    r = api.post("/v1/jobs", json={"name": "exact-async", "spec": spec}, headers=auth(ALICE))
+    assert r.status_code == 422
+    (err,) = r.json()["errors"]
+    assert err["field"] == "spec"
+    assert "precision.exact" in err["message"] and "rollout.max_staleness" in err["message"]
+    ok = {"rollout": {"max_staleness": 1}}
+    assert api.post("/v1/jobs", json={"name": "async", "spec": ok}, headers=auth(ALICE)).status_code == 201

@@ -3,8 +3,9 @@
 the tests run :mod:`workers.rl_step` as the driver does, minus the transport.
 
 What the Ray actors run concurrently runs here one after another (one trainer: no data-parallel
-group to all-reduce over). The weight sync is the wire format without its collective: trainer 0's
-export is packed into the same uint8 buckets by the same manifest
+group to all-reduce over); ``start_generate`` generates at once, with the weights the generators
+hold then, as a Ray generator does before any call made after it. The weight sync is the wire
+format without its collective: trainer 0's export is packed into the same uint8 buckets by the same manifest
 (:mod:`workers.weight_sync`), and each generator loads what it unpacks from them, so the bytes a
 generator computes with went through exactly what a broadcast moves; only ``torch.distributed``
 is left out (``tests/workers/test_weight_sync.py`` runs the broadcast itself over gloo).
@@ -12,6 +13,7 @@ is left out (``tests/workers/test_weight_sync.py`` runs the broadcast itself ove
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,16 @@ from workers.step_actors import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
 from workers.weight_contract import kv_cache_dtype, sent_report
 from workers.weight_sync import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
+
+
+class Done:
+    """A generation already done (:class:`~workers.step_actors.PendingRollouts`)."""
+
+    def __init__(self, out: list[Generated]) -> None:
+        self.out = out
+
+    def result(self) -> list[Generated]:
+        return self.out
 
 
 class InProcessActors:
@@ -53,14 +65,20 @@ class InProcessActors:
     def generate(
         self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
     ) -> list[Generated]:
+        return self.start_generate(chunks, seeds, temperature).result()
+
+    def start_generate(
+        self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
+    ) -> Done:
         r = self.spec.rollout
         temp = r.temperature if temperature is None else temperature
         out = []
         for g, chunk, seed in zip(self.generators, chunks, seeds, strict=True):
             if chunk:
+                started = time.time()
                 rollouts = g.generate(chunk, r.max_new_tokens, temp, r.top_p, seed)
-                out.append(Generated(rollouts, g.kv_cache_bytes, g.weight_bytes))
-        return out
+                out.append(Generated(rollouts, g.kv_cache_bytes, g.weight_bytes, started, time.time()))
+        return Done(out)
 
     def train(self, parts: list[Rollouts], rewards: list[torch.Tensor]) -> list[TrainStats]:
         (part,), (reward,) = parts, rewards

@@ -46,3 +46,23 @@ def test_validation_gauges_follow_the_rows_that_have_them() -> None:
     assert third[("fp8rl_val_accuracy", "")] == 0.75 and third[("fp8rl_val_reward_mean", "")] == 0.8
     assert third[("fp8rl_step_duration_seconds", "validation")] == 0.0
     assert third[("fp8rl_step_duration_seconds", "generation")] == 2.5
+
+
+def test_staleness_series_are_0_for_a_synchronous_job_and_follow_an_asynchronous_one() -> None:
+    sync = PromExporter(**LABELS)
+    sync.observe({"step": 1, "reward/mean": 0.5})  # a row of rollout.max_staleness 0: no async keys
+    series = {k: v for k, v in samples(sync).items() if not k[0].endswith("_created")}  # a counter's
+    assert {k: v for k, v in series.items() if "stale" in k[0] or "overlap" in k[0]} == {
+        ("fp8rl_policy_staleness", ""): 0.0,
+        ("fp8rl_stale_batches_dropped_total", ""): 0.0,
+        ("fp8rl_generation_train_overlap_seconds", ""): 0.0,
+    }
+    exp = PromExporter(**LABELS)
+    exp.observe({"step": 1, "staleness/max": 0.0, "staleness/dropped_batches": 0.0, "timing/overlap_s": 0.5})
+    exp.observe({"step": 2, "staleness/max": 1.0, "staleness/dropped_batches": 2.0, "timing/overlap_s": 0.25})
+    exp.observe({"step": 3, "staleness/max": 1.0, "staleness/dropped_batches": 1.0, "timing/overlap_s": 0.75})
+    now = samples(exp)
+    assert now[("fp8rl_policy_staleness", "")] == 1.0
+    assert now[("fp8rl_stale_batches_dropped_total", "")] == 3.0  # 0 + 2 + 1: a counter
+    assert now[("fp8rl_generation_train_overlap_seconds", "")] == 0.75  # the last step's
+    assert ("fp8rl_step_duration_seconds", "overlap") not in now  # not a phase of the step

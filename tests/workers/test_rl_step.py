@@ -23,7 +23,7 @@ from rljob import JobSpec, parse_spec
 from rljob.metrics import StepMetrics
 from tests import helpers
 from tests.helpers import ONE_DIGIT_SUMS
-from tests.workers.inprocess_actors import InProcessActors
+from tests.workers.inprocess_actors import Done, InProcessActors
 from workers import checkpoint
 from workers.engines.batching import concat_rollouts
 from workers.engines.protocols import Rollouts
@@ -48,17 +48,17 @@ class ByteSumTask(Task):
 
 
 class RecordingActors(InProcessActors):
-    """:class:`InProcessActors` that keep what every ``generate`` returned."""
+    """:class:`InProcessActors` that keep what every generation returned."""
 
     def __init__(self, spec: JobSpec, tok: Tokenizer) -> None:
         super().__init__(spec, tok)
         self.generated: list[list[Generated]] = []
 
-    def generate(
+    def start_generate(
         self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
-    ) -> list[Generated]:
-        out = super().generate(chunks, seeds, temperature)
-        self.generated.append(out)
+    ) -> Done:
+        out = super().start_generate(chunks, seeds, temperature)
+        self.generated.append(out.result())
         return out
 
 
@@ -179,7 +179,7 @@ def test_the_step_never_imports_ray() -> None:
 import sys
 from rljob import parse_spec
 from tests import helpers
-from tests.workers.inprocess_actors import InProcessActors
+from tests.workers.inprocess_actors import Done, InProcessActors
 from workers.rl_step import rl_step, sync_weights, validate
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer

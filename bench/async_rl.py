@@ -1,0 +1,86 @@
+"""``fp8rl bench async SPEC``: the same job synchronously (``rollout.max_staleness: 0``) and
+asynchronously (``max_staleness: 1``), one after the other in this process, on the same seeds, each
+through the real driver on a local Ray with one trainer and one generator of one core (one torch
+thread) each; it prints steps/s of both and their ratio.
+
+What is timed: steps ``skip+1 .. steps`` of each run, from the end of step ``skip`` to the end of the
+last (the rows' wall clock), so Ray's start, the actors' set-up and the first steps (allocator and
+kernel warm-up) are left out. The warm-up, validation and intermediate checkpoints are switched off:
+they are the same in both modes and no part of a step. Overlap is worth most where generation and
+training take similar time: the table also prints each phase's mean seconds in the synchronous run,
+and the overlap the asynchronous one achieved, so a reader sees why the ratio is what it is.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rljob import metrics as m
+from rljob.spec import JobSpec, load_spec
+
+
+def bench_variant(spec: JobSpec, k: int, steps: int) -> JobSpec:
+    """``spec`` run for ``steps`` steps with ``max_staleness`` k, one trainer and one generator of
+    one thread each, no warm-up, validation or intermediate checkpoint."""
+    data = spec.model_dump(mode="json")
+    data["rollout"]["max_staleness"] = k
+    data["steps"] = steps
+    data["checkpoint_interval"] = steps
+    data["warmup"]["sft_steps"] = 0
+    data["validation"]["interval"] = 0
+    data["precision"]["exact"] = False
+    data["resources"].update(trainers=1, generators=1, cpus_per_actor=1, threads_per_actor=1)
+    return JobSpec.model_validate(data)
+
+
+def steps_per_s(rows: Sequence[Mapping[str, Any]], skip: int) -> float:
+    """Steps per second from the end of step ``skip`` to the end of the last row."""
+    if len(rows) <= skip:
+        raise ValueError(f"--steps must exceed --skip ({skip}): {len(rows)} steps ran")
+    return (len(rows) - skip) / (float(rows[-1][m.TIME]) - float(rows[skip - 1][m.TIME]))
+
+
+def mean(rows: Sequence[Mapping[str, Any]], key: str, skip: int) -> float:
+    return statistics.fmean(float(r.get(key, 0.0)) for r in rows[skip:])
+
+
+def report(spec_path: str | Path, steps: int = 12, skip: int = 2) -> str:
+    """The table (module docstring)."""
+    from workers import driver
+    from workers.job_actors import ray_init, ray_shutdown
+
+    if skip < 1:
+        raise ValueError("--skip must be >= 1 (the first step's end starts the clock)")
+    base = load_spec(spec_path)
+    results = {}
+    started = ray_init(bench_variant(base, 0, steps))
+    try:
+        with tempfile.TemporaryDirectory(prefix="fp8rl-bench-async-") as tmp:
+            for k in (0, 1):
+                spec = bench_variant(base, k, steps)
+                out = Path(tmp) / f"k{k}"
+                results[k] = list(driver.run(spec, out, driver.RunOptions(log=lambda line: None)).rows)
+    finally:
+        if started:
+            ray_shutdown()
+    sync, async_ = results[0], results[1]
+    s0, s1 = steps_per_s(sync, skip), steps_per_s(async_, skip)
+    lines = [
+        f"fp8rl bench async {spec_path}: recipe {base.precision.recipe}, {base.rollout.prompts_per_step}x"
+        f"{base.rollout.group_size} rollouts of <= {base.rollout.max_new_tokens} tokens a step, "
+        f"1 trainer + 1 generator (1 thread each), steps {skip + 1}..{steps} timed",
+        f"{'mode':<22}{'steps/s':>9}{'gen s':>8}{'train s':>9}{'sync s':>8}{'overlap s':>11}{'lag max':>9}",
+    ]
+    for name, rows, rate in (("sync (max_staleness 0)", sync, s0), ("async (max_staleness 1)", async_, s1)):
+        lines.append(
+            f"{name:<22}{rate:>9.3f}{mean(rows, m.TIMING_GENERATION_S, skip):>8.3f}"
+            f"{mean(rows, m.TIMING_TRAIN_S, skip):>9.3f}{mean(rows, m.TIMING_WEIGHT_SYNC_S, skip):>8.3f}"
+            f"{mean(rows, m.TIMING_OVERLAP_S, skip):>11.3f}"
+            f"{max(float(r.get(m.STALENESS_MAX, 0.0)) for r in rows):>9.0f}"
+        )
+    lines.append(f"ratio async/sync: {s1 / s0:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""``fp8rl bench async``: the two variants it runs and how it counts steps/s (the timing itself is
+a benchmark, not a test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.async_rl import bench_variant, steps_per_s
+from rljob.spec import load_spec
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-cpu.yaml"
+
+
+def test_the_variants_differ_in_max_staleness_only_among_what_the_job_computes() -> None:
+    base = load_spec(EXAMPLE)
+    sync, async_ = bench_variant(base, 0, 7), bench_variant(base, 1, 7)
+    assert (sync.rollout.max_staleness, async_.rollout.max_staleness) == (0, 1)
+    for spec in (sync, async_):
+        res = spec.resources
+        assert (res.trainers, res.generators, res.threads_per_actor, res.cpus_per_actor) == (1, 1, 1, 1.0)
+        assert (spec.steps, spec.checkpoint_interval, spec.warmup.sft_steps, spec.validation.interval) == (
+            7,
+            7,
+            0,
+            0,
+        )
+        # the same job otherwise: model, task, seeds, recipe
+        assert spec.model == base.model and spec.task == base.task and spec.precision == base.precision
+        assert spec.rollout.seed == base.rollout.seed and spec.algorithm == base.algorithm
+
+
+def test_steps_per_s_runs_from_the_end_of_the_skipped_steps() -> None:
+    rows = [{"step": s, "time": t} for s, t in [(1, 100.0), (2, 103.0), (3, 104.0), (4, 105.0)]]
+    assert steps_per_s(rows, 2) == pytest.approx(2 / 2.0)  # steps 3 and 4, from t=103 to t=105
+    assert steps_per_s(rows, 1) == pytest.approx(3 / 5.0)
+    with pytest.raises(ValueError, match="--steps must exceed --skip"):
+        steps_per_s(rows, 4)
