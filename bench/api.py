@@ -29,6 +29,8 @@ from typing import Any
 
 import httpx
 
+from bench.operator import stop
+
 TOKEN = "bench-token-0123456789abcdef"
 
 
@@ -74,12 +76,7 @@ def service_process(data_dir: Path) -> Iterator[str]:
             time.sleep(0.05)
         yield url
     finally:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        stop(child, timeout_s=10)
 
 
 @contextmanager

@@ -76,11 +76,12 @@ def _baseline(kube: Any, n: int) -> float:
     return time.perf_counter() - start
 
 
-def stop(proc: Any) -> None:
-    """SIGTERM (kopf finishes its handlers), then SIGKILL if it takes more than 20 s."""
+def stop(proc: Any, timeout_s: float = 20.0) -> None:
+    """SIGTERM (kopf finishes its handlers, uvicorn its requests), then SIGKILL if it takes more
+    than ``timeout_s``."""
     proc.terminate()
     try:
-        proc.wait(timeout=20)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
