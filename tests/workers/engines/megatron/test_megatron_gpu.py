@@ -24,7 +24,8 @@ import torch
 # Transformer Engine reads this once, at import; the trainer sets it too, but importorskip below
 # imports TE first (float32 block scales, the default recipe)
 os.environ.setdefault("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: F401  # make engines installs it: missing is an error
+
 te = pytest.importorskip("transformer_engine.pytorch")
 
 from rljob import JobSpec, parse_spec  # noqa: E402
