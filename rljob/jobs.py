@@ -30,6 +30,19 @@ class TenantNamespaceMissing(Exception):
     """``--store kubernetes``: the tenant's namespace does not exist on the cluster."""
 
 
+class OverLimit(Exception):
+    """Recording the job would take its tenant over its job or GPU limit (the message says which
+    and what to do)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's caps on active jobs and on the GPUs they request together."""
+
+    jobs: int
+    gpus: int
+
+
 @dataclass
 class Job:
     tenant: str
@@ -43,7 +56,11 @@ class Job:
 class JobStore(Protocol):
     """What the routes and executors need from a store. ``tenant=None`` in ``query`` means all."""
 
-    def create(self, tenant: str, name: str, spec: JobSpec) -> Job: ...
+    def create(self, tenant: str, name: str, spec: JobSpec, limits: Limits | None = None) -> Job:
+        """Record a new job; with ``limits``, only if the tenant's active jobs stay within them
+        (else ``OverLimit``), checked in the same transaction as the insert where the store
+        has one."""
+        ...
 
     def get(self, tenant: str, name: str) -> Job: ...
 
@@ -66,3 +83,18 @@ def gpus_of(spec: JobSpec) -> int:
     """GPUs a job requests: generators and trainers times their GPUs each."""
     r = spec.resources
     return r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
+
+
+def check_limits(tenant: str, spec: JobSpec, active: int, used: int, limits: Limits) -> None:
+    """Raise ``OverLimit`` if a tenant with ``active`` jobs using ``used`` GPUs may not add ``spec``."""
+    if active >= limits.jobs:
+        raise OverLimit(
+            f"tenant {tenant!r} already has {active} active jobs "
+            f"(limit {limits.jobs}); wait for one to finish, or cancel or suspend one"
+        )
+    wanted = gpus_of(spec)
+    if used + wanted > limits.gpus:
+        raise OverLimit(
+            f"job asks for {wanted} GPUs and tenant {tenant!r} uses {used} of {limits.gpus}; "
+            "lower resources.gpus_per_* or wait for a job to finish"
+        )

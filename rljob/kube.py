@@ -23,7 +23,16 @@ from typing import Any, cast
 from pydantic import ValidationError
 
 from rljob import resource as rl
-from rljob.jobs import InvalidRecord, Job, JobExists, JobNotFound, TenantNamespaceMissing, gpus_of
+from rljob.jobs import (
+    InvalidRecord,
+    Job,
+    JobExists,
+    JobNotFound,
+    Limits,
+    TenantNamespaceMissing,
+    check_limits,
+    gpus_of,
+)
 from rljob.spec import JobSpec, describe_errors
 from rljob.status import ACTIVE, JobStatus, Phase
 
@@ -106,8 +115,14 @@ class KubernetesJobStore:
 
     # -- JobStore -------------------------------------------------------------------------------
 
-    def create(self, tenant: str, name: str, spec: JobSpec) -> Job:
+    def create(self, tenant: str, name: str, spec: JobSpec, limits: Limits | None = None) -> Job:
+        """The API server has no transaction across a list and a create: two POSTs racing for a
+        tenant's last slot may both pass ``limits`` (the cluster's ResourceQuota, if any, is the
+        hard cap there)."""
         from kubernetes.client.exceptions import ApiException
+
+        if limits is not None:
+            check_limits(tenant, spec, *self.usage(tenant), limits)
 
         body = rl.manifest(name, tenant, spec, tenant=tenant)
         try:

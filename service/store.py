@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rljob.jobs import Job, JobExists, JobNotFound, gpus_of
+from rljob.jobs import Job, JobExists, JobNotFound, Limits, check_limits, gpus_of
 from rljob.spec import JobSpec
 from rljob.status import ACTIVE, JobStatus, Phase
 
@@ -63,6 +63,19 @@ def _row(row: tuple[str, ...]) -> Job:
         datetime.fromisoformat(created),
         datetime.fromisoformat(updated),
     )
+
+
+_ACTIVE_PHASES = sorted(p.value for p in ACTIVE)
+_USAGE = (
+    "SELECT COUNT(*), COALESCE(SUM(gpus), 0) FROM jobs WHERE tenant = ? AND phase IN "
+    f"({', '.join('?' * len(_ACTIVE_PHASES))})"
+)
+
+
+def _usage(db: sqlite3.Connection, tenant: str) -> tuple[int, int]:
+    """(active jobs, GPUs they request) of ``tenant``, counted from the ``jobs_usage`` index."""
+    count, gpus = db.execute(_USAGE, [tenant, *_ACTIVE_PHASES]).fetchone()
+    return int(count), int(gpus)
 
 
 def _write_loop(db: sqlite3.Connection, writes: Writes) -> None:
@@ -169,7 +182,7 @@ class SqlJobStore:
 
     # -- JobStore -----------------------------------------------------------------------------
 
-    def create(self, tenant: str, name: str, spec: JobSpec) -> Job:
+    def create(self, tenant: str, name: str, spec: JobSpec, limits: Limits | None = None) -> Job:
         now = _now()
         status = JobStatus()
         row = (
@@ -184,6 +197,8 @@ class SqlJobStore:
         )
 
         def insert(db: sqlite3.Connection) -> bool:
+            if limits is not None:  # in the writer's transaction: no other write comes between
+                check_limits(tenant, spec, *_usage(db, tenant), limits)
             cur = db.execute(
                 "INSERT OR IGNORE INTO jobs (tenant, name, spec, status, phase, gpus, created, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -255,14 +270,8 @@ class SqlJobStore:
 
     def usage(self, tenant: str) -> tuple[int, int]:
         """(active jobs, GPUs they request) of a tenant, for its limits (from the index alone)."""
-        phases = [p.value for p in ACTIVE]
         with self._reader() as db:
-            count, gpus = db.execute(
-                f"SELECT COUNT(*), COALESCE(SUM(gpus), 0) FROM jobs WHERE tenant = ? AND phase IN "
-                f"({', '.join('?' * len(phases))})",
-                [tenant, *phases],
-            ).fetchone()
-        return int(count), int(gpus)
+            return _usage(db, tenant)
 
     def ping(self) -> None:
         with self._reader() as db:

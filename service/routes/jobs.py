@@ -18,8 +18,9 @@ from rljob.jobs import (
     JobExists,
     JobNotFound,
     JobStore,
+    Limits,
+    OverLimit,
     TenantNamespaceMissing,
-    gpus_of,
 )
 from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
@@ -94,23 +95,10 @@ def _create(
                 for field, message in refused
             ]
         )
-    max_jobs, max_gpus = settings.limits(tenant)
-    active, used = store.usage(tenant)
-    if active >= max_jobs:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN,
-            f"tenant {tenant!r} already has {active} active jobs "
-            f"(limit {max_jobs}); wait for one to finish, or cancel or suspend one",
-        )
-    wanted = gpus_of(body.spec)
-    if used + wanted > max_gpus:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN,
-            f"job asks for {wanted} GPUs and tenant {tenant!r} uses {used} of {max_gpus}; "
-            "lower resources.gpus_per_* or wait for a job to finish",
-        )
-    try:
-        job = store.create(tenant, body.name, body.spec)
+    try:  # the limits are checked where the job is recorded, so concurrent POSTs cannot overshoot
+        job = store.create(tenant, body.name, body.spec, Limits(*settings.limits(tenant)))
+    except OverLimit as err:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
     except JobExists:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"job {body.name!r} already exists; pick another name"

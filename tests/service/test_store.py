@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rljob.jobs import JobExists, JobNotFound
+from rljob.jobs import JobExists, JobNotFound, Limits, OverLimit
 from rljob.spec import JobSpec
 from rljob.status import IllegalTransition, JobStatus, Phase
 from service.store import SqlJobStore
@@ -132,6 +132,52 @@ def test_tenant_usage_is_counted_from_the_index_alone(tmp_path: Path) -> None:
         )
     )
     assert "COVERING INDEX jobs_usage" in plan, plan  # no row, spec JSON and all, is read
+    store.close()
+
+
+def test_concurrent_creates_never_take_a_tenant_over_its_limits(tmp_path: Path) -> None:
+    """Five creates queued while a commit is on disk land in one group; the limits are counted
+    inside it, so the tenant ends at its cap (a check before queueing would have let all five in)."""
+    store = SqlJobStore(tmp_path / "jobs.sqlite")
+    store.create("t", "old", JobSpec())  # 1 active job, no GPUs (the default runs on CPU)
+    gpu = JobSpec.model_validate({"resources": {"gpus_per_generator": 0, "gpus_per_trainer": 3}})
+    for limits, spec, wanted_ok in ((Limits(jobs=4, gpus=99), JobSpec(), 3), (Limits(99, 7), gpu, 2)):
+        release = _hold_writer(store)
+        outcomes: list[str] = []
+        lock = threading.Lock()
+
+        def attempt(
+            name: str,
+            limits: Limits = limits,
+            spec: JobSpec = spec,
+            outcomes: list[str] = outcomes,
+            lock: threading.Lock = lock,
+        ) -> None:
+            try:
+                store.create("t", name, spec, limits)
+                outcome = "created"
+            except OverLimit as err:
+                outcome = str(err)
+            with lock:
+                outcomes.append(outcome)
+
+        before = store.usage("t")[0]
+        threads = [threading.Thread(target=attempt, args=(f"j{before}-{i}",), daemon=True) for i in range(5)]
+        for t in threads:
+            t.start()
+        wait_for(store._writes.qsize, "5 writes queued", lambda n: n == 5, timeout=10, every=0.01)
+        release.set()
+        for t in threads:
+            t.join(10)
+        assert outcomes.count("created") == wanted_ok, outcomes
+        refused = [o for o in outcomes if o != "created"]
+        assert len(refused) == 5 - wanted_ok
+        if limits.jobs == 4:  # 1 old + 3 new = 4 active jobs
+            assert store.usage("t")[0] == 4
+            assert all("already has 4 active jobs (limit 4)" in o for o in refused), refused
+        else:  # two new jobs of 3 GPUs: 6 of 7, and a third would make 9
+            assert store.usage("t") == (6, 6)
+            assert all("asks for 3 GPUs and tenant 't' uses 6 of 7" in o for o in refused), refused
     store.close()
 
 
