@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.formats import Fp8Format, get_format, to_float32
 from workers.fp8.guard import check_input
 from workers.fp8.quant import Fp8Tensor, cast_to_fp8
 
@@ -152,7 +152,7 @@ class Fp8KvCache(DynamicCache):
 
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # the same arithmetic as Fp8Tensor.dequantize: float32 product, then the model's dtype
-    return (data.to(torch.float32) * scale).to(dtype)
+    return (to_float32(data) * scale).to(dtype)
 
 
 def kv_cache_bytes(cache: DynamicCache) -> int:

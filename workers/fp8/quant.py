@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.formats import Fp8Format, get_format, to_float32
 from workers.fp8.guard import check_input
 
 Block = tuple[int, int] | None
@@ -93,7 +93,7 @@ class Fp8Tensor:
         cache = self.cache_dequantized and self.data.device.type == "cpu"
         if cache and "f32" in self._memo:
             return self._memo["f32"].to(dtype)
-        out = _apply_block_scale(self.data.to(torch.float32), self.scale, self.block, divide=False)
+        out = _apply_block_scale(to_float32(self.data), self.scale, self.block, divide=False)
         if cache:
             self._memo["f32"] = out
         return out.to(dtype)

@@ -1,5 +1,5 @@
-"""build_policy's CPU details: the BF16 GEMM as float32 on BF16 values, float32 RoPE frequencies,
-and the trainer's BF16 compute parameters."""
+"""build_policy's CPU details: the BF16 GEMMs (linear layers and attention) as float32 on BF16
+values, float32 RoPE frequencies, and the trainer's BF16 compute parameters."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from rljob.spec import parse_spec
-from workers.engines.models import CpuBf16Linear, build_policy, compute_params
+from workers.engines.models import (
+    CPU_ATTENTION,
+    CpuBf16Linear,
+    attention_mask_4d,
+    build_policy,
+    compute_params,
+    cpu_attention,
+)
 from workers.fp8.linear import Fp8Linear
 
 
@@ -36,12 +43,74 @@ def test_cpu_bf16_linear_is_a_bf16_gemm_within_its_rounding(seed: int) -> None:
     assert torch.equal(layer32(x32), expected)
 
 
+def test_cpu_attention_is_bf16_eager_attention_within_its_rounding(seed: int) -> None:
+    """GQA (4 query heads on 2 kv heads), left padding and a causal mask, in BF16."""
+    b, h, hkv, q, t, d = 3, 4, 2, 5, 7, 16
+    query = torch.randn(b, h, q, d).to(torch.bfloat16)
+    key, value = (torch.randn(b, hkv, t, d).to(torch.bfloat16) for _ in range(2))
+    real = torch.ones(b, t, dtype=torch.long)
+    real[1, :2] = 0  # row 1 is left-padded by two
+    mask = attention_mask_4d(real, q, torch.bfloat16, "eager")  # [B, 1, q, T] additive
+    module = nn.Module().eval()
+    out, weights = cpu_attention(module, query, key, value, mask, d**-0.5)
+    assert out.shape == (b, q, h, d) and out.dtype == torch.bfloat16
+
+    # float64 reference on the same BF16 values, with the same roundings to BF16 where eager
+    # attention rounds (scores, scaled scores, softmax weights), then the weighted sum
+    def bf(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16).double()
+
+    k64 = key.double().repeat_interleave(h // hkv, dim=1)  # query head i reads kv head i // 2
+    v64 = value.double().repeat_interleave(h // hkv, dim=1)
+    scores = bf(bf(query.double() @ k64.transpose(2, 3)) * d**-0.5) + mask.double()
+    w = bf(torch.softmax(scores, dim=-1))
+    ref = (w @ v64).transpose(1, 2)  # [B, q, H, D]
+    # each GEMM sums <= 16 exact products in float32 (error <= 17 * 2^-24 * sum |.|); scores and
+    # weights may land one BF16 step apart where float32 and float64 round a tie differently, which
+    # moves the output by at most 2^-8 of sum |w v| per step; the output's own rounding is 2^-8
+    assert torch.equal(weights.double(), bf(weights.double()))  # weights are BF16 values
+    bound = 2.0**-8 * ref.abs() + 2 * 2.0**-8 * (w.abs() @ v64.abs()).transpose(1, 2)
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    # masked keys get no weight: padding keys and keys after the query
+    assert float(weights[1, :, :, :2].abs().max()) == 0.0
+    assert float(weights[0, :, 0, t - q + 1 :].abs().max()) == 0.0
+    # a second method: Hugging Face's eager attention with torch's BF16 matmul agrees as closely
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    module.num_key_value_groups = h // hkv
+    hf_out, _ = eager_attention_forward(module, query, key, value, mask, d**-0.5)
+    assert bool(((out.double() - hf_out.double()).abs() <= 2 * bound).all())
+    # float32 inputs: the same arithmetic as Hugging Face's (no widening to do)
+    q32, k32, v32 = query.float(), key.float(), value.float()
+    mask32 = attention_mask_4d(real, q, torch.float32, "eager")
+    out32, _ = cpu_attention(module, q32, k32, v32, mask32, d**-0.5)
+    hf32, _ = eager_attention_forward(module, q32, k32, v32, mask32, d**-0.5)
+    torch.testing.assert_close(out32, hf32, rtol=1e-6, atol=1e-6)
+
+
+def test_a_model_called_without_a_mask_is_causal_with_cpu_attention() -> None:
+    """Hugging Face builds the causal mask itself when none is passed: the same function as eager."""
+    spec = parse_spec({"model": {"tiny": {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2}}})
+    model = build_policy(spec, 259, torch.bfloat16)
+    ids = torch.randint(0, 259, (3, 9))
+    ours = model(input_ids=ids).logits
+    model.config._attn_implementation = "eager"
+    theirs = model(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=2**-7)
+    # causal: the first position's logits do not depend on what follows it
+    changed = ids.clone()
+    changed[:, 1:] = (changed[:, 1:] + 1) % 259
+    model.config._attn_implementation = CPU_ATTENTION
+    torch.testing.assert_close(model(input_ids=changed).logits[:, 0], ours[:, 0], rtol=0, atol=0)
+
+
 def test_build_policy_swaps_linears_on_cpu_only_and_keeps_names() -> None:
     spec = parse_spec({"model": {"tiny": {"hidden_size": 64, "intermediate_size": 128}}})
     model = build_policy(spec, 259, torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is CpuBf16Linear for m in linears)
     assert all("CpuBf16" not in name for name in model.state_dict())
+    assert model.config._attn_implementation == CPU_ATTENTION
     meta = build_policy(spec, 259, torch.bfloat16, "meta")
     assert all(type(m) is nn.Linear for m in meta.modules() if isinstance(m, nn.Linear))
 

@@ -9,6 +9,7 @@ import torch
 
 from tests.workers.fp8 import reference as ref
 from workers.fp8 import E4M3, E5M2, Fp8Tensor, cast_to_fp8, get_format, quantize
+from workers.fp8.formats import to_float32
 
 BLOCKS = [None, (1, 128), (128, 128)]
 FMTS = ["e4m3", "e5m2"]
@@ -22,6 +23,44 @@ def with_outliers(x: torch.Tensor, n: int, factor: float) -> tuple[torch.Tensor,
     mask = torch.zeros(flat.numel(), dtype=torch.bool)
     mask[idx] = True
     return flat.reshape(x.shape), mask.reshape(x.shape)
+
+
+def decode(code: int, exp_bits: int, man_bits: int, ieee: bool) -> float:
+    """An FP8 code's value from its bits (sign, biased exponent, mantissa), by hand. E4M3 ("fn"):
+    no infinities, only S.1111.111 is NaN; E5M2 (IEEE-like): exponent all ones is inf or NaN."""
+    sign = -1.0 if code >> 7 else 1.0
+    exp, man = (code >> man_bits) & ((1 << exp_bits) - 1), code & ((1 << man_bits) - 1)
+    bias, top = 2 ** (exp_bits - 1) - 1, (1 << exp_bits) - 1
+    if ieee and exp == top:
+        return sign * math.inf if man == 0 else math.nan
+    if not ieee and exp == top and man == (1 << man_bits) - 1:
+        return math.nan
+    if exp == 0:
+        return sign * man * 2.0 ** (1 - bias - man_bits)
+    return sign * (1 + man / 2**man_bits) * 2.0 ** (exp - bias)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "exp_bits", "man_bits", "ieee"), [("e4m3", 4, 3, False), ("e5m2", 5, 2, True)]
+)
+def test_to_float32_decodes_every_code_and_keeps_the_layout(
+    fmt: str, exp_bits: int, man_bits: int, ieee: bool
+) -> None:
+    dtype = get_format(fmt).dtype
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = to_float32(codes.view(dtype))
+    expected = torch.tensor([decode(c, exp_bits, man_bits, ieee) for c in range(256)], dtype=torch.float64)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.double().isnan(), expected.isnan())
+    assert torch.equal(got.double().nan_to_num(0.0), expected.nan_to_num(0.0))
+    # any tensor: what .to(float32) gives, a column-major one staying column-major
+    x = (torch.randn(64, 48) * 100).to(dtype)
+    for t in (x, x.t(), x[:, 5:17], x.view(4, 16, 48).transpose(0, 1)):
+        out = to_float32(t)
+        assert torch.equal(out.nan_to_num(0.0), t.to(torch.float32).nan_to_num(0.0))
+    assert to_float32(x.t()).stride() == x.t().to(torch.float32).stride() == (1, 48)
+    meta = to_float32(torch.empty(8, 4, dtype=dtype, device="meta"))  # no table off the CPU
+    assert meta.device.type == "meta" and meta.dtype == torch.float32
 
 
 def test_format_constants_match_torch() -> None:

@@ -15,6 +15,7 @@ import torch
 
 from rljob import JobSpec, parse_spec
 from workers.engines.batching import left_pad
+from workers.engines.models import CPU_ATTENTION
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
@@ -37,7 +38,7 @@ def spec(recipe: str, **precision: object) -> JobSpec:
 
 
 @pytest.mark.parametrize("profile", ["cpu", "sm90-cuda13.0"])
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", [CPU_ATTENTION, "sdpa"])
 @pytest.mark.parametrize("fp8_kv", [False, True])
 def test_decode_loop_runs_on_meta(profile: str, attention: str, fp8_kv: bool) -> None:
     gen = NativeGenerator(
