@@ -77,7 +77,7 @@ def test_cpu_attention_is_bf16_eager_attention_within_its_rounding(seed: int) ->
     # a second method: Hugging Face's eager attention with torch's BF16 matmul agrees as closely
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    module.num_key_value_groups = h // hkv
+    module.num_key_value_groups = h // hkv  # type: ignore[assignment]  # eager reads it from the layer
     hf_out, _ = eager_attention_forward(module, query, key, value, mask, d**-0.5)
     assert bool(((out.double() - hf_out.double()).abs() <= 2 * bound).all())
     # float32 inputs: the same arithmetic as Hugging Face's (no widening to do)
