@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.async_rl import bench_variant, steps_per_s
+from bench.async_rl import bench_variant, overlap_ceiling, steps_per_s
 from rljob.spec import load_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-cpu.yaml"
@@ -37,3 +37,10 @@ def test_steps_per_s_runs_from_the_end_of_the_skipped_steps() -> None:
     assert steps_per_s(rows, 1) == pytest.approx(3 / 5.0)
     with pytest.raises(ValueError, match="--steps must exceed --skip"):
         steps_per_s(rows, 4)
+
+
+def test_the_ceiling_is_the_synchronous_step_over_the_longer_phase() -> None:
+    # generation a quarter of training: 0.25 + 1.0 + 0.05 = 1.30 s against 1.0 + 0.05 = 1.05 s
+    assert overlap_ceiling(0.25, 1.0, 0.05) == pytest.approx(1.30 / 1.05)
+    assert overlap_ceiling(1.0, 1.0, 0.0) == pytest.approx(2.0)  # equal phases, free sync: 2x
+    assert overlap_ceiling(2.0, 0.5, 0.1) == pytest.approx(2.6 / 2.1)  # generation-bound
