@@ -4,6 +4,7 @@ acknowledged with 201 that survive a SIGKILL of the service."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -11,13 +12,14 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from rljob.jobs import JobExists, JobNotFound, Limits, OverLimit
+from rljob.jobs import Job, JobExists, JobNotFound, Limits, OverLimit
 from rljob.spec import JobSpec
 from rljob.status import IllegalTransition, JobStatus, Phase
 from service.store import SqlJobStore
@@ -36,6 +38,29 @@ def _hold_writer(store: SqlJobStore) -> threading.Event:
     threading.Thread(target=store._write, args=(busy,), daemon=True).start()
     assert entered.wait(10)
     return release
+
+
+def _in_one_group(store: SqlJobStore, calls: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each call in a thread of its own while the writer is held, so that all their writes queue,
+    in the order given, for the same group commit; then release it. Each call's result, or the
+    exception it raised."""
+    release = _hold_writer(store)
+    results: dict[str, Any] = {}
+
+    def attempt(key: str, call: Callable[[], Any]) -> None:
+        try:
+            results[key] = call()
+        except Exception as err:
+            results[key] = err
+
+    threads = [threading.Thread(target=attempt, args=kv, daemon=True) for kv in calls.items()]
+    for queued, t in enumerate(threads, 1):
+        t.start()
+        wait_for(store._writes.qsize, f"{queued} writes queued", queued.__eq__, timeout=10, every=0.01)
+    release.set()
+    for t in threads:
+        t.join(10)
+    return results
 
 
 def test_writes_waiting_during_a_commit_share_the_next_one(
@@ -65,28 +90,13 @@ def test_writes_waiting_during_a_commit_share_the_next_one(
 def test_a_refused_write_fails_alone_and_a_database_error_fails_its_group(tmp_path: Path) -> None:
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     store.create("t", "taken", JobSpec())
-    release = _hold_writer(store)
-    results: dict[str, Any] = {}
-
-    def attempt(key: str, call: Any) -> None:
-        try:
-            results[key] = call()
-        except Exception as err:
-            results[key] = err
-
-    calls = {
+    calls: dict[str, Callable[[], Any]] = {
         "new": lambda: store.create("t", "new", JobSpec()).name,
         "dup": lambda: store.create("t", "taken", JobSpec()),
         "illegal": lambda: store.update("t", "taken", lambda s: s.moved(Phase.SUCCEEDED, "x")),
         "missing": lambda: store.delete("t", "nope"),
     }
-    threads = [threading.Thread(target=attempt, args=kv) for kv in calls.items()]
-    for t in threads:
-        t.start()
-    wait_for(store._writes.qsize, "4 writes queued", lambda n: n == 4, timeout=10, every=0.01)
-    release.set()
-    for t in threads:
-        t.join(10)
+    results = _in_one_group(store, calls)
     assert results["new"] == "new"
     assert isinstance(results["dup"], JobExists)
     assert isinstance(results["illegal"], IllegalTransition)  # Pending cannot jump to Succeeded
@@ -94,19 +104,13 @@ def test_a_refused_write_fails_alone_and_a_database_error_fails_its_group(tmp_pa
     assert store.get("t", "taken").status == JobStatus()  # the refused update changed nothing
 
     # a write that fails in the database rolls back the writes committed with it
-    release = _hold_writer(store)
-    fine = threading.Thread(target=attempt, args=("fine", lambda: store.create("t", "fine", JobSpec())))
-    broken = threading.Thread(
-        target=attempt,
-        args=("broken", lambda: store._write(lambda db: db.execute("INSERT INTO nope VALUES (1)"))),
+    results = _in_one_group(  # fine first: its insert has run when broken's fails
+        store,
+        {
+            "fine": lambda: store.create("t", "fine", JobSpec()),
+            "broken": lambda: store._write(lambda db: db.execute("INSERT INTO nope VALUES (1)")),
+        },
     )
-    fine.start()
-    wait_for(store._writes.qsize, "1 write queued", lambda n: n == 1, timeout=10, every=0.01)
-    broken.start()
-    wait_for(store._writes.qsize, "2 writes queued", lambda n: n == 2, timeout=10, every=0.01)
-    release.set()
-    fine.join(10)
-    broken.join(10)
     assert isinstance(results["broken"], sqlite3.OperationalError)
     assert isinstance(results["fine"], sqlite3.OperationalError)  # not acknowledged...
     with pytest.raises(JobNotFound):
@@ -142,33 +146,14 @@ def test_concurrent_creates_never_take_a_tenant_over_its_limits(tmp_path: Path) 
     store.create("t", "old", JobSpec())  # 1 active job, no GPUs (the default runs on CPU)
     gpu = JobSpec.model_validate({"resources": {"gpus_per_generator": 0, "gpus_per_trainer": 3}})
     for limits, spec, wanted_ok in ((Limits(jobs=4, gpus=99), JobSpec(), 3), (Limits(99, 7), gpu, 2)):
-        release = _hold_writer(store)
-        outcomes: list[str] = []
-        lock = threading.Lock()
-
-        def attempt(
-            name: str,
-            limits: Limits = limits,
-            spec: JobSpec = spec,
-            outcomes: list[str] = outcomes,
-            lock: threading.Lock = lock,
-        ) -> None:
-            try:
-                store.create("t", name, spec, limits)
-                outcome = "created"
-            except OverLimit as err:
-                outcome = str(err)
-            with lock:
-                outcomes.append(outcome)
-
         before = store.usage("t")[0]
-        threads = [threading.Thread(target=attempt, args=(f"j{before}-{i}",), daemon=True) for i in range(5)]
-        for t in threads:
-            t.start()
-        wait_for(store._writes.qsize, "5 writes queued", lambda n: n == 5, timeout=10, every=0.01)
-        release.set()
-        for t in threads:
-            t.join(10)
+        names = [f"j{before}-{i}" for i in range(5)]
+        calls: dict[str, Callable[[], Any]] = {
+            name: functools.partial(store.create, "t", name, spec, limits) for name in names
+        }
+        results = _in_one_group(store, calls)
+        assert all(isinstance(r, Job | OverLimit) for r in results.values()), results
+        outcomes = ["created" if isinstance(r, Job) else str(r) for r in results.values()]
         assert outcomes.count("created") == wanted_ok, outcomes
         refused = [o for o in outcomes if o != "created"]
         assert len(refused) == 5 - wanted_ok
