@@ -81,17 +81,15 @@ def report(spec_path: str | Path, steps: int = 12, skip: int = 2) -> str:
         f"1 trainer + 1 generator (1 thread each), steps {skip + 1}..{steps} timed",
         f"{'mode':<22}{'steps/s':>9}{'gen s':>8}{'train s':>9}{'sync s':>8}{'overlap s':>11}{'lag max':>9}",
     ]
-    for name, rows, rate in (("sync (max_staleness 0)", sync, s0), ("async (max_staleness 1)", async_, s1)):
+    phases = (m.TIMING_GENERATION_S, m.TIMING_TRAIN_S, m.TIMING_WEIGHT_SYNC_S)
+    means = {k: [mean(rows, key, skip) for key in phases] for k, rows in results.items()}
+    for k, name, rate in ((0, "sync (max_staleness 0)", s0), (1, "async (max_staleness 1)", s1)):
+        gen_s, train_s, sync_s = means[k]
         lines.append(
-            f"{name:<22}{rate:>9.3f}{mean(rows, m.TIMING_GENERATION_S, skip):>8.3f}"
-            f"{mean(rows, m.TIMING_TRAIN_S, skip):>9.3f}{mean(rows, m.TIMING_WEIGHT_SYNC_S, skip):>8.3f}"
-            f"{mean(rows, m.TIMING_OVERLAP_S, skip):>11.3f}"
-            f"{max(float(r.get(m.STALENESS_MAX, 0.0)) for r in rows):>9.0f}"
+            f"{name:<22}{rate:>9.3f}{gen_s:>8.3f}{train_s:>9.3f}{sync_s:>8.3f}"
+            f"{mean(results[k], m.TIMING_OVERLAP_S, skip):>11.3f}"
+            f"{max(float(r.get(m.STALENESS_MAX, 0.0)) for r in results[k]):>9.0f}"
         )
-    ceiling = overlap_ceiling(
-        mean(sync, m.TIMING_GENERATION_S, skip),
-        mean(sync, m.TIMING_TRAIN_S, skip),
-        mean(sync, m.TIMING_WEIGHT_SYNC_S, skip),
-    )
+    ceiling = overlap_ceiling(*means[0])
     lines.append(f"ratio async/sync: {s1 / s0:.2f}x (ceiling from the synchronous phases: {ceiling:.2f}x)")
     return "\n".join(lines)
