@@ -39,6 +39,16 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+# Vocabulary of each preset: the byte tokenizer's ids are all a benchmark feeds, but a real
+# model's output layer and sampling cover ~32k-150k tokens, which the GPU numbers must include.
+VOCAB: dict[str, int] = {"100m": 32768, "1b": 32768}
+
+
+def vocab_size(model: str, tokenizer_vocab: int) -> int:
+    """The vocabulary a benchmark builds ``model`` with (at least the tokenizer's)."""
+    return max(VOCAB.get(model, 0), tokenizer_vocab)
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,33 +8,46 @@ disabled, so every variant generates exactly ``prompts x new_tokens`` tokens. Th
 ratio is against ``bf16 / KV bf16`` measured in the same run. The ``fp8-gen`` and ``fp8-e2e``
 generators are the same engine (they differ in where their FP8 weights come from), so ``fp8``
 stands for both.
+
+``decodes`` picks the decode loops (``rollout.decode``): ``eager`` (one Python-issued forward per
+token; the CPU path) and, on CUDA, ``graph`` (a static KV cache, one CUDA-graph replay per token)
+and ``graph-triton`` (the same with the Triton decode attention, ``FP8RL_DECODE_ATTENTION=triton``).
+Each variant's ratio is against BF16 weights and BF16 KV with the same decode loop; with both
+loops, ``graph/eager`` compares each variant with its own eager run. The warm-up call has the
+timed calls' shape, so a graph is captured before the timing starts.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from bench.common import bench_spec, device_name, pick_device, timed
+from bench.common import bench_spec, device_name, pick_device, timed, vocab_size
 from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Trainer
 from workers.tokenizer import ByteTokenizer
 
 VARIANTS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True))
+DECODES = ("eager", "graph", "graph-triton")  # graph-triton: FP8RL_DECODE_ATTENTION=triton
 
 
 @dataclass(frozen=True)
 class RolloutRow:
     weights: str
     kv_cache: str
+    decode: str
     seconds: float
     tokens: int
     kv_bytes: int
     weight_bytes: int
+    vocab: int
 
     @property
     def tokens_per_s(self) -> float:
@@ -47,12 +60,27 @@ def run(
     prompts: int = 64,
     new_tokens: int = 32,
     repeat: int = 3,
+    decodes: tuple[str, ...] | None = None,
+    kv_caches: tuple[str, ...] = ("bf16", "fp8"),
 ) -> tuple[str, list[RolloutRow]]:
     dev = pick_device(device)
+    decodes = decodes or (("eager", "graph") if dev.type == "cuda" else ("eager",))
+    bad = [d for d in decodes if d not in DECODES]
+    if bad:
+        raise ValueError(f"--decode {','.join(bad)}: choose from {', '.join(DECODES)}")
+    if set(decodes) - {"eager"} and dev.type != "cuda":
+        raise ValueError("--decode graph needs a CUDA GPU (CUDA graphs); use --decode eager on CPU")
+    if not kv_caches or set(kv_caches) - {"bf16", "fp8"}:
+        raise ValueError(f"--kv-cache {','.join(kv_caches)}: choose from bf16, fp8")
     tok = ByteTokenizer()
     texts = [tok.encode(f"Calculate {i % 10} + {i // 10 % 10}. ") for i in range(prompts)]
-    trainer = build_trainer(bench_spec(model, "bf16", dev), tok.vocab_size, str(dev))
-    rows = [_variant(trainer, model, dev, w, kv, texts, new_tokens, repeat) for w, kv in VARIANTS]
+    trainer = build_trainer(bench_spec(model, "bf16", dev), vocab_size(model, tok.vocab_size), str(dev))
+    rows = [
+        _variant(trainer, model, dev, w, kv, d, texts, new_tokens, repeat)
+        for w, kv in VARIANTS
+        if ("fp8" if kv else "bf16") in kv_caches
+        for d in decodes  # interleaved: each variant's loops back to back
+    ]
     return device_name(dev), rows
 
 
@@ -62,24 +90,29 @@ def _variant(
     dev: torch.device,
     weights: str,
     fp8_kv: bool,
+    decode: str,
     texts: list[list[int]],
     new_tokens: int,
     repeat: int,
 ) -> RolloutRow:
     tok = ByteTokenizer()
     recipe = "fp8-gen" if weights == "fp8" else "bf16"
-    spec = bench_spec(model, recipe, dev, precision={"fp8_kv_cache": fp8_kv})
-    gen = build_generator(spec, tok.vocab_size, -1, tok.pad_id, str(dev))  # eos -1: never stops
+    loop = "eager" if decode == "eager" else "graph"
+    spec = bench_spec(model, recipe, dev, precision={"fp8_kv_cache": fp8_kv}, rollout={"decode": loop})
+    vocab = vocab_size(model, tok.vocab_size)
+    attention = "triton" if decode == "graph-triton" else "sdpa"
+    with _env("FP8RL_DECODE_ATTENTION", attention):  # read when the generator is built
+        gen = build_generator(spec, vocab, -1, tok.pad_id, str(dev))  # eos -1: never stops
     gen.load_weights(trainer.export_weights(gen.fp8_weight_names()))
-    gen.generate(texts, min(new_tokens, 4), 1.0, 1.0, 0)  # warm-up
+    gen.generate(texts, new_tokens, 1.0, 1.0, 0)  # warm-up (and the graph's capture)
     times, tokens = [], 0
     for r in range(repeat):
         out, seconds = timed(dev, partial(gen.generate, texts, new_tokens, 1.0, 1.0, r))
         times.append(seconds)
         tokens = int(out.response_mask.sum())
     row = RolloutRow(
-        weights, "fp8" if fp8_kv else "bf16", statistics.median(times), tokens,
-        gen.kv_cache_bytes, gen.weight_bytes,
+        weights, "fp8" if fp8_kv else "bf16", decode, statistics.median(times), tokens,
+        gen.kv_cache_bytes, gen.weight_bytes, vocab,
     )  # fmt: skip
     if dev.type == "cuda":
         del gen
@@ -87,17 +120,36 @@ def _variant(
     return row
 
 
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
+
+
 def format_table(device: str, rows: list[RolloutRow], model: str) -> str:
-    base = rows[0].tokens_per_s
+    """``vs bf16``: against BF16 weights and KV with the same decode loop; ``graph/eager``: a graph
+    row against the same variant's eager row."""
+    base = {r.decode: r.tokens_per_s for r in rows if (r.weights, r.kv_cache) == ("bf16", "bf16")}
+    eager = {(r.weights, r.kv_cache): r.tokens_per_s for r in rows if r.decode == "eager"}
     lines = [
-        f"device: {device}   model: {model}",
-        f"{'weights':<8} {'kv cache':<9} {'tokens':>8} {'seconds':>9} {'tokens/s':>10} {'vs bf16':>8} "
-        f"{'KV MiB':>9} {'weights MiB':>12}",
+        f"device: {device}   model: {model} (vocabulary {rows[0].vocab if rows else '-'})",
+        f"{'weights':<8} {'kv cache':<9} {'decode':<12} {'tokens':>8} {'seconds':>9} {'tokens/s':>10} "
+        f"{'vs bf16':>8} {'graph/eager':>12} {'KV MiB':>9} {'weights MiB':>12}",
     ]
     for r in rows:
+        vs = f"{r.tokens_per_s / base[r.decode]:>7.2f}x" if r.decode in base else f"{'-':>8}"
+        e = eager.get((r.weights, r.kv_cache))
+        ge = f"{r.tokens_per_s / e:>11.2f}x" if r.decode != "eager" and e else f"{'-':>12}"
         lines.append(
-            f"{r.weights:<8} {r.kv_cache:<9} {r.tokens:>8} {r.seconds:>9.3f} {r.tokens_per_s:>10.1f} "
-            f"{r.tokens_per_s / base:>7.2f}x {r.kv_bytes / 2**20:>9.2f} {r.weight_bytes / 2**20:>12.2f}"
+            f"{r.weights:<8} {r.kv_cache:<9} {r.decode:<12} {r.tokens:>8} {r.seconds:>9.3f} "
+            f"{r.tokens_per_s:>10.1f} {vs} {ge} {r.kv_bytes / 2**20:>9.2f} {r.weight_bytes / 2**20:>12.2f}"
         )
     return "\n".join(lines)
 

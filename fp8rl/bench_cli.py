@@ -96,11 +96,54 @@ def bench_rollout(
     prompts: Annotated[int, typer.Option(help="sequences per generate call")] = 64,
     new_tokens: Annotated[int, typer.Option(help="tokens generated per sequence")] = 32,
     repeat: Annotated[int, typer.Option(help="timed calls per variant (median reported)")] = 3,
+    decode: Annotated[
+        str | None,
+        typer.Option(
+            help="eager, graph, graph-triton, comma-separated (default: eager,graph on CUDA, eager on CPU)"
+        ),
+    ] = None,
+    kv_cache: Annotated[str, typer.Option(help="bf16 | fp8 | bf16,fp8: the KV caches measured")] = "bf16,fp8",
 ) -> None:
-    """Generator tokens/s: BF16 vs FP8 weights, BF16 vs FP8 KV cache, same model/prompts/seeds."""
+    """Generator tokens/s: BF16 vs FP8 weights, BF16 vs FP8 KV cache, eager vs graph-captured decode;
+    same model/prompts/seeds."""
     from bench import rollout
 
-    _echo_report(lambda: rollout.report(model, device, prompts=prompts, new_tokens=new_tokens, repeat=repeat))
+    decodes = tuple(d.strip() for d in decode.split(",")) if decode else None
+    kv_caches = tuple(k.strip() for k in kv_cache.split(","))
+    options = {"prompts": prompts, "new_tokens": new_tokens, "repeat": repeat, "kv_caches": kv_caches}
+    _echo_report(lambda: rollout.report(model, device, decodes=decodes, **options))
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    device: DeviceOpt = "auto",
+    tokens: Annotated[str, typer.Option(help="token counts M, comma-separated")] = "1,16,64,256,1024,4096",
+    shapes: Annotated[
+        str, typer.Option(help="INxOUT weight shapes, comma-separated")
+    ] = "2048x8192,8192x2048,4096x14336",
+) -> None:
+    """Time per call of each GEMM kind (BF16 mm, blockwise, rowwise, tensorwise FP8, wgrad) and of
+    the activation quantizer, per token count; GPU time from CUDA-graph replay."""
+    from bench import kernels
+    from bench.common import pick_device
+
+    def parse() -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        try:
+            ms = tuple(int(t) for t in tokens.split(","))
+            ks = tuple((int(a), int(b)) for a, b in (s.lower().split("x") for s in shapes.split(",")))
+        except ValueError as err:
+            raise ValueError(
+                f"--tokens {tokens!r} / --shapes {shapes!r}: expected e.g. 1,64 and 2048x8192"
+            ) from err
+        if min(ms) <= 0 or min(min(k) for k in ks) <= 0:
+            raise ValueError("--tokens and --shapes take positive sizes")
+        return ms, ks
+
+    def report() -> str:
+        ms, ks = parse()
+        return kernels.report(str(pick_device(device)), tokens=ms, shapes=ks)
+
+    _echo_report(report)
 
 
 @bench_app.command("step")

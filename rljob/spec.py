@@ -145,6 +145,13 @@ class RolloutSpec(StrictModel):
         "trainers train, with the newest weights they hold; weights change only between batches "
         "(docs/algorithms.md: asynchronous RL).",
     )
+    decode: Literal["auto", "eager", "graph"] = Field(
+        "auto",
+        description="The native generator's decode loop. graph: a static KV cache and one CUDA-graph "
+        "replay per token (needs a CUDA GPU); eager: one Python-issued forward per token over a growing "
+        "cache (the reference, and the CPU path); auto: graph on CUDA, eager elsewhere "
+        "(docs/engines.md: decoding).",
+    )
 
 
 class KlSpec(StrictModel):

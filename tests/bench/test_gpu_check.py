@@ -3,6 +3,10 @@ pytest ``-rA`` summary."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from bench.gpu_check import engine_tests
 
 SUMMARY = """\
@@ -21,3 +25,21 @@ def test_engine_tests_counts_each_engine_apart() -> None:
     assert table[2] == "| vllm | 2 | 0 | 0 |"
     assert table[3] == "| megatron | 0 | 1 | 2 (could not import 'transformer_engine') |"
     assert table[4] == "| other | 1 | 0 | 1 (needs Hopper) |"
+
+
+def test_engine_test_folders_are_left_out_when_their_engine_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU image without vLLM runs the other GPU tests and says which folder it left out
+    (vLLM's tests import vLLM and fail without it, by design)."""
+    from bench import gpu_check
+
+    for rel in ("engines/vllm/test_vllm_gpu.py", "engines/megatron/test_meg_gpu.py", "fp8/test_linear.py"):
+        (tmp_path / "tests/workers" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests/workers" / rel).write_text("import pytest\npytestmark = pytest.mark.gpu\n")
+    (tmp_path / "tests/workers/fp8/test_cpu_only.py").write_text("def test_x(): pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu_check, "_importable", lambda module: module != "vllm")
+    files, missing = gpu_check.gpu_test_files()
+    assert files == ["tests/workers/engines/megatron/test_meg_gpu.py", "tests/workers/fp8/test_linear.py"]
+    assert missing == ["tests/workers/engines/vllm/"]

@@ -261,3 +261,23 @@ def test_run_refuses_an_engine_that_is_not_installed(tmp_path: Path, monkeypatch
     result = runner.invoke(app, ["run", str(spec), "--no-progress"])
     assert result.exit_code == 2, result.output
     assert "resources.generator_engine=vllm" in result.output and "worker image" in result.output
+
+
+def test_bench_kernels_and_rollout_options() -> None:
+    args = ["bench", "kernels", "--device", "cpu", "--tokens", "16", "--shapes", "128x256"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1].split()[:3] == ["128", "256", "16"]
+    bad = runner.invoke(app, ["bench", "kernels", "--shapes", "128"])
+    assert bad.exit_code == 2 and "--shapes '128'" in bad.output
+    bad = runner.invoke(app, ["bench", "rollout", "--device", "cpu", "--decode", "graph"])
+    assert bad.exit_code == 2 and "--decode graph needs a CUDA GPU" in bad.output
+    bad = runner.invoke(app, ["bench", "rollout", "--device", "cpu", "--kv-cache", "int8"])
+    assert bad.exit_code == 2 and "--kv-cache int8" in bad.output
+    result = runner.invoke(
+        app, ["bench", "rollout", "--device", "cpu", "--prompts", "2", "--new-tokens", "2", "--repeat", "1",
+              "--kv-cache", "bf16"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.output.splitlines()[2:]]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("bf16", "bf16", "eager"), ("fp8", "bf16", "eager")]

@@ -98,6 +98,9 @@ class CpuBf16Linear(nn.Linear):
 
 
 CPU_ATTENTION = "fp8rl_cpu_eager"
+# attention implementations that take a bool mask (True = attend); the others an additive one.
+# "fp8rl_decode": the static decode loop's Triton attention, SDPA outside decode steps
+BOOL_MASKS = ("sdpa", EXACT_ATTENTION, "fp8rl_decode")
 
 
 def cpu_attention(
@@ -198,7 +201,7 @@ def attention_mask_4d(
     k_pos = torch.arange(t, device=attn.device)[None, :]  # [1, T]
     seen = (k_pos <= q_pos)[None, None] & attn.bool()[:, None, None, :]  # [B, 1, q, T]
     seen = seen | (k_pos == q_pos)[None, None]
-    if implementation in ("sdpa", EXACT_ATTENTION):
+    if implementation in BOOL_MASKS:
         return seen
     zero = torch.zeros((), dtype=dtype, device=attn.device)
     return torch.where(seen, zero, torch.finfo(dtype).min)

@@ -89,6 +89,15 @@ class FiniteGuard:
         self._codes.clear()
         self._calls.clear()
 
+    def rearm(self, device: torch.device) -> None:
+        """Mark every device's code "all finite" again, in place (``device``'s buffer made if it
+        is not there yet): a CUDA graph captured under this guard keeps folding into the same
+        buffers, and the calls it recorded stay numbered."""
+        if device not in self._codes:
+            self._codes[device] = torch.full((), _NONE, dtype=torch.int64, device=device)
+        for buf in self._codes.values():
+            buf.fill_(_NONE)
+
     def _raise(self, code: int) -> None:
         call = self._calls[code // _CALL]
         block_index = code % _CALL
@@ -138,6 +147,17 @@ def finite_guard(check: bool = True) -> Iterator[FiniteGuard]:
         _ACTIVE.reset(token)
     if check:
         guard.check()
+
+
+@contextmanager
+def use_guard(guard: FiniteGuard) -> Iterator[FiniteGuard]:
+    """Make an existing guard the active one inside the block (checked by its owner, e.g. a
+    graph-captured decode loop that re-arms and reads its guard around each series of replays)."""
+    token = _ACTIVE.set(guard)
+    try:
+        yield guard
+    finally:
+        _ACTIVE.reset(token)
 
 
 def check_input(x: torch.Tensor, amax: torch.Tensor, block: tuple[int, int] | None, where: str) -> None:

@@ -262,7 +262,11 @@ class Fp8Linear(nn.Module):
         if not self.fp8_only:
             self.weight.copy_(w_q.dequantize(self.weight.dtype))
             self._w_q_key = self._weight_key()
-        self._w_q, self._w_q_cm = w_q, None
+        if self.fp8_only and self._w_q is not None and _same_layout(self._w_q, w_q):
+            _copy_into(self._w_q, w_q)  # the storage a captured CUDA graph reads stays the same
+        else:
+            self._w_q = w_q
+        self._w_q_cm = None
         self.fp8_weight_updates += 1
 
     def _device(self) -> torch.device:
@@ -344,3 +348,30 @@ class Fp8Linear(nn.Module):
             f"act={c.forward_fmt}{c.activation_block}, grad={c.grad_fmt}{c.grad_block}"
             + (", fp8 weight only" if self.fp8_only else "")
         )
+
+
+def _same_layout(held: Fp8Tensor, new: Fp8Tensor) -> bool:
+    """Whether ``new`` can be copied into ``held``'s storage (same shapes, strides, blocks, format)."""
+    return (
+        held.data.shape == new.data.shape
+        and held.data.stride() == new.data.stride()
+        and held.data.dtype == new.data.dtype
+        and held.scale.shape == new.scale.shape
+        and held.block == new.block
+        and held.fmt == new.fmt
+    )
+
+
+def _copy_into(held: Fp8Tensor, new: Fp8Tensor) -> None:
+    """Write ``new``'s bytes and scales into ``held``, and refresh what was derived from them: the
+    cuBLAS scale layout is rewritten in place (a graph holds its address too); a CPU float32
+    dequantization is dropped (made again on first use)."""
+    held.data.copy_(new.data)
+    held.scale.copy_(new.scale)
+    derived = held._memo.get("cublas_scale_t")
+    held._memo.clear()
+    if derived is not None:
+        from workers.fp8.matmul import _cublas_b_scale
+
+        derived.copy_(_cublas_b_scale(held.t()))
+        held._memo["cublas_scale_t"] = derived

@@ -34,6 +34,9 @@ from workers.engines.models import apply_recipe, attention_mask_4d, build_policy
 from workers.engines.native.exact import is_exact
 from workers.engines.native.exact import log_softmax as exact_log_softmax
 from workers.engines.native.layer_diff import Trace, trace_generation
+from workers.engines.native.sampling import AllFinished, sample_top_p
+from workers.engines.native.sampling import log_softmax as plain_log_softmax
+from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Payload, Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
@@ -41,56 +44,6 @@ from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, kv_cache_bytes
 from workers.weight_contract import KvHeld, WeightReport, dtype_name, kv_cache_dtype, received_weights
 from workers.weight_sync import CollectiveWeightSync, SyncResult
-
-
-def sample_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-    """One token per row from ``probs [B, V]`` restricted to the smallest set of mass >= top_p.
-
-    ``argmax(p / E)`` with ``E ~ Exp(1)`` draws index i with probability p_i / sum(p): the same
-    draw as ``torch.multinomial(p, 1)`` for the same generator state, without its host read.
-    """
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
-        sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
-        choice = _race(sorted_p, gen)  # [B] index into sorted
-        return order.gather(-1, choice[:, None]).squeeze(-1)
-    return _race(probs, gen)  # [B]
-
-
-def _race(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-    exp = torch.empty_like(probs).exponential_(1, generator=gen)  # [B, V]
-    return (probs / exp).argmax(-1)
-
-
-def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1)
-
-
-class _AllFinished:
-    """Whether every row has finished, asked without making the host wait for the device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.value = False
-        if device.type == "cuda":
-            self.host = torch.zeros((), dtype=torch.bool).pin_memory()
-            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self.pending = False
-
-    def post(self, finished: torch.Tensor) -> None:
-        if self.device.type == "cpu":
-            self.value = bool(finished.all())
-        elif self.device.type == "cuda" and not self.pending:
-            self.host.copy_(finished.all(), non_blocking=True)
-            self.event.record()
-            self.pending = True
-
-    def __bool__(self) -> bool:
-        if self.device.type == "cuda" and self.pending and self.event.query():  # type: ignore[no-untyped-call]
-            self.pending = False
-            self.value = bool(self.host)  # host memory, already written: no wait
-        return self.value
 
 
 class NativeGenerator:
@@ -106,6 +59,21 @@ class NativeGenerator:
         self.kv_cache_bytes = 0
         self.channel: CollectiveWeightSync | None = None
         self._report: WeightReport | None = None
+        self.static = self._static_decoder()
+
+    def _static_decoder(self) -> StaticDecoder | None:
+        """The graph-captured decode loop where ``rollout.decode`` asks for it (auto: on CUDA)."""
+        mode = self.spec.rollout.decode
+        if mode == "graph" and self.device.type != "cuda":
+            raise ValueError(
+                f"rollout.decode: graph needs a CUDA GPU, and this generator runs on {self.device}; "
+                "use auto (graphs on CUDA, eager elsewhere) or eager"
+            )
+        if mode == "eager" or (mode == "auto" and self.device.type != "cuda") or is_exact(self.model):
+            return None
+        return StaticDecoder(
+            self.model, self.device, True, self.spec.precision.fp8_kv_cache, plain_log_softmax
+        )
 
     @property
     def weight_bytes(self) -> int:
@@ -191,6 +159,12 @@ class NativeGenerator:
         Returns ``(response_ids [B, L] int64, response_mask [B, L] float32, logprobs [B, L]
         float32)`` on the device, without a host sync until the guard's one read at the end.
         """
+        if self.static is not None:
+            out = self.static.generate(
+                ids, attn, max_new_tokens, temperature, top_p, seed, self.eos_id, self.pad_id
+            )
+            self.kv_cache_bytes = self.static.kv_cache_bytes
+            return out
         # on the meta device (a shape-only dry run: tests prove the loop never reads back) there
         # is no generator to seed
         gen = None if self.device.type == "meta" else torch.Generator(device=self.device).manual_seed(seed)
@@ -200,7 +174,7 @@ class NativeGenerator:
         )
         impl = str(self.model.config._attn_implementation)
         dtype = self.model.get_input_embeddings().weight.dtype
-        log_softmax = exact_log_softmax if is_exact(self.model) else _log_softmax
+        log_softmax = exact_log_softmax if is_exact(self.model) else plain_log_softmax
         with finite_guard():
             pos = positions(attn)  # [B, P]
             out = self.model(
@@ -213,7 +187,7 @@ class NativeGenerator:
             next_pos = pos[:, -1] + 1  # [B]
             tokens, logps, valid = [], [], []
             finished = torch.zeros(b, dtype=torch.bool, device=self.device)
-            all_finished = _AllFinished(self.device)
+            all_finished = AllFinished(self.device)
             for _ in range(max_new_tokens):
                 logits = out.logits[:, -1, :].float() / (temperature or 1.0)  # [B, V]
                 logp_all = log_softmax(logits)  # [B, V]

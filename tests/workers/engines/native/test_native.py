@@ -24,7 +24,8 @@ from tests.workers.fp8.reference import round_to_fp8
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.batching import left_pad, positions
 from workers.engines.factory import native_pair
-from workers.engines.native.generator import NativeGenerator, sample_top_p
+from workers.engines.native.generator import NativeGenerator
+from workers.engines.native.sampling import sample_top_p
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.fp8 import Fp8Linear
 from workers.fp8.export import fp8_weight_names

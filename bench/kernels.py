@@ -1,0 +1,201 @@
+"""Kernel microbenchmark (``make gpu-check``'s ``kernels`` section, ``fp8rl bench kernels``): the
+time of one call of each GEMM kind an FP8 linear may use, and of the activation quantizer, per
+token count M, against BF16's ``mm`` at the same shape.
+
+Each kernel is called on operands made beforehand (quantized once), so the column is the kernel
+alone. On CUDA the calls are captured in a CUDA graph and the graph is replayed: the time per call
+is GPU time without Python's launch cost (what a graph-captured decode step pays), cycling over
+``SETS`` independent operand sets so that repeated calls do not just read the L2 cache. On CPU
+the calls run eagerly (``perf_counter``); CPU rows only show that the section runs.
+
+Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
+
+- ``bf16``: ``torch.mm`` in BF16, the baseline;
+- ``blockwise``: cuBLAS's 1x128 x 128x128 scaled GEMM (the anchor recipe's fprop), BF16 out;
+- ``rowwise``: one scale per row of ``a`` and per column of ``w`` (torchao's float8 rowwise);
+- ``tensorwise``: one scale per operand;
+- ``wgrad``: the weight gradient ``dy.T @ x`` (contraction over the M tokens), 1x128 x 1x128
+  blockwise, for M a multiple of 128;
+- ``quantize``: the 1x128 activation quantizer (Triton on CUDA), reported as GB/s of bytes read
+  plus written.
+
+A kind that this device refuses is reported as refused, with the first line of the error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from workers.fp8.matmul import _blockwise, lay_out
+from workers.fp8.quant import quantize, quantize_rows
+
+TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
+# the 1B preset's MLP (hidden 2048 -> 8192 -> 2048) and Llama-3-8B's (4096 -> 14336)
+SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
+KINDS: tuple[str, ...] = ("bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize")
+SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
+
+
+@dataclass(frozen=True)
+class KernelRow:
+    tokens: int
+    in_features: int
+    out_features: int
+    kind: str
+    us: float | None  # time per call; None when refused or not applicable
+    note: str = ""
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.tokens * self.in_features * self.out_features
+
+    @property
+    def tflops(self) -> float | None:
+        if self.us is None or self.kind == "quantize":
+            return None
+        return self.flops / (self.us * 1e-6) / 1e12
+
+    @property
+    def quantizer_gbs(self) -> float | None:
+        """Bytes the quantizer must move (BF16 in, E4M3 out, one float32 scale per 128) per second."""
+        if self.us is None or self.kind != "quantize":
+            return None
+        elems = self.tokens * self.in_features
+        return (elems * 2 + elems + elems // 128 * 4) / (self.us * 1e-6) / 1e9
+
+
+def _time_calls(device: torch.device, calls: Sequence[Callable[[], object]], replays: int) -> float:
+    """Microseconds per call of ``calls`` (one per operand set), GPU time from graph replay on CUDA."""
+    for fn in calls:  # warm-up: module load, handles, autotuning, cuBLAS's heuristics
+        fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            for fn in calls:
+                fn()
+        return (time.perf_counter() - t0) / (replays * len(calls)) * 1e6
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for fn in calls:  # a warm-up on the capture stream too
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    times = []
+    for _ in range(3):  # median of three timed series
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(float(start.elapsed_time(end)) * 1e3 / (replays * len(calls)))
+    return float(sorted(times)[1])
+
+
+def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Callable[[], object]]:
+    """One zero-argument call per operand set for ``kind`` at ``[m, k] @ [k, n]``."""
+    calls: list[Callable[[], object]] = []
+    for _ in range(SETS):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        if kind == "bf16":
+            wt = w.t()
+            calls.append(partial(torch.mm, x, wt))
+        elif kind == "blockwise":
+            xq, wq = quantize_rows(x, "e4m3", rows_multiple=16), quantize(w, "e4m3", (128, 128))
+            a, b = lay_out(xq, wq.t(), 128)
+            calls.append(partial(_blockwise, a, b, torch.bfloat16))
+        elif kind in ("rowwise", "tensorwise"):
+            block = (1, k) if kind == "rowwise" else None
+            a, b = lay_out(quantize(x, "e4m3", block), quantize(w, "e4m3", block).t())
+            sa, sb = a.scale.contiguous(), b.scale.contiguous()
+
+            calls.append(partial(torch._scaled_mm, a.data, b.data, sa, sb, out_dtype=torch.bfloat16))
+        elif kind == "wgrad":  # dW [N, K] = dy.T [N, M] @ x [M, K], both tiled 1x128 along M
+            dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+            a = quantize(dy.t().contiguous(), "e4m3", (1, 128))  # [N, M]
+            b = quantize(x.t().contiguous(), "e4m3", (1, 128)).t()  # [M, K] in 128x1 tiles
+            a, b = lay_out(a, b, 128)
+            calls.append(partial(_blockwise, a, b, torch.bfloat16))
+        elif kind == "quantize":
+            calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
+        else:
+            raise ValueError(f"kind {kind!r}: choose from {KINDS}")
+    return calls
+
+
+def run(
+    device: str = "cuda",
+    tokens: Sequence[int] = TOKENS,
+    shapes: Sequence[tuple[int, int]] = SHAPES,
+    kinds: Sequence[str] = KINDS,
+    replays: int = 20,
+) -> list[KernelRow]:
+    dev = torch.device(device)
+    rows = []
+    for k, n in shapes:
+        for m in tokens:
+            for kind in kinds:
+                if kind == "wgrad" and m % 128:
+                    rows.append(KernelRow(m, k, n, kind, None, "M not a multiple of 128"))
+                    continue
+                try:
+                    us = _time_calls(dev, _calls(kind, m, k, n, dev), replays)
+                    rows.append(KernelRow(m, k, n, kind, us))
+                except Exception as err:  # a kind this device refuses: say so, go on
+                    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]
+                    rows.append(KernelRow(m, k, n, kind, None, f"refused: {type(err).__name__}: {first}"))
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: Sequence[KernelRow]) -> str:
+    """One line per (shape, M): each kind's microseconds per call and its speed against BF16."""
+    kinds = list(dict.fromkeys(r.kind for r in rows))
+    by_key: dict[tuple[int, int, int], dict[str, KernelRow]] = {}
+    for r in rows:
+        by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
+    head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
+    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s; bf16 TFLOP/s"]
+    notes: dict[str, str] = {}
+    for (k, n, m), by_kind in by_key.items():
+        cells = []
+        for kind in kinds:
+            cell = by_kind.get(kind)
+            if cell is None or cell.us is None:
+                cells.append(f"{'-':>13}")
+                if cell is not None and cell.note.startswith("refused"):
+                    notes[kind] = cell.note
+            else:
+                cells.append(f"{cell.us:>13.1f}")
+        base = by_kind.get("bf16")
+        ratios = []
+        base_us = base.us if base is not None else None
+        for kind in ("blockwise", "rowwise", "tensorwise"):
+            fp8 = by_kind.get(kind)
+            fp8_us = fp8.us if fp8 is not None else None
+            ratios.append(f"{base_us / fp8_us:.2f}x" if base_us and fp8_us else "-")
+        q = by_kind.get("quantize")
+        gbs = f"{q.quantizer_gbs:.0f}" if q is not None and q.quantizer_gbs is not None else "-"
+        tf = f"{base.tflops:.0f}" if base is not None and base.tflops is not None else "-"
+        lines.append(f"{k:>6} {n:>6} {m:>5} " + " ".join(cells) + f"   {' '.join(ratios)}; {gbs}; {tf}")
+    lines += [f"{kind}: {note}" for kind, note in notes.items()]
+    return "\n".join(lines)
+
+
+def report(device: str = "cuda", **options: object) -> str:
+    return format_table(run(device, **options))  # type: ignore[arg-type]

@@ -1,0 +1,38 @@
+"""The kernel microbenchmark (bench/kernels.py): what each row means, on the CPU (the GPU runs it
+in ``make gpu-check``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import kernels
+
+
+def test_rates_are_computed_from_the_bytes_and_flops_by_hand() -> None:
+    q = kernels.KernelRow(128, 256, 512, "quantize", us=10.0)
+    # BF16 in (2 bytes), E4M3 out (1 byte), one float32 scale per 128 elements: 99,328 bytes
+    assert q.quantizer_gbs == pytest.approx((128 * 256 * 3 + 128 * 2 * 4) / 10e-6 / 1e9)
+    assert q.tflops is None
+    mm = kernels.KernelRow(128, 256, 512, "bf16", us=10.0)
+    assert mm.tflops == pytest.approx(2 * 128 * 256 * 512 / 10e-6 / 1e12) and mm.quantizer_gbs is None
+    assert kernels.KernelRow(1, 256, 512, "bf16", us=None).tflops is None
+
+
+def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
+    rows = kernels.run("cpu", tokens=(1, 128), shapes=((256, 256),), replays=1)
+    got = {(r.tokens, r.kind): r for r in rows}
+    assert set(got) == {(m, k) for m in (1, 128) for k in kernels.KINDS}
+    assert got[(1, "wgrad")].us is None and "multiple of 128" in got[(1, "wgrad")].note
+    for kind in ("bf16", "rowwise", "tensorwise", "quantize"):  # what a CPU runs
+        assert all((got[(m, kind)].us or 0.0) > 0 for m in (1, 128))
+    # cuBLAS's blockwise scaling exists on CUDA only: refused here, with torch's message
+    assert got[(128, "blockwise")].us is None and got[(128, "blockwise")].note.startswith("refused: ")
+    table = kernels.format_table(rows)
+    assert table.splitlines()[1].split()[:3] == ["256", "256", "1"]
+    assert "blockwise: refused: " in table
+
+
+def test_an_unknown_kind_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="kind 'int4'"):
+        kernels._calls("int4", 16, 128, 128, torch.device("cpu"))

@@ -1,0 +1,64 @@
+"""The Triton decode attention (workers/engines/native/decode_attention.py) on the CPU, under Triton's
+interpreter: its arithmetic against a float64 reference (GQA groups, lengths inside the buffer,
+several key ranges), an FP8 cache dequantized in registers to exactly the materialized values,
+nothing read at or past the length, masked keys without effect, and the static decode loop through
+it against the trainer. The interpreter must be on before Triton is imported, so those checks run
+in a fresh interpreter (``decode_attention_checks.py``). Its speed, and its compilation for a GPU,
+only a GPU shows (``make gpu-check``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.engines.native.decode_attention_checks import case, fp8
+from workers.engines.native import decode_attention as da
+
+pytest.importorskip("triton", reason="Triton comes with the engines install (make engines)")
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def run_checks(name: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    module = "tests.workers.engines.native.decode_attention_checks"
+    out = subprocess.run(
+        [sys.executable, "-m", module, name], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+
+
+def test_kernel_arithmetic_under_the_interpreter() -> None:
+    run_checks("arithmetic")
+
+
+@pytest.mark.slow  # the interpreter runs every program of every layer's attention: ~30 s
+def test_static_decode_through_the_kernel_samples_what_the_trainer_scores() -> None:
+    """FP8 weights and an FP8 KV cache, the decode steps' attention in the kernel: the samples'
+    log-probs agree with the trainer's as the eager loop's do (CPU, eager: 1.0081; bound 1.02,
+    where a wrong key, position or scale gives far more)."""
+    run_checks("decode")
+
+
+def test_bad_shapes_and_missing_scales_are_refused() -> None:
+    q, k, v, seen = case(1, 3, 2, 16, 32, seed=3)
+    with pytest.raises(ValueError, match="3 query heads over 2 KV heads"):
+        da.decode_attention(q, k, v, seen, torch.tensor([4]), 1.0)
+    q, k, v, seen = case(1, 2, 1, 16, 32, seed=3)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        da.decode_attention(q, fp8(k, 0.02), fp8(v, 0.02), seen, torch.tensor([4]), 1.0)
+
+
+def test_the_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FP8RL_DECODE_ATTENTION", raising=False)
+    assert not da.enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="FP8RL_DECODE_ATTENTION='flash'"):
+        da.enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert da.enabled(torch.device("cuda")) and not da.enabled(torch.device("cpu"))

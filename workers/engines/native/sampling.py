@@ -1,0 +1,56 @@
+"""Sampling shared by the native generator's decode loops (eager and graph-captured): the
+exponential-race draw, and "every row finished" asked without a host sync."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``probs [B, V]`` restricted to the smallest set of mass >= top_p.
+
+    ``argmax(p / E)`` with ``E ~ Exp(1)`` draws index i with probability p_i / sum(p): the same
+    draw as ``torch.multinomial(p, 1)`` for the same generator state, without its host read.
+    """
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # [B, V]
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+        sorted_p = torch.where(before < top_p, sorted_p, torch.zeros_like(sorted_p))
+        choice = _race(sorted_p, gen)  # [B] index into sorted
+        return order.gather(-1, choice[:, None]).squeeze(-1)
+    return _race(probs, gen)  # [B]
+
+
+def _race(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    exp = torch.empty_like(probs).exponential_(1, generator=gen)  # [B, V]
+    return (probs / exp).argmax(-1)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
+
+
+class AllFinished:
+    """Whether every row has finished, asked without making the host wait for the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.value = False
+        if device.type == "cuda":
+            self.host = torch.zeros((), dtype=torch.bool).pin_memory()
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self.pending = False
+
+    def post(self, finished: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            self.value = bool(finished.all())
+        elif self.device.type == "cuda" and not self.pending:
+            self.host.copy_(finished.all(), non_blocking=True)
+            self.event.record()
+            self.pending = True
+
+    def __bool__(self) -> bool:
+        if self.device.type == "cuda" and self.pending and self.event.query():  # type: ignore[no-untyped-call]
+            self.pending = False
+            self.value = bool(self.host)  # host memory, already written: no wait
+        return self.value

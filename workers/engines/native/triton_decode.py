@@ -1,0 +1,159 @@
+"""The Triton kernels of :mod:`workers.engines.native.decode_attention` (imported only when they
+run: Triton is absent on some CPU machines)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# -1e30 below stands for minus infinity: exp() and max() of a fully masked tile stay free of NaN
+
+
+@triton.jit
+def _bf16(x):
+    """float32 ``x`` rounded to the nearest BF16 value (ties to even), kept as float32: torch's
+    ``.to(torch.bfloat16)`` for finite values, done on the bits (Triton's interpreter truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    seen_ptr,
+    len_ptr,
+    ks_ptr,
+    vs_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    scaling,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_sb,
+    chunk,
+    HQ: tl.constexpr,
+    SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+) -> None:
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # KV head
+    s = tl.program_id(2)  # key range
+    n = tl.load(len_ptr)  # positions written so far: keys [0, n)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    heads = h * GROUP + g  # the query heads of this KV head's group
+    in_group = g < GROUP
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group[:, None], other=0.0
+    )
+    q = q.to(tl.float32)
+    if FP8:
+        k_scale = tl.load(ks_ptr)
+        v_scale = tl.load(vs_ptr)
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    start = s * chunk
+    end = tl.minimum(start + chunk, n)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        inside = j < end
+        ok = tl.load(seen_ptr + b * stride_sb + j, mask=inside, other=0) != 0
+        valid = inside & ok
+        k = tl.load(
+            k_ptr + b * stride_kb + h * stride_kh + j[:, None] * stride_kt + d[None, :],
+            mask=inside[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_ptr + b * stride_vb + h * stride_vh + j[:, None] * stride_vt + d[None, :],
+            mask=inside[:, None],
+            other=0.0,
+        )
+        # float32 operands holding BF16 values: TF32 represents them exactly, so the products are
+        # BF16's (and Triton's interpreter, which the CPU tests use, has no BF16 dot)
+        if FP8:  # in registers: the materialized dequantization's values, bf16(f32(x) * scale)
+            k = _bf16(k.to(tl.float32) * k_scale)
+            v = _bf16(v.to(tl.float32) * v_scale)
+        else:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * scaling  # [BLOCK_G, BLOCK_N], float32
+        scores = tl.where(valid[None, :], scores, -1.0e30)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(_bf16(p), v)  # P rounded to BF16, as flash attention
+        m_i = m_new
+    row = (b * HQ + heads) * SPLITS + s  # [BLOCK_G]
+    tl.store(m_ptr + row, m_i, mask=in_group)
+    tl.store(l_ptr + row, l_i, mask=in_group)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=in_group[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr
+) -> None:
+    bh = tl.program_id(0)  # one (sequence, query head)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    live = s < SPLITS
+    m = tl.load(m_ptr + bh * SPLITS + s, mask=live, other=-1.0e30)
+    l_s = tl.load(l_ptr + bh * SPLITS + s, mask=live, other=0.0)
+    acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    w = tl.where(live, tl.exp(m - tl.max(m, 0)), 0.0)  # a split that saw no key has l = 0
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_s, 0)
+    tl.store(out_ptr + bh * D + d, _bf16(out).to(tl.bfloat16))  # exact: already a BF16 value
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seen: torch.Tensor,
+    length: torch.Tensor,
+    scaling: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    splits: int,
+    block_n: int,
+    fp8: bool,
+) -> Any:
+    b, hq, d = q.shape
+    _, hkv, t, _ = k.shape
+    group = hq // hkv
+    chunk = triton.cdiv(triton.cdiv(t, splits), block_n) * block_n  # keys per split, whole tiles
+    part = torch.empty(b * hq * splits, dtype=torch.float32, device=q.device)
+    m, l_sum = part, torch.empty_like(part)
+    acc = torch.empty(b * hq * splits, d, dtype=torch.float32, device=q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    scales = (k_scale, v_scale) if fp8 else (length, length)  # unused pointers when not FP8
+    _split_kernel[(b, hkv, splits)](
+        q, k, v, seen, length, scales[0], scales[1], m, l_sum, acc, float(scaling),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), seen.stride(0), chunk,
+        HQ=hq, SPLITS=splits, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d,
+        BLOCK_N=block_n, FP8=fp8,
+    )  # fmt: skip
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
+    _combine_kernel[(b * hq,)](m, l_sum, acc, out, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), D=d)
+    return out
