@@ -199,6 +199,8 @@ class Fp8Linear(nn.Module):
         self._w_q_cm: Fp8Tensor | None = None  # column-major copy for dgrad (trainers, CUDA kernels)
         self.fp8_only = False  # True after drop_master_weight(): the FP8 weight is all there is
         self.fp8_weight_updates = 0  # how many times the FP8 copy was (re)made or loaded
+        # (FusedGroup, member index) once workers.fp8.fused has fused this layer with its siblings
+        self.fused: Any = None
 
     @classmethod
     def from_linear(
@@ -264,6 +266,8 @@ class Fp8Linear(nn.Module):
             self._w_q_key = self._weight_key()
         if self.fp8_only and self._w_q is not None and _same_layout(self._w_q, w_q):
             _copy_into(self._w_q, w_q)  # the storage a captured CUDA graph reads stays the same
+            if self.fused is not None:
+                self.fused[0].refresh()  # the rows are the group's: its derived layout too
         else:
             self._w_q = w_q
         self._w_q_cm = None
@@ -293,6 +297,8 @@ class Fp8Linear(nn.Module):
         """Bytes of this layer's FP8 weight copies (data, scales, CPU dequantization cache)."""
         copies = [c for c in (self._w_q, self._w_q_cm) if c is not None]
         total = sum(c.allocated_bytes for c in copies)
+        if self.fused is not None and self.fused[1] == 0:  # the group's derived copies, once
+            total += sum(t.numel() * t.element_size() for t in self.fused[0].weight._memo.values())
         if self._w_q is not None and self._w_q_cm is not None:
             total -= self._w_q_cm.scale.numel() * 4  # shared with _w_q
         return total
@@ -335,7 +341,11 @@ class Fp8Linear(nn.Module):
         params_need_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
         if not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
             # inference (generation): one quantization of x, no autograd state, no wgrad copy
-            y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config, self.name)
+            if self.fused is not None:  # one GEMM for the group (workers.fp8.fused)
+                group, member = self.fused
+                y2d: torch.Tensor = group.output(x, x2d, member)
+            else:
+                y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config, self.name)
         else:
             y2d = _Fp8LinearFn.apply(x2d, self.weight, self.bias, self)  # type: ignore[no-untyped-call]
         return y2d.reshape(*lead, self.out_features)
@@ -368,6 +378,12 @@ def _copy_into(held: Fp8Tensor, new: Fp8Tensor) -> None:
     dequantization is dropped (made again on first use)."""
     held.data.copy_(new.data)
     held.scale.copy_(new.scale)
+    _refresh_derived(held)
+
+
+def _refresh_derived(held: Fp8Tensor) -> None:
+    """``held``'s bytes or scales changed in place: rewrite its cuBLAS scale layout in place, drop
+    its CPU float32 dequantization."""
     derived = held._memo.get("cublas_scale_t")
     held._memo.clear()
     if derived is not None:

@@ -40,6 +40,7 @@ from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Payload, Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
+from workers.fp8.fused import fuse_projections
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, kv_cache_bytes
 from workers.weight_contract import KvHeld, WeightReport, dtype_name, kv_cache_dtype, received_weights
@@ -55,6 +56,11 @@ class NativeGenerator:
         self.model.requires_grad_(False)
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "generator")
         drop_master_weights(self.model)  # FP8 layers keep their FP8 weight only
+        # q/k/v and gate/up as one FP8 GEMM each on a GPU (same bytes; workers/fp8/fused.py); the
+        # CPU keeps one emulated GEMM per layer (its results stay those of earlier runs)
+        self.fused_groups = (
+            fuse_projections(self.model) if self.device.type == "cuda" and not is_exact(self.model) else 0
+        )
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
         self.channel: CollectiveWeightSync | None = None

@@ -1,0 +1,123 @@
+"""Fused projections for an FP8 generator: q/k/v, and gate/up, as one FP8 GEMM each.
+
+Hugging Face's attention calls ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)`` on the same hidden
+states, its MLP ``gate_proj(x)`` and ``up_proj(x)``: in FP8 that is one quantization of ``x`` and
+one GEMM per projection. :func:`fuse_projections` gives each group one FP8 weight, the members'
+weights stacked along the output dimension, and makes each member's FP8 weight a view of its rows
+(data and 128x128-block scales): the first member called quantizes ``x`` once and runs one GEMM
+for the group; the others, called with the same ``x``, return their columns of it (views, no
+copy). Nothing else changes:
+
+- the bytes: a member's rows are a whole number of 128-row blocks (a group is fused only then),
+  so every 128x128 block and its scale are the member's own, bit for bit;
+- names and payloads: the members stay ``q_proj``, ``k_proj``, ... with their own weights, so
+  weight sync, export and vLLM's checkpoint format are unchanged; a weight loaded into a member
+  is copied into the group's rows (in place: a captured CUDA graph reads the group's storage) and
+  the group's cuBLAS scale layout is rewritten in place;
+- biases (Qwen2's q/k/v): the group's bias is one buffer, each member's bias a view of it.
+
+Inference only (a generator after ``drop_master_weights``): a member that is asked for gradients
+runs alone, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.fp8.linear import Fp8Linear, _fprop
+from workers.fp8.quant import Fp8Tensor
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass
+class FusedGroup:
+    """One FP8 weight for several projections of the same input (see the module docstring)."""
+
+    names: tuple[str, ...]
+    bounds: tuple[int, ...]  # member i owns output rows bounds[i]:bounds[i + 1]
+    weight: Fp8Tensor  # [sum of N, K]
+    bias: torch.Tensor | None
+    first: Fp8Linear  # the config and name the group's GEMM uses
+    _x: torch.Tensor | None = None
+    _y: torch.Tensor | None = None
+    _served: set[int] | None = None  # members that took their columns of _y
+
+    def output(self, x: torch.Tensor, x2d: torch.Tensor, member: int) -> torch.Tensor:
+        """Member ``member``'s ``x2d @ W.T + b`` (``x2d``: the layer's input ``x`` as rows): one GEMM
+        for the group per input, recognised as the same tensor object ``x``."""
+        if self._x is not x or self._y is None or self._served is None or member in self._served:
+            # a new input (or a member asking twice: x may have changed in place): compute
+            self._x, self._served = x, set()
+            self._y = _fprop(x2d, self.weight, self.bias, self.first.config, "+".join(self.names))
+        y = self._y
+        self._served.add(member)
+        if len(self._served) == len(self.names):  # every member has its columns: let go of x
+            self._x = self._y = self._served = None
+        return y[:, self.bounds[member] : self.bounds[member + 1]]
+
+    def refresh(self) -> None:
+        """After a member's rows were rewritten: the group's derived cuBLAS layout, in place."""
+        from workers.fp8.linear import _refresh_derived
+
+        _refresh_derived(self.weight)
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse every q/k/v and gate/up group of FP8-only layers whose outputs are whole 128-row
+    blocks; returns how many groups were fused."""
+    fused = 0
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, Fp8Linear) for m in members):
+                continue
+            layers: list[Fp8Linear] = members  # type: ignore[assignment]
+            if _fusable(layers):
+                _fuse(names, layers)
+                fused += 1
+    return fused
+
+
+def _fusable(layers: list[Fp8Linear]) -> bool:
+    w = [m.fp8_weight() if m.fp8_only else None for m in layers]
+    if any(x is None for x in w) or getattr(layers[0], "fused", None) is not None:
+        return False
+    first = w[0]
+    assert first is not None
+    same = all(
+        x is not None
+        and x.block == first.block == (128, 128)
+        and x.fmt == first.fmt
+        and x.shape[1] == first.shape[1]
+        and x.shape[0] % 128 == 0
+        and x.data.is_contiguous()
+        for x in w
+    )
+    biases = {m.bias is None for m in layers}
+    configs = {m.config for m in layers}
+    return same and len(biases) == 1 and len(configs) == 1
+
+
+@torch.no_grad()
+def _fuse(names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
+    weights = [m.fp8_weight() for m in layers]
+    data = torch.cat([w.data for w in weights])  # [sum N, K]
+    scale = torch.cat([w.scale for w in weights])  # [sum N / 128, K / 128]
+    group_weight = Fp8Tensor(data, scale, weights[0].block, weights[0].fmt, True)
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + w.shape[0])
+    bias = None
+    if layers[0].bias is not None:
+        bias = torch.cat([m.bias.detach() for m in layers if m.bias is not None])
+    group = FusedGroup(names, tuple(bounds), group_weight, bias, layers[0])
+    for i, m in enumerate(layers):
+        a, b = bounds[i], bounds[i + 1]
+        m._w_q = Fp8Tensor(data[a:b], scale[a // 128 : b // 128], group_weight.block, group_weight.fmt, True)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[a:b], requires_grad=False)  # a view: loads write the group's bias
+        m.fused = (group, i)
