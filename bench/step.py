@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_spec, device_name, pick_device, timed
+from bench.common import bench_spec, device_name, pick_device, timed, vocab_size
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Rollouts
@@ -72,18 +72,20 @@ def run(
                 optimizer={"micro_batch_size": 64},
                 precision={"exact": exact},
             )  # fmt: skip
-            rows.append(_recipe(spec, dev, texts, answers, steps))
+            rows.append(
+                _recipe(spec, dev, texts, answers, steps, vocab_size(model, ByteTokenizer().vocab_size))
+            )
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return device_name(dev), rows
 
 
 def _recipe(
-    spec: JobSpec, dev: torch.device, texts: list[list[int]], answers: list[str], steps: int
+    spec: JobSpec, dev: torch.device, texts: list[list[int]], answers: list[str], steps: int, vocab: int
 ) -> StepRow:
     tok = ByteTokenizer()
-    trainer = build_trainer(spec, tok.vocab_size, str(dev))
-    gen = build_generator(spec, tok.vocab_size, tok.eos_id, tok.pad_id, str(dev))
+    trainer = build_trainer(spec, vocab, str(dev))
+    gen = build_generator(spec, vocab, tok.eos_id, tok.pad_id, str(dev))
     names = gen.fp8_weight_names()
     gen.load_weights(trainer.export_weights(names))
     new_tokens = spec.rollout.max_new_tokens
