@@ -130,3 +130,23 @@ def test_a_member_asking_twice_gets_a_fresh_product() -> None:
     # FP8 activations against the float32 product of the dequantized weight: E4M3's 2^-4 step
     for got, want in zip((again, up), plain, strict=True):
         assert float((got.float() - want).norm() / want.norm()) < 0.05
+
+
+def test_fused_groups_pass_cudas_checks_in_the_static_decode_loop() -> None:
+    """On ``meta`` under the SM90 profile (torch's meta kernels apply CUDA's preconditions to every
+    ``scaled_mm``), with the group weights, in the graph loop's static step: no call CUDA would
+    refuse, and nothing read back."""
+    from workers.engines.native.sampling import log_softmax
+    from workers.engines.native.static_decode import StaticDecoder
+    from workers.fp8 import simulate
+
+    gen = NativeGenerator(SPEC, TOK.vocab_size, TOK.eos_id, TOK.pad_id, "meta")
+    gen.model.config._attn_implementation = "sdpa"
+    assert fuse_projections(gen.model) == 4
+    decoder = StaticDecoder(gen.model, gen.device, False, True, log_softmax)
+    ids, mask = left_pad([TOK.encode("12 + 30 = "), TOK.encode("7 + 5 = ")] * 2, TOK.pad_id)
+    with simulate("sm90-cuda13.0"):
+        tokens, valid, logps = decoder.generate(
+            ids.to("meta"), mask.to("meta"), 4, 1.0, 1.0, 0, TOK.eos_id, TOK.pad_id
+        )
+    assert tokens.shape == logps.shape == (4, 4) and tokens.device.type == "meta"
