@@ -370,6 +370,7 @@ def run_recipes(quick: bool) -> str:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         metrics = RunDir(out_dir).metrics
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        rows = [r for r in rows if m.TOKEN_MULT_PROB_ERROR in r]  # RL steps (not a step-0 validation)
         if rows:
             last = rows[-1]
             mismatch = sum(r[m.TOKEN_MULT_PROB_ERROR] for r in rows) / len(rows)

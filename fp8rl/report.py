@@ -71,8 +71,9 @@ def report(runs: list[Run], output: Path, window: int = 5) -> Path:
     for ax, (key, title, line) in zip(axes.flat, PANELS, strict=True):
         for run in runs:
             label, rows = run.label, run.rows
-            steps = [int(r["step"]) for r in rows]
-            values = [float(r.get(key, math.nan)) for r in rows]
+            rl_rows = [r for r in rows if m.REWARD_MEAN in r]  # not the step-0 validation line
+            steps = [int(r["step"]) for r in rl_rows]
+            values = [float(r.get(key, math.nan)) for r in rl_rows]
             (curve,) = ax.plot(steps, smooth(values, window), label=label)
             val = validation_points(rows) if key == m.REWARD_MEAN else []
             if val:
@@ -103,10 +104,10 @@ def summary(runs: list[Run], last: int = 10) -> list[dict[str, Any]]:
     the last validation accuracy (None without validation)."""
     out = []
     for run in runs:
-        rows = run.rows
+        val = validation_points(run.rows)  # step 0 (before RL) included
+        rows = [r for r in run.rows if m.REWARD_MEAN in r]  # the RL steps
         tail = rows[-last:]
         tmpe = [float(r[m.TOKEN_MULT_PROB_ERROR]) for r in rows]
-        val = validation_points(rows)
         out.append(
             {
                 "run": run.label,

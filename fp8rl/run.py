@@ -29,6 +29,8 @@ def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
 
 
 def _format_row(row: Mapping[str, Any]) -> str:
+    if m.REWARD_MEAN not in row:  # the step-0 validation, before RL
+        return f"step {row['step']}: val accuracy {row[m.VAL_ACCURACY]:.3f} (before RL)"
     return (
         f"step {row['step']}: reward {row['reward/mean']:.3f}  "
         f"mismatch {row['mismatch/token_mult_prob_error']:.4f}  "

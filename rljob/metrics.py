@@ -142,6 +142,11 @@ ValidationMetrics = TypedDict(
     {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
     total=False,  # only on the steps that validate
 )
+# The policy RL starts from (after the warm-up), validated before step 1: a line of its own
+InitialValidation = TypedDict(
+    "InitialValidation",
+    {"step": int, "val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
+)
 _StepCore = TypedDict(
     "_StepCore",
     {
@@ -177,7 +182,8 @@ class ValidatedStepMetrics(AsyncStepMetrics, ValidationMetrics, total=False):
     """The line of a step that also validated."""
 
 
-# The keys every step line has (docs/running.md "Metrics"), in the order of the schema.
+# The keys every step line has (docs/running.md "Metrics"), in the order of the schema; the
+# step-0 validation line (InitialValidation) has the validation keys only.
 REQUIRED_KEYS: tuple[str, ...] = tuple(
     k for k in StepMetrics.__annotations__ if k in StepMetrics.__required_keys__
 )

@@ -228,14 +228,23 @@ def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) ->
     )
     result = run(spec, tmp_path / "run", RunOptions(log=lambda m: None))
     rows_out = MetricsLog(tmp_path / "run" / "metrics.jsonl").rows()
-    assert [r["step"] for r in rows_out] == [1, 2, 3] and result.last_step == 3
+    # step 0: the warmed-up policy before RL, a line of its own with the validation keys only
+    assert [r["step"] for r in rows_out] == [0, 1, 2, 3] and result.last_step == 3
+    assert set(rows_out[0]) == {"step", "val/accuracy", "val/reward_mean", "timing/validation_s"}
     assert [("val/accuracy" in r, "val/reward_mean" in r, "timing/validation_s" in r) for r in rows_out] == [
+        (True, True, True),
         (False, False, False),
         (True, True, True),
         (True, True, True),
     ]
-    for r in rows_out[1:]:
+    for r in (rows_out[0], *rows_out[2:]):
         assert (r["val/accuracy"], r["val/reward_mean"]) == (0.5, 0.5), r
         assert r["timing/validation_s"] > 0
     # the training rows answer "1" and are all rewarded: the policy did learn the constant answer
     assert rows_out[-1]["reward/mean"] == 1.0
+    # a resume from step 3's checkpoint, one step more: step 0 is not validated again
+    resumed = run(
+        spec.model_copy(update={"steps": 4}), tmp_path / "run", RunOptions(resume=True, log=lambda m: None)
+    )
+    again = MetricsLog(tmp_path / "run" / "metrics.jsonl").rows()
+    assert [r["step"] for r in again] == [0, 1, 2, 3, 4] and resumed.last_step == 4

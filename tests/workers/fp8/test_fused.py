@@ -146,7 +146,7 @@ def test_fused_groups_pass_cudas_checks_in_the_static_decode_loop() -> None:
     decoder = StaticDecoder(gen.model, gen.device, False, True, log_softmax)
     ids, mask = left_pad([TOK.encode("12 + 30 = "), TOK.encode("7 + 5 = ")] * 2, TOK.pad_id)
     with simulate("sm90-cuda13.0"):
-        tokens, valid, logps = decoder.generate(
+        tokens, _, logps = decoder.generate(
             ids.to("meta"), mask.to("meta"), 4, 1.0, 1.0, 0, TOK.eos_id, TOK.pad_id
         )
     assert tokens.shape == logps.shape == (4, 4) and tokens.device.type == "meta"
