@@ -208,6 +208,16 @@ class WarmupSpec(StrictModel):
     sft_steps: int = Field(0, ge=0, le=100_000, description="Supervised steps; 0 disables the warm-up.")
     batch_size: int = Field(64, ge=1, le=65536, description="Examples per supervised step.")
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="Supervised learning rate.")
+    target_accuracy: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Stop the warm-up once the policy's greedy accuracy on `check_size` training problems "
+        "reaches this (checked every `check_interval` steps; `sft_steps` caps it), so that RL starts "
+        "from a comparable policy whatever the seed; 0 runs all `sft_steps`.",
+    )
+    check_interval: int = Field(25, ge=1, le=100_000, description="Supervised steps between accuracy checks.")
+    check_size: int = Field(128, ge=1, le=65536, description="Training problems of each accuracy check.")
 
 
 class ValidationSpec(StrictModel):

@@ -117,17 +117,46 @@ def warmup(
     spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, out: Path, log: Callable[[str], None]
 ) -> None:
     """``warmup.sft_steps`` supervised steps on the task's answers (``warmup.jsonl``), then a
-    checkpoint of step 0."""
+    checkpoint of step 0. With ``warmup.target_accuracy``, every ``check_interval`` steps the
+    generators answer ``check_size`` training problems greedily with the current weights; the
+    warm-up stops once that accuracy reaches the target (the line of the check has it)."""
     w = spec.warmup
     sizes = even_split(w.batch_size, 1, actors.num_trainers)
-    loss = float("nan")
+    check = task.sample(WARMUP_CHECK_STEP, w.check_size, spec.rollout.seed) if w.target_accuracy else []
+    loss, accuracy, done = float("nan"), None, 0
     with RunDir(out).warmup.open("w") as f:
         for i in range(1, w.sft_steps + 1):
             batch = sft_batch(task, tok, task.sample(-i, w.batch_size, spec.rollout.seed))
             loss = actors.sft_step(split_rows(batch, sizes))
-            f.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
-    log(f"supervised warm-up: {w.sft_steps} steps, final loss {loss:.3f}")
+            line: dict[str, float] = {"sft_step": i, "loss": loss}
+            done = i
+            if check and i % w.check_interval == 0:
+                sync_weights(actors)
+                accuracy = greedy_accuracy(spec, task, tok, actors, check, WARMUP_CHECK_STEP)
+                line["train_accuracy"] = accuracy
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            if accuracy is not None and accuracy >= w.target_accuracy:
+                break
+    reached = "" if accuracy is None else f", greedy training accuracy {accuracy:.3f}"
+    if w.target_accuracy and (accuracy is None or accuracy < w.target_accuracy):
+        reached += f" (target {w.target_accuracy} not reached within sft_steps)"
+    log(f"supervised warm-up: {done} steps, final loss {loss:.3f}{reached}")
     save(actors, out, 0)
+
+
+WARMUP_CHECK_STEP = -(10**9)  # the step whose sample (and seeds) the warm-up's accuracy checks use
+
+
+def greedy_accuracy(
+    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, problems: list[Problem], step: int
+) -> float:
+    """Fraction of ``problems`` the generators answer fully correctly at temperature 0."""
+    prompts = [tok.encode(task.prompt(p)) for p in problems]
+    outs = generate(spec, actors, prompts, even_split(len(prompts), 1, actors.num_generators), step, 0.0)
+    batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
+    rewards = scores(task, tok, batch, problems)
+    return sum(r >= 1.0 for r in rewards) / len(rewards)
 
 
 def sync_weights(actors: StepActors) -> SyncMetrics:

@@ -248,3 +248,32 @@ def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) ->
     )
     again = MetricsLog(tmp_path / "run" / "metrics.jsonl").rows()
     assert [r["step"] for r in again] == [0, 1, 2, 3, 4] and resumed.last_step == 4
+
+
+@pytest.mark.slow
+def test_the_warm_up_stops_at_its_target_accuracy(tmp_path: Path) -> None:
+    """Every training answer is "1": the warm-up learns it within a few dozen steps at lr 1e-2
+    (the test above needs 40). With a target of 1.0 checked every 5 steps it stops at the first
+    check that finds every training problem answered "1", long before its cap of 400 steps; the
+    checks' lines carry the accuracy, the others do not."""
+    rows = [{"question": f"q{i}", "answer": "1"} for i in range(16)]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tiny_spec(
+        "bf16",
+        steps=1,
+        task={"dataset": str(data)},
+        warmup={"sft_steps": 400, "batch_size": 16, "lr": 1e-2, "target_accuracy": 1.0,
+                "check_interval": 5, "check_size": 16},
+    )  # fmt: skip
+    logs: list[str] = []
+    run(spec, tmp_path / "run", RunOptions(log=logs.append))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "warmup.jsonl").read_text().splitlines()]
+    n = len(lines)
+    assert 5 <= n < 400 and n % 5 == 0
+    checks = [x for x in lines if "train_accuracy" in x]
+    assert [x["sft_step"] for x in checks] == list(range(5, n + 1, 5))
+    assert checks[-1]["train_accuracy"] == 1.0 and all(x["train_accuracy"] < 1.0 for x in checks[:-1])
+    assert any(
+        f"supervised warm-up: {n} steps" in line and "greedy training accuracy 1.000" in line for line in logs
+    )
