@@ -48,6 +48,10 @@ def run_cmd(
         bool, typer.Option(help="Continue from the newest checkpoint in the output dir.")
     ] = False,
     seed: Annotated[int | None, typer.Option(help="Override rollout.seed.")] = None,
+    is_mode: Annotated[
+        str | None,
+        typer.Option(help="Override algorithm.importance_sampling.mode (none | tis | icepop | ...)."),
+    ] = None,
     metrics_port: Annotated[
         int | None, typer.Option(help="Serve Prometheus /metrics on this port (0: any free port).")
     ] = None,
@@ -56,7 +60,7 @@ def run_cmd(
     """Run one RL job on local Ray (or RAY_ADDRESS): generate, reward, train, sync, repeat."""
     from fp8rl.run import run_from_cli
 
-    overrides = {"recipe": recipe, "steps": steps, "output": output, "seed": seed}
+    overrides = {"recipe": recipe, "steps": steps, "output": output, "seed": seed, "is_mode": is_mode}
     raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress))
 
 
@@ -263,7 +267,7 @@ def report_cmd(
 ) -> None:
     """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table
     (with the last validation accuracy when a run has validation)."""
-    from fp8rl.report import by_recipe, load_run, report, summary
+    from fp8rl.report import by_recipe, format_validation_table, load_run, report, summary, validation_table
 
     try:
         runs = [load_run(d) for d in run_dirs]
@@ -299,6 +303,9 @@ def report_cmd(
                 + (f" {cells[2]:>17}" if val else "")
             )
         typer.echo("(mean +- sample standard deviation over the runs of each recipe)")
+    table = validation_table(rows)
+    if any(r["runs"] > 1 for r in table):  # seeds with validation: the table the FP8 papers print
+        typer.echo("\n" + format_validation_table(table))
     typer.echo(f"wrote {path}")
 
 

@@ -34,6 +34,8 @@ class Run:
     label: str
     recipe: str | None
     rows: list[dict[str, Any]]
+    variant: str | None = None  # the recipe, "-no-is" when importance sampling is off (FP8 recipes)
+    seed: int | None = None  # rollout.seed
 
 
 def load_run(run_dir: Path) -> Run:
@@ -42,13 +44,17 @@ def load_run(run_dir: Path) -> Run:
     rows = MetricsLog(files.metrics).rows()
     if not rows:
         raise ValueError(f"{run_dir}: no {METRICS} with steps; is this an fp8rl run directory?")
-    label, recipe = run_dir.name, None
+    label, recipe, variant, seed = run_dir.name, None, None, None
     spec = files.spec_resolved
     if spec.exists():
-        recipe = json.loads(spec.read_text()).get("precision", {}).get("recipe")
+        data = json.loads(spec.read_text())
+        recipe = data.get("precision", {}).get("recipe")
+        is_mode = data.get("algorithm", {}).get("importance_sampling", {}).get("mode")
+        variant = f"{recipe}-no-is" if recipe != "bf16" and is_mode == "none" else recipe
+        seed = data.get("rollout", {}).get("seed")
         if recipe and recipe not in label:
             label = f"{label} ({recipe})"
-    return Run(label, recipe, rows)
+    return Run(label, recipe, rows, variant, seed)
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -112,14 +118,86 @@ def summary(runs: list[Run], last: int = 10) -> list[dict[str, Any]]:
             {
                 "run": run.label,
                 "recipe": run.recipe or run.label,
+                "variant": run.variant or run.recipe or run.label,
+                "seed": run.seed,
                 "steps": int(rows[-1]["step"]),
                 "first_reward": sum(float(r[m.REWARD_MEAN]) for r in rows[:last]) / len(rows[:last]),
                 "final_reward": sum(float(r[m.REWARD_MEAN]) for r in tail) / len(tail),
                 "token_mult_prob_error": sum(tmpe) / len(tmpe),
                 "val_accuracy": val[-1][1] if val else None,
+                "val_first": val[0][1] if val else None,  # step 0 (before RL) where the run has it
             }
         )
     return out
+
+
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom (standard tables)
+T975 = {
+    1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+    10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+    18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
+    26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042,
+}  # fmt: skip
+RISE, FLOOR = 0.15, 0.3  # a run "learns" when val/accuracy rises by RISE over step 0, to FLOOR
+
+
+def validation_table(summaries: list[dict[str, Any]], baseline: str = "bf16") -> list[dict[str, Any]]:
+    """Per variant, over its runs (seeds) with validation: final ``val/accuracy`` mean and
+    standard error; the paired difference to ``baseline`` on the seeds both ran (mean and 95%
+    interval, Student's t); mean ``token_mult_prob_error``; and how many runs learned (rose by
+    :data:`RISE` over step 0, to at least :data:`FLOOR`)."""
+    runs = [r for r in summaries if r["val_accuracy"] is not None]
+    base = {r["seed"]: r["val_accuracy"] for r in runs if r["variant"] == baseline}
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in runs):
+        rows = [r for r in runs if r["variant"] == variant]
+        acc = [float(r["val_accuracy"]) for r in rows]
+        mean, std = mean_std(acc)
+        diffs = [float(r["val_accuracy"]) - base[r["seed"]] for r in rows if r["seed"] in base]
+        diff = None
+        if diffs and variant != baseline:
+            d_mean, d_std = mean_std(diffs)
+            half = (
+                T975.get(len(diffs) - 1, 1.96) * d_std / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+            )
+            diff = (d_mean, d_mean - half, d_mean + half, len(diffs))
+        learned = sum(
+            r["val_first"] is not None
+            and r["val_accuracy"] - r["val_first"] >= RISE
+            and r["val_accuracy"] >= FLOOR
+            for r in rows
+        )
+        out.append(
+            {
+                "variant": variant,
+                "runs": len(rows),
+                "val_accuracy": (mean, std / math.sqrt(len(acc))),
+                "diff": diff,
+                "token_mult_prob_error": sum(float(r["token_mult_prob_error"]) for r in rows) / len(rows),
+                "learned": learned,
+            }
+        )
+    return out
+
+
+def format_validation_table(table: list[dict[str, Any]], baseline: str = "bf16") -> str:
+    lines = [
+        f"{'recipe':<16} {'seeds':>5} {'val accuracy':>16} {'vs ' + baseline + ' (paired, 95% CI)':>32} "
+        f"{'token_mult_prob_error':>22} {'learned':>8}"
+    ]
+    for r in table:
+        mean, se = r["val_accuracy"]
+        d = r["diff"]
+        diff = "-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}] (n={d[3]})"
+        lines.append(
+            f"{r['variant']:<16} {r['runs']:>5} {f'{mean:.3f} +- {se:.3f}':>16} {diff:>32} "
+            f"{r['token_mult_prob_error']:>22.5f} {str(r['learned']) + '/' + str(r['runs']):>8}"
+        )
+    lines.append(
+        "(final val/accuracy: mean +- standard error over seeds; paired: the same seeds' difference; "
+        f"learned: val/accuracy rose >= {RISE} over step 0, to >= {FLOOR})"
+    )
+    return "\n".join(lines)
 
 
 def by_recipe(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:

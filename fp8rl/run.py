@@ -25,6 +25,8 @@ def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
         data["output_dir"] = str(overrides["output"])
     if overrides.get("seed") is not None:
         data["rollout"]["seed"] = overrides["seed"]
+    if overrides.get("is_mode") is not None:
+        data["algorithm"]["importance_sampling"]["mode"] = overrides["is_mode"]
     return parse_spec(data, "(after command-line overrides)")
 
 
