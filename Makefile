@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install engines tools test test-fast lint bench run compare crd clean gpu-check
+.PHONY: install engines tools test test-fast lint bench run crd clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -61,17 +61,35 @@ RUN_ARGS ?=
 run: $(STAMP)
 	$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $(RECIPE) --output runs/arithmetic-$(RECIPE) --resume $(RUN_ARGS)
 
-# The three recipes on each seed (rollout.seed: prompt order, sampling, warm-up batches), then
-# the comparison table (mean and spread over the seeds) and plot (README: "Results"). Each run
-# resumes, so an interrupted compare continues; `make -j3 compare` runs three at a time.
-SEEDS ?= 0 1 2
-RECIPES := bf16 fp8-gen fp8-e2e
-COMPARE_RUNS := $(foreach s,$(SEEDS),$(foreach r,$(RECIPES),runs/arithmetic-$(r)-seed$(s)))
-.PHONY: $(COMPARE_RUNS)
+# The FP8 papers' comparison on the example whose validation generalises
+# (examples/addition-cpu.yaml): bf16, fp8-gen, fp8-gen with importance sampling off, and fp8-e2e,
+# each on every seed (rollout.seed: prompt order, sampling, warm-up batches), then `fp8rl report`:
+# curves, and the table of final val/accuracy (mean +- standard error, paired difference to bf16
+# with a 95% interval, mismatch). Each run resumes, so an interrupted compare continues;
+# `make -j2 compare` runs two at a time.
+SEEDS ?= 0 1 2 3 4
+VARIANTS := bf16 fp8-gen fp8-gen-no-is fp8-e2e
+COMPARE_SPEC ?= examples/addition-cpu.yaml
+COMPARE_RUNS := $(foreach s,$(SEEDS),$(foreach v,$(VARIANTS),runs/compare-$(v)-seed$(s)))
+.PHONY: compare compare-onedigit $(COMPARE_RUNS)
 compare: $(COMPARE_RUNS)
-	$(VENV)/bin/fp8rl report $(COMPARE_RUNS) -o runs/arithmetic-report.png
+	$(VENV)/bin/fp8rl report $(COMPARE_RUNS) -o runs/compare-report.png
 
-$(COMPARE_RUNS): runs/arithmetic-%: $(STAMP)
+$(COMPARE_RUNS): runs/compare-%: $(STAMP)
+	mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant%-no-is}; \
+	is=$$([ "$$variant" = "$$recipe" ] || echo "--is-mode none"); \
+	$(VENV)/bin/fp8rl run $(COMPARE_SPEC) --recipe $$recipe $$is --seed $${name##*-seed} --output $@ \
+		--resume --no-progress $(RUN_ARGS) > $@.log 2>&1 || { tail -20 $@.log; exit 1; }
+
+# The earlier comparison on the one-digit example (docs/results.md): three recipes, seeds 0-2.
+ONEDIGIT_SEEDS ?= 0 1 2
+RECIPES := bf16 fp8-gen fp8-e2e
+ONEDIGIT_RUNS := $(foreach s,$(ONEDIGIT_SEEDS),$(foreach r,$(RECIPES),runs/arithmetic-$(r)-seed$(s)))
+.PHONY: $(ONEDIGIT_RUNS)
+compare-onedigit: $(ONEDIGIT_RUNS)
+	$(VENV)/bin/fp8rl report $(ONEDIGIT_RUNS) -o runs/arithmetic-report.png
+
+$(ONEDIGIT_RUNS): runs/arithmetic-%: $(STAMP)
 	mkdir -p runs; name=$*; $(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $${name%-seed*} \
 		--seed $${name##*-seed} --output $@ --resume --no-progress $(RUN_ARGS) > $@.log 2>&1 \
 		|| { tail -20 $@.log; exit 1; }
