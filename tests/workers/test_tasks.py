@@ -258,3 +258,19 @@ def test_the_prompt_template_replaces_only_the_question(tmp_path: Path) -> None:
     spec = parse_spec({"task": {"dataset": str(path), "prompt_template": "Q: {question}\n{answer}? A:"}})
     task = Task(spec.task)
     assert task.prompt(training(task)[0]) == "Q: a {b}\n{answer}? A:"
+
+
+def test_the_two_digit_example_trains_and_validates_on_disjoint_problems() -> None:
+    """examples/addition-cpu.yaml: 4000 training problems, 200 held out, no question in both, and
+    far more distinct training questions than a policy memorises in 600 x 32 prompts (19,200)."""
+    from rljob.spec import load_spec
+
+    spec = load_spec(Path(__file__).parents[2] / "examples" / "addition-cpu.yaml")
+    task = Task.for_job(spec)
+    train = task.sample(1, 4000, 0)  # every training problem, in some order
+    held = task.validation_problems()
+    assert len(train) == 4000 and len(held) == 200
+    train_q = {p.question for p in train}
+    assert len(train_q) > 3000 and not train_q & {p.question for p in held}
+    assert all(re.fullmatch(r"Calculate \d{1,3} \+ \d{1,3}\.", p.question) for p in held)
+    assert all(int(p.answer) == sum(int(x) for x in re.findall(r"\d+", p.question)) for p in held[:20])
