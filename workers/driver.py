@@ -36,7 +36,7 @@ from workers.async_rl import AsyncLoop
 from workers.engines.factory import check_engines
 from workers.job_actors import JobActors, ray_init, ray_shutdown
 from workers.metrics import PromExporter
-from workers.rl_step import rl_step, save, sync_weights, validate, validation_due, warmup
+from workers.rl_step import METRICS_ROW, rl_step, save, sync_weights, validate, validation_due, warmup
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 
@@ -79,6 +79,17 @@ def _prepare_output(spec: JobSpec, out: Path, resume: bool) -> tuple[int, Path |
     return last[0] + 1, last[1]
 
 
+def _restore_line(log: MetricsLog, rows: list[Mapping[str, Any]], ckpt: Path) -> dict[str, Any] | None:
+    """The checkpointed step's metrics line, appended to ``log`` if a kill fell between the
+    checkpoint and the line (the checkpoint carries it, ``rl_step.save``); None when it is there."""
+    state = json.loads((ckpt / "state.json").read_text())
+    row = state.get(METRICS_ROW)
+    if row is None or any(r[m.STEP] == state["step"] for r in rows):
+        return None
+    log.append(row)
+    return dict(row)
+
+
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
@@ -118,6 +129,10 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         if ckpt is not None:
             actors.load(ckpt)
             opts.log(f"resumed from {ckpt} at step {first_step}")
+            restored = _restore_line(log, rows, ckpt)
+            if restored is not None:
+                rows.append(restored)
+                opts.log(f"restored the metrics line of step {first_step - 1} from its checkpoint")
         elif spec.warmup.sft_steps:
             warmup(spec, task, tok, actors, out, opts.log)
         sync_weights(actors)  # generators start from the trainer's weights
@@ -140,7 +155,7 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
                 row = cast(ValidatedStepMetrics, {**row, **validate(spec, task, tok, actors, step)})
             due = step % spec.checkpoint_interval == 0 or step == spec.steps
             if due:  # before the metrics line: a line never refers to weights that were not saved
-                save(actors, out, step)
+                save(actors, out, step, row)
             log.append(row)
             rows.append(row)
             prom.observe(row)
@@ -148,7 +163,7 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
                 opts.on_step(row)
             if opts.stop.is_set():
                 if not due:
-                    save(actors, out, step)
+                    save(actors, out, step, row)
                 opts.log(f"stopped after step {step}; continue with --resume")
                 break
         return RunResult(out, step, opts.stop.is_set(), rows, port)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -174,11 +174,16 @@ def sync_weights(actors: StepActors) -> SyncMetrics:
     }
 
 
-def save(actors: StepActors, out: Path, step: int) -> None:
-    """The trainers' state as the atomic checkpoint of ``step`` (:mod:`workers.checkpoint`)."""
+def save(actors: StepActors, out: Path, step: int, row: Mapping[str, Any] | None = None) -> None:
+    """The trainers' state as the atomic checkpoint of ``step`` (:mod:`workers.checkpoint`), with
+    the step's metrics line (``row``) in its ``state.json``: a kill between the checkpoint and the
+    line's append loses no line, since a resume restores it from there (``workers.driver``)."""
     tmp = checkpoint.begin(out, step)
     actors.save(tmp)
-    checkpoint.commit(out, tmp, step, {})
+    checkpoint.commit(out, tmp, step, {} if row is None else {METRICS_ROW: dict(row)})
+
+
+METRICS_ROW = "metrics_row"  # the state.json key of the checkpointed step's metrics line
 
 
 def train(actors: StepActors, batch: Rollouts, rewards: torch.Tensor, sizes: list[int]) -> list[TrainStats]:

@@ -277,3 +277,22 @@ def test_the_warm_up_stops_at_its_target_accuracy(tmp_path: Path) -> None:
     assert any(
         f"supervised warm-up: {n} steps" in line and "greedy training accuracy 1.000" in line for line in logs
     )
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_checkpoint_and_its_metrics_line_loses_no_line(tmp_path: Path) -> None:
+    """The driver checkpoints a step before appending its line (a line never names weights that
+    were not saved). A kill between the two left a checkpoint at step 2 and lines 1 only: the
+    resume used to start at 3 and step 2's line was lost for good (seen in the service's SIGKILL
+    test). The checkpoint carries the line; the resume restores it."""
+    run(tiny_spec("bf16", steps=2, checkpoint_interval=2), tmp_path, RunOptions())
+    log = tmp_path / "metrics.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    assert [json.loads(x)["step"] for x in lines] == [1, 2]
+    log.write_text(lines[0])  # the kill: checkpoint 2 committed, line 2 not yet written
+    logs: list[str] = []
+    run(tiny_spec("bf16", steps=3, checkpoint_interval=2), tmp_path, RunOptions(resume=True, log=logs.append))
+    rows = MetricsLog(log).rows()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1] == json.loads(lines[1])  # the line itself, not a recomputation
+    assert "restored the metrics line of step 2 from its checkpoint" in logs
