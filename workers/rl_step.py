@@ -177,7 +177,7 @@ def sync_weights(actors: StepActors) -> SyncMetrics:
 def save(actors: StepActors, out: Path, step: int, row: Mapping[str, Any] | None = None) -> None:
     """The trainers' state as the atomic checkpoint of ``step`` (:mod:`workers.checkpoint`), with
     the step's metrics line (``row``) in its ``state.json``: a kill between the checkpoint and the
-    line's append loses no line, since a resume restores it from there (``workers.driver``)."""
+    line's append loses no line, since a resume restores it from there (the driver)."""
     tmp = checkpoint.begin(out, step)
     actors.save(tmp)
     checkpoint.commit(out, tmp, step, {} if row is None else {METRICS_ROW: dict(row)})
