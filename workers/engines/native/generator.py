@@ -34,7 +34,7 @@ from workers.engines.models import apply_recipe, attention_mask_4d, build_policy
 from workers.engines.native.exact import is_exact
 from workers.engines.native.exact import log_softmax as exact_log_softmax
 from workers.engines.native.layer_diff import Trace, trace_generation
-from workers.engines.native.sampling import AllFinished, sample_top_p
+from workers.engines.native.sampling import AllFinished, next_token
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Payload, Rollouts
@@ -195,13 +195,11 @@ class NativeGenerator:
             finished = torch.zeros(b, dtype=torch.bool, device=self.device)
             all_finished = AllFinished(self.device)
             for _ in range(max_new_tokens):
-                logits = out.logits[:, -1, :].float() / (temperature or 1.0)  # [B, V]
-                logp_all = log_softmax(logits)  # [B, V]
-                # greedy is a host-side choice (a Python float), so the loop still never syncs
-                tok = logp_all.argmax(-1) if temperature == 0 else sample_top_p(logp_all.exp(), top_p, gen)
-                tok = torch.where(finished, torch.full_like(tok, self.pad_id), tok)
+                tok, logp = next_token(
+                    out.logits[:, -1, :], temperature, top_p, gen, finished, self.pad_id, log_softmax
+                )
                 valid.append(~finished)
-                logps.append(logp_all.gather(-1, tok[:, None]).squeeze(-1))
+                logps.append(logp)
                 tokens.append(tok)
                 finished = finished | (tok == self.eos_id)
                 all_finished.post(finished)

@@ -3,6 +3,8 @@ exponential-race draw, and "every row finished" asked without a host sync."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -28,6 +30,27 @@ def _race(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
+
+
+def next_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    gen: torch.Generator | None,
+    finished: torch.Tensor,
+    pad_id: int,
+    log_softmax: Callable[[torch.Tensor], torch.Tensor] = log_softmax,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's choice from ``logits [B, V]``: ``(token [B], its log-prob [B])``.
+
+    Temperature 0 is greedy (the argmax; log-probs at temperature 1), else a draw restricted to
+    ``top_p``; rows already ``finished`` get ``pad_id``. Greedy is a host-side choice (a Python
+    float), so a decode loop calling this never syncs.
+    """
+    logp_all = log_softmax(logits.float() / (temperature or 1.0))  # [B, V]
+    tok = logp_all.argmax(-1) if temperature == 0 else sample_top_p(logp_all.exp(), top_p, gen)
+    tok = torch.where(finished, torch.full_like(tok, pad_id), tok)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class AllFinished:

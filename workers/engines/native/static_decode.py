@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from workers.engines.batching import positions
 from workers.engines.models import BOOL_MASKS, attention_mask_4d
 from workers.engines.native import decode_attention
-from workers.engines.native.sampling import AllFinished, sample_top_p
+from workers.engines.native.sampling import AllFinished, next_token
 from workers.fp8.formats import to_float32
 from workers.fp8.guard import FiniteGuard, finite_guard, use_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
@@ -316,12 +316,12 @@ class StaticDecoder:
 
     def _sample(self, s: _Session, logits: torch.Tensor) -> None:
         """The eager loop's sampling, its results written at the step counter."""
-        temperature, top_p = s.shape.temperature, s.shape.top_p
-        logp_all = self.log_softmax(logits.float() / (temperature or 1.0))  # [B, V]
-        tok = logp_all.argmax(-1) if temperature == 0 else sample_top_p(logp_all.exp(), top_p, s.gen)
-        tok = torch.where(s.finished, torch.full_like(tok, s.shape.pad_id), tok)
+        shape = s.shape
+        tok, logp = next_token(
+            logits, shape.temperature, shape.top_p, s.gen, s.finished, shape.pad_id, self.log_softmax
+        )
         s.valid.index_copy_(1, s.step, (~s.finished)[:, None])
-        s.logps.index_copy_(1, s.step, logp_all.gather(-1, tok[:, None]))
+        s.logps.index_copy_(1, s.step, logp[:, None])
         s.tokens.index_copy_(1, s.step, tok[:, None])
         s.finished.logical_or_(tok == s.shape.eos_id)
         s.tok.copy_(tok)
