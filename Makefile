@@ -59,7 +59,7 @@ gpu-check:
 RECIPE ?= fp8-e2e
 RUN_ARGS ?=
 run: $(STAMP)
-	$(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $(RECIPE) --output runs/arithmetic-$(RECIPE) --resume $(RUN_ARGS)
+	$(VENV)/bin/fp8rl run examples/addition-cpu.yaml --recipe $(RECIPE) --output runs/addition-$(RECIPE) --resume $(RUN_ARGS)
 
 # The FP8 papers' comparison on the example whose validation generalises
 # (examples/addition-cpu.yaml): bf16, fp8-gen, fp8-gen with importance sampling off, and fp8-e2e,
@@ -68,6 +68,7 @@ run: $(STAMP)
 # with a 95% interval, mismatch). Each run resumes, so an interrupted compare continues;
 # `make -j2 compare` runs two at a time.
 SEEDS ?= 0 1 2 3 4
+COMPARE_STEPS ?= 600  # twice `make run`'s 300: the recipes have longer to part
 VARIANTS := bf16 fp8-gen fp8-gen-no-is fp8-e2e
 COMPARE_SPEC ?= examples/addition-cpu.yaml
 COMPARE_RUNS := $(foreach s,$(SEEDS),$(foreach v,$(VARIANTS),runs/compare-$(v)-seed$(s)))
@@ -79,7 +80,7 @@ $(COMPARE_RUNS): runs/compare-%: $(STAMP)
 	mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant%-no-is}; \
 	is=$$([ "$$variant" = "$$recipe" ] || echo "--is-mode none"); \
 	$(VENV)/bin/fp8rl run $(COMPARE_SPEC) --recipe $$recipe $$is --seed $${name##*-seed} --output $@ \
-		--resume --no-progress $(RUN_ARGS) > $@.log 2>&1 || { tail -20 $@.log; exit 1; }
+		--steps $(COMPARE_STEPS) --resume --no-progress $(RUN_ARGS) > $@.log 2>&1 || { tail -20 $@.log; exit 1; }
 
 # The earlier comparison on the one-digit example (docs/results.md): three recipes, seeds 0-2.
 ONEDIGIT_SEEDS ?= 0 1 2

@@ -56,12 +56,19 @@ def run_cmd(
         int | None, typer.Option(help="Serve Prometheus /metrics on this port (0: any free port).")
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar (else one line per step).")] = True,
+    inject_fault: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Fault drill ROLE[INDEX]:KIND@STEP (KIND kill | raise | hang | engine), e.g. "
+            "generator:kill@10: that actor fails during that step and the job recovers in place. Repeatable."
+        ),
+    ] = None,
 ) -> None:
     """Run one RL job on local Ray (or RAY_ADDRESS): generate, reward, train, sync, repeat."""
     from fp8rl.run import run_from_cli
 
     overrides = {"recipe": recipe, "steps": steps, "output": output, "seed": seed, "is_mode": is_mode}
-    raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress))
+    raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress, inject_fault or []))
 
 
 @app.command("layer-diff")

@@ -12,6 +12,7 @@ from typing import Any
 
 from rljob import metrics as m
 from rljob.spec import JobSpec, SpecError, load_spec, parse_spec
+from rljob.status import EXIT_TOO_MANY_FAULTS
 
 
 def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
@@ -44,20 +45,28 @@ def _format_row(row: Mapping[str, Any]) -> str:
 
 
 def run_from_cli(
-    spec_path: Path, overrides: dict[str, Any], resume: bool, metrics_port: int | None, progress: bool
+    spec_path: Path,
+    overrides: dict[str, Any],
+    resume: bool,
+    metrics_port: int | None,
+    progress: bool,
+    inject_fault: list[str] | None = None,
 ) -> int:
-    """Returns the exit code: 0 done, 2 bad spec/output or an engine that cannot run here, 130
-    stopped by Ctrl-C."""
+    """Returns the exit code: 0 done, 2 bad spec/output or an engine that cannot run here, 4 more
+    actor faults than the job recovers from (``rljob.status.EXIT_TOO_MANY_FAULTS``), 130 stopped
+    by Ctrl-C."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from workers import driver
     from workers.engines.factory import EngineUnavailable
+    from workers.faults import FaultDrill, RestartLimitError
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     try:
         spec = apply_overrides(load_spec(spec_path), overrides)
-    except SpecError as err:
+        drills = [FaultDrill.parse(text) for text in inject_fault or []]
+    except (SpecError, ValueError) as err:
         console.print(f"[red]error:[/red] {err}", highlight=False)
         return 2
     stop = threading.Event()
@@ -87,7 +96,12 @@ def run_from_cli(
             console.print(_format_row(row), highlight=False)
 
     opts = driver.RunOptions(
-        resume=resume, metrics_port=metrics_port, stop=stop, on_step=on_step, log=lambda m: console.print(m)
+        resume=resume,
+        metrics_port=metrics_port,
+        stop=stop,
+        on_step=on_step,
+        log=lambda m: console.print(m),
+        drills=drills,
     )
     try:
         with bar:
@@ -95,9 +109,19 @@ def run_from_cli(
     except (FileExistsError, ValueError, EngineUnavailable) as err:
         console.print(f"[red]error:[/red] {err}", highlight=False)
         return 2
+    except RestartLimitError as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        return EXIT_TOO_MANY_FAULTS
     finally:
         signal.signal(signal.SIGINT, previous)
     console.print(f"run directory: {result.output_dir} (last step {result.last_step})")
+    faults = {k: int(sum(float(r.get(k, 0.0)) for r in result.rows)) for k in m.FAULT_KEYS}
+    if any(faults.values()):
+        console.print(
+            f"faults recovered in place: {faults[m.FAULTS_GENERATOR_RESTARTS]} generator and "
+            f"{faults[m.FAULTS_TRAINER_RESTARTS]} trainer restart(s), {faults[m.FAULTS_STEPS_RECOMPUTED]} "
+            "step(s) computed again (faults.jsonl in the run directory)"
+        )
     if result.stopped:
         print(f"resume with: fp8rl run {spec_path} --resume --output {result.output_dir}", file=sys.stderr)
         return 130

@@ -21,8 +21,10 @@ The decisions, in order:
 6. ``spec.suspend`` differs from the RayJob's: patch it (with Kueue a suspended RayJob is left for
    Kueue to admit).
 7. Status mirrors the RayJob (``operators.status``), through the state machine, one event per
-   phase passed; progress from the driver's metrics. The status is written only when a field
-   changed: condition times and ``progress.updated`` move only with what they stamp.
+   phase passed; progress from the driver's metrics, and condition ``FaultsRecovered`` (one
+   Warning event per change) once the driver replaced actors after faults. The status is written
+   only when a field changed: condition times and ``progress.updated`` move only with what they
+   stamp.
 
 A status write carries the ``resourceVersion`` that was read: if another writer came first the
 executor plans again from fresh reads, so events always describe the write that landed.
@@ -30,6 +32,7 @@ executor plans again from fresh reads, so events always describe the write that 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -38,10 +41,10 @@ from pydantic import ValidationError
 
 from operators import builders
 from operators.settings import OperatorSettings
-from operators.status import Target, advance, progress_of, target_of
+from operators.status import Target, advance, progress_of, restarts_of, target_of
 from rljob import resource as rl
 from rljob.spec import describe_errors
-from rljob.status import TERMINAL, Condition, JobStatus, Phase, Progress, Reason
+from rljob.status import FAULTS_RECOVERED, TERMINAL, Condition, JobStatus, Phase, Progress, Reason
 
 REFUSED_MESSAGE = (
     "spec.job/spec.cluster changed while the job runs: refused (the RayJob keeps the spec "
@@ -207,6 +210,8 @@ def plan(
     new, passed = advance(new, target)
     if metrics and target[0] in _WITH_PROGRESS:
         new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
+        new, recovered = _with_faults(new, restarts_of(metrics))
+        after.extend(recovered)
     new = _stamped(status, new, now)
     if new != status:
         actions.append(WriteStatus(new))
@@ -227,6 +232,33 @@ def _with_progress(status: JobStatus, progress: Progress | None, now: datetime) 
     if progress.model_copy(update={"updated": status.progress.updated}) == status.progress:
         return status
     return status.model_copy(update={"progress": progress.model_copy(update={"updated": now})})
+
+
+def _with_faults(status: JobStatus, restarts: dict[str, float]) -> tuple[JobStatus, list[Event]]:
+    """``status`` with condition ``FaultsRecovered`` once the driver replaced an actor (its
+    ``fp8rl_actor_restarts_total``), and a Warning event when the count grew. The counters are the
+    running driver's: a driver started again by the RayJob counts from 0, and the condition keeps
+    the higher count it saw until then."""
+    generator, trainer = int(restarts.get("generator", 0)), int(restarts.get("trainer", 0))
+    if generator + trainer == 0:
+        return status, []
+    message = (
+        f"the driver replaced {generator} generator and {trainer} trainer actor(s) after faults "
+        "(process died, engine failed, call hung); its log has a line per fault"
+    )
+    old = next((c for c in status.conditions if c.type == FAULTS_RECOVERED), None)
+    if old is not None and old.message == message:
+        return status, []
+    if old is not None and _counts(old.message) >= generator + trainer:
+        return status, []  # an older count (a driver started again): keep the higher one
+    reason = Reason.TRAINER_RESTARTED if trainer else Reason.GENERATOR_RESTARTED
+    return _condition(status, FAULTS_RECOVERED, True, reason, message), [Event("Warning", reason, message)]
+
+
+def _counts(message: str) -> int:
+    """The restarts a ``FaultsRecovered`` message of :func:`_with_faults` states."""
+    found = re.match(r"the driver replaced (\d+) generator and (\d+) trainer", message)
+    return int(found.group(1)) + int(found.group(2)) if found else 0
 
 
 def _fail_invalid(status: JobStatus, problems: str, now: datetime) -> list[Action]:

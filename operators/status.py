@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rljob.metrics import PROMETHEUS
+from rljob.metrics import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES
 from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress, Reason
 
 Target = tuple[Phase, str, str]  # phase, reason, message
@@ -94,3 +94,14 @@ def progress_of(exposition: str, total_steps: int) -> Progress | None:
             if sample.name in keys:
                 row.setdefault(keys[sample.name], sample.value)
     return Progress.from_row(row, total_steps) if "step" in row else None
+
+
+def restarts_of(exposition: str) -> dict[str, float]:
+    """The driver's actor restarts after faults, by role, from its ``/metrics`` text
+    (``fp8rl_actor_restarts_total{role}``; roles it does not export are absent)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == ACTOR_RESTARTS.name and sample.labels.get("role") in RESTART_ROLES:
+                out.setdefault(sample.labels["role"], sample.value)
+    return out

@@ -75,6 +75,13 @@ STALENESS_MEAN: Final = "staleness/mean"
 STALENESS_MAX: Final = "staleness/max"
 STALENESS_DROPPED: Final = "staleness/dropped_batches"
 TIMING_OVERLAP_S: Final = "timing/overlap_s"
+# data-plane faults recovered from during the step (workers.faults): actors replaced because a
+# generator or a trainer was lost, and completed steps computed again because a trainer fault took
+# the job back to its last checkpoint; each row holds the step's own count (0 on most)
+FAULTS_GENERATOR_RESTARTS: Final = "faults/generator_restarts"
+FAULTS_TRAINER_RESTARTS: Final = "faults/trainer_restarts"
+FAULTS_STEPS_RECOMPUTED: Final = "faults/steps_recomputed"
+FAULT_KEYS: Final = (FAULTS_GENERATOR_RESTARTS, FAULTS_TRAINER_RESTARTS, FAULTS_STEPS_RECOMPUTED)
 # validation (every ``validation.interval`` steps)
 VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
@@ -137,6 +144,11 @@ AsyncMetrics = TypedDict(
     },
     total=False,  # only the asynchronous loop's rows
 )
+FaultMetrics = TypedDict(
+    "FaultMetrics",
+    {"faults/generator_restarts": float, "faults/trainer_restarts": float, "faults/steps_recomputed": float},
+    total=False,  # the driver's rows have them; a step computed alone (workers.rl_step) has not
+)
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
     {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
@@ -174,8 +186,8 @@ class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics, SyncMetrics):
     """One line of ``metrics.jsonl``: everything measured in one RL step."""
 
 
-class AsyncStepMetrics(StepMetrics, AsyncMetrics, total=False):
-    """The line of a step of the asynchronous loop."""
+class AsyncStepMetrics(StepMetrics, AsyncMetrics, FaultMetrics, total=False):
+    """The line of a step of the asynchronous loop (and the fault counts the driver adds)."""
 
 
 class ValidatedStepMetrics(AsyncStepMetrics, ValidationMetrics, total=False):
@@ -235,6 +247,9 @@ PROMETHEUS: tuple[PromMetric, ...] = (
                "Batches the trainer refused as older than rollout.max_staleness (and regenerated)"),
     PromMetric(TIMING_OVERLAP_S, "fp8rl_generation_train_overlap_seconds", "gauge",
                "Seconds of the last step the generators worked while the trainers trained"),
+    # faults: fp8rl_actor_restarts_total{role} is the exporter's own (a role label: RESTART_ROLES)
+    PromMetric(FAULTS_STEPS_RECOMPUTED, "fp8rl_steps_recomputed_total", "counter",
+               "Completed steps computed again after a trainer fault took the job back to its checkpoint"),
     PromMetric(KV_CACHE_BYTES, "fp8rl_kv_cache_bytes", "gauge",
                "KV-cache bytes allocated at the end of the last generation, all generators"),
     PromMetric(WEIGHTS_BYTES, "fp8rl_weight_bytes", "gauge",
@@ -248,6 +263,16 @@ PROMETHEUS: tuple[PromMetric, ...] = (
     PromMetric(VAL_REWARD_MEAN, "fp8rl_val_reward_mean", "gauge",
                "Mean reward on the held-out problems at the last validation", every_step=False),
 )  # fmt: skip
+
+# fp8rl_actor_restarts_total{role}: the faults/<role>_restarts keys of RESTART_ROLES, one counter
+# with a role label (not in PROMETHEUS, whose series have the three labels only), 0 from the start
+ACTOR_RESTARTS = PromMetric(
+    FAULTS_GENERATOR_RESTARTS,
+    "fp8rl_actor_restarts_total",
+    "counter",
+    "Actors replaced after a data-plane fault (died, engine failed, hung), by role",
+)
+RESTART_ROLES: dict[str, str] = {"generator": FAULTS_GENERATOR_RESTARTS, "trainer": FAULTS_TRAINER_RESTARTS}
 
 # fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
 # once a step has validated)

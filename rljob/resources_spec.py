@@ -58,6 +58,36 @@ class ResourcesSpec(StrictModel):
         "for 1/N of it, and weight sync and statistics go over gloo (NCCL cannot put two ranks on one "
         "GPU). Needs gpus_per_generator = gpus_per_trainer = 1.",
     )
+    max_generator_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Generator faults (process died, engine died, hung call) the job recovers from in "
+        "place, over the whole job: fresh actors take the trainers' current weights and the step is "
+        "generated again. One more fails the job (a crash loop).",
+    )
+    max_trainer_restarts: int = Field(
+        2,
+        ge=0,
+        le=1000,
+        description="Trainer faults the job recovers from in place, over the whole job: fresh actors "
+        "load the last checkpoint and the steps after it are computed again (each logged once).",
+    )
+    hang_timeout_s: float = Field(
+        600.0,
+        ge=1.0,
+        le=86400.0,
+        description="Floor of the bound on an actor call, seconds: a call that takes longer than "
+        "max(this, 10 x the longest of its kind's last 10 calls) is a hang, and recovered from as a "
+        "fault of the actor that did not answer.",
+    )
+    startup_timeout_s: float = Field(
+        3600.0,
+        ge=1.0,
+        le=86400.0,
+        description="Bound on the first call of each kind (actor setup, the first generation with its "
+        "graph captures, the first training step), seconds; never below hang_timeout_s.",
+    )
 
     @model_validator(mode="before")
     @classmethod

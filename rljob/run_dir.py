@@ -11,6 +11,8 @@ writes them and who reads them:
 - ``quantization_audit.json``: which layers are FP8 (and why not), by the driver once its actors
   are up.
 - ``warmup.jsonl``: one line per SFT warm-up step (``warmup.sft_steps``).
+- ``faults.jsonl``: one line per data-plane fault the driver recovered from (which actor, which
+  step, what was done, seconds); the service's monitor reads it into the job's conditions.
 - ``checkpoints/step_N/``: by the driver (``workers.checkpoint``); ``--resume`` and
   ``fp8rl export`` read them.
 - ``job.json``: the spec as submitted, which the driver is started with: written by the service's
@@ -31,6 +33,7 @@ SPEC_RESOLVED = "spec.resolved.json"
 METRICS = "metrics.jsonl"
 QUANTIZATION_AUDIT = "quantization_audit.json"
 WARMUP = "warmup.jsonl"
+FAULTS = "faults.jsonl"
 CHECKPOINTS = "checkpoints"
 JOB_SPEC = "job.json"
 DRIVER_LOG = "driver.log"
@@ -53,6 +56,10 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / METRICS
+
+    @property
+    def faults(self) -> Path:
+        return self.root / FAULTS
 
     @property
     def quantization_audit(self) -> Path:

@@ -35,6 +35,9 @@ TERMINAL = frozenset({Phase.SUCCEEDED, Phase.CANCELLED})
 # The driver's exit code when an allocation failed (MemoryError, e.g. over the RLIMIT_AS the
 # service sets per tenant): the service reads it as reason OutOfMemory.
 EXIT_OUT_OF_MEMORY = 3
+# ... and when the job saw more data-plane faults than resources.max_<role>_restarts allows (a crash
+# loop: the service and the RayJob do not start the driver again)
+EXIT_TOO_MANY_FAULTS = 4
 
 ACTIVE = frozenset({Phase.PENDING, Phase.STARTING, Phase.RUNNING})
 
@@ -55,6 +58,11 @@ class Reason(StrEnum):
     PATH_OUTSIDE_TENANT = "PathOutsideTenant"
     OUT_OF_MEMORY = "OutOfMemory"
     WORKER_EXITED = "WorkerExited"
+    DRIVER_RESTARTED = "DriverRestarted"  # a failed driver started again with --resume (bounded)
+    TOO_MANY_FAULTS = "TooManyFaults"  # more actor faults than resources.max_<role>_restarts
+    # the driver, recovering from a data-plane fault in place (condition FAULTS_RECOVERED)
+    GENERATOR_RESTARTED = "GeneratorRestarted"
+    TRAINER_RESTARTED = "TrainerRestarted"
     # the operator, reading the RLJob and its RayJob
     INVALID_SPEC = "InvalidSpec"
     SPEC_CHANGE_REFUSED = "SpecChangeRefused"
@@ -132,6 +140,11 @@ class Condition(BaseModel):
     last_transition: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
+# the condition a job gets once its driver recovered from a data-plane fault: True, the reason of the
+# last fault's role, and a message with the fault and the job's restarts so far
+FAULTS_RECOVERED = "FaultsRecovered"
+
+
 class Progress(BaseModel):
     """The latest step the driver reported."""
 
@@ -176,3 +189,10 @@ class JobStatus(BaseModel):
         return self.model_copy(
             update={"phase": target, "reason": reason, "message": message, "conditions": conditions}
         )
+
+    def noted(self, kind: str, reason: str, message: str) -> JobStatus:
+        """A copy with condition ``kind`` True for ``reason`` (replacing one of that type); the
+        phase is unchanged."""
+        conditions = [c for c in self.conditions if c.type != kind]
+        conditions.append(Condition(type=kind, status=True, reason=reason, message=message))
+        return self.model_copy(update={"conditions": conditions})

@@ -3,8 +3,13 @@
 Each job gets a run directory ``<data_dir>/runs/<tenant>/<name>/`` (``rljob.run_dir.RunDir``)
 with ``job.json`` (the spec), ``driver.log`` and what the driver writes (``metrics.jsonl``,
 checkpoints). A monitor thread turns what it observes into phases through the state machine: a
-started process is Starting, its first metrics line makes it Running, exit 0 Succeeded, any other
-exit Failed with the exit code and the log's last line (resumable from the last checkpoint).
+started process is Starting, its first metrics line makes it Running, exit 0 Succeeded. A driver
+that fails otherwise is started again with ``--resume`` up to ``driver_retries`` times (Starting,
+reason ``DriverRestarted``): the last line behind the driver's own recovery from actor faults;
+then, and at once after a bad spec (exit 2), out of memory or more actor faults than the job
+allows, the job is Failed with the exit code and the log's last line (resumable from the last
+checkpoint). Each fault the driver recovered from in place (``faults.jsonl``) sets the job's
+``FaultsRecovered`` condition: the last fault, and the job's restarts so far.
 Suspend sends SIGINT, which the driver answers by checkpointing after the current step; resume
 starts the driver again with ``--resume``.
 
@@ -19,6 +24,7 @@ resumable. Nothing stays Running forever.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -31,11 +37,22 @@ from rljob.jobs import Job, JobNotFound, JobStore
 from rljob.metrics import MetricsLog
 from rljob.paths import path_problems, tenant_home
 from rljob.run_dir import RunDir, driver_argv
-from rljob.status import EXIT_OUT_OF_MEMORY, TERMINAL, IllegalTransition, JobStatus, Phase, Progress, Reason
+from rljob.status import (
+    EXIT_OUT_OF_MEMORY,
+    EXIT_TOO_MANY_FAULTS,
+    FAULTS_RECOVERED,
+    TERMINAL,
+    IllegalTransition,
+    JobStatus,
+    Phase,
+    Progress,
+    Reason,
+)
 from service.driver_process import UNKNOWN_EXIT, DriverLimits, DriverProcess, confine
 
 # a resume waits this long for the suspended driver to save its step and exit, then kills it
 RESUME_WAIT_S = 120.0
+BAD_INPUT_EXIT = 2  # the driver's exit on a bad spec or output directory: starting again cannot help
 
 
 @dataclass
@@ -47,6 +64,8 @@ class _Running:
     seen_step: int = 0
     offset: int = 0  # bytes of metrics.jsonl already read
     stopping: bool = False  # suspended: its exit is not the job's outcome
+    retries: int = 0  # drivers of this job started again after a failure (driver_retries)
+    faults_seen: int = 0  # lines of faults.jsonl already in the job's condition
 
 
 def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
@@ -68,6 +87,26 @@ def driver_command(run: RunDir, job: Job, resume: bool) -> list[str]:
     )
 
 
+def fault_condition(faults: Path) -> tuple[str, str] | None:
+    """The ``FaultsRecovered`` condition's reason and message from a run's ``faults.jsonl``: the
+    last fault and the restarts of each role so far (None: no fault)."""
+    if not faults.exists():
+        return None
+    entries = [json.loads(line) for line in faults.read_text().splitlines() if line.strip()]
+    if not entries:
+        return None
+    last = entries[-1]
+    where = f"step {last['step']}" if last["step"] else "the job's start"
+    counts = {role: sum(e["role"] == role for e in entries) for role in ("generator", "trainer")}
+    message = (
+        f"{last['role']} {last['index']} {last['what']} during {last['call']} in {where}: "
+        f"{last['action']} ({last['seconds']:.1f} s); restarts so far: "
+        f"{counts['generator']} generator, {counts['trainer']} trainer"
+    )
+    reason = Reason.GENERATOR_RESTARTED if last["role"] == "generator" else Reason.TRAINER_RESTARTED
+    return reason, message
+
+
 def _finished(job: Job, metrics: MetricsLog) -> bool:
     rows = metrics.rows()
     return bool(rows) and int(str(rows[-1]["step"])) >= job.spec.steps
@@ -83,8 +122,10 @@ class LocalExecutor:
         poll_s: float = 0.5,
         read_only: list[Path] | None = None,
         limits: Callable[[str], DriverLimits] = lambda tenant: DriverLimits(),
+        driver_retries: int = 2,
     ) -> None:
         self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
+        self.driver_retries = driver_retries  # a failed driver is started again this often (--resume)
         self.read_only = read_only or []  # the service's read-only roots (FP8RL_MODEL_ROOTS)
         self.limits = limits  # what a tenant's drivers may take of this machine
         self._procs: dict[tuple[str, str], _Running] = {}
@@ -128,7 +169,9 @@ class LocalExecutor:
 
     # -- actions (called by the routes) ---------------------------------------------------------
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, retries: int = 0, why: str = "") -> None:
+        """Start ``job``'s driver (``--resume`` when its run directory holds a run). ``retries``:
+        the drivers of this job that failed and were started again (``why``: the last failure)."""
         home = tenant_home(self.data_dir, job.tenant)
         home.mkdir(parents=True, exist_ok=True)
         # checked at POST; again here, since a symlink may have changed since (nothing is opened)
@@ -145,9 +188,28 @@ class LocalExecutor:
         proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home)
         confine(proc.pid, job.tenant, self.limits(job.tenant))
         proc.save(run.driver_pid)
+        running = _Running(job, proc, run.driver_log, MetricsLog(run.metrics), retries=retries)
+        running.faults_seen = -1  # the condition is refreshed from the file on the first look
         with self._lock:
-            self._procs[(job.tenant, job.name)] = _Running(job, proc, run.driver_log, MetricsLog(run.metrics))
-        self._move(job, Phase.STARTING, Reason.PROCESS_STARTED, f"driver pid {proc.pid}")
+            self._procs[(job.tenant, job.name)] = running
+        if retries:
+            self._restarted(job, f"{why}; started again with --resume ({retries} of {self.driver_retries})")
+        else:
+            self._move(job, Phase.STARTING, Reason.PROCESS_STARTED, f"driver pid {proc.pid}")
+
+    def _restarted(self, job: Job, message: str) -> None:
+        """Starting again, reason ``DriverRestarted`` (from Running, or still Starting)."""
+
+        def change(s: JobStatus) -> JobStatus:
+            if s.phase is Phase.RUNNING:
+                return s.moved(Phase.STARTING, Reason.DRIVER_RESTARTED, message)
+            if s.phase is Phase.STARTING:
+                noted = s.noted(Phase.STARTING.value, Reason.DRIVER_RESTARTED, message)
+                return noted.model_copy(update={"reason": Reason.DRIVER_RESTARTED, "message": message})
+            return s
+
+        with contextlib.suppress(IllegalTransition, JobNotFound):
+            self.store.update(job.tenant, job.name, change)
 
     def suspend(self, job: Job) -> None:
         with self._lock:
@@ -222,6 +284,7 @@ class LocalExecutor:
 
             with contextlib.suppress(IllegalTransition, JobNotFound):
                 self.store.update(r.job.tenant, r.job.name, change)
+        self._note_faults(r)
         code = r.proc.poll()
         if code is None:
             return
@@ -253,7 +316,28 @@ class LocalExecutor:
             lines = r.log.read_text(errors="replace").strip().splitlines() if r.log.exists() else []
             last = lines[-1][:300] if lines else ""
             how = "with an unknown code (re-attached)" if code == UNKNOWN_EXIT else f"with code {code}"
-            self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
+            if code == EXIT_TOO_MANY_FAULTS:
+                self._move(r.job, Phase.FAILED, Reason.TOO_MANY_FAULTS, last)
+            elif code != BAD_INPUT_EXIT and r.retries < self.driver_retries:
+                self.submit(r.job, r.retries + 1, f"driver exited {how}: {last}")
+            else:
+                self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
+
+    def _note_faults(self, r: _Running) -> None:
+        """The job's ``FaultsRecovered`` condition, when ``faults.jsonl`` has grown."""
+        path = run_dir(self.data_dir, r.job.tenant, r.job.name).faults
+        if not path.exists():
+            return
+        seen = sum(1 for line in path.read_text().splitlines() if line.strip())
+        if seen == r.faults_seen:
+            return
+        r.faults_seen = seen
+        condition = fault_condition(path)
+        if condition is None:
+            return
+        reason, message = condition
+        with contextlib.suppress(IllegalTransition, JobNotFound):
+            self.store.update(r.job.tenant, r.job.name, lambda s: s.noted(FAULTS_RECOVERED, reason, message))
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -90,7 +90,11 @@ def build_executor(settings: Settings, store: JobStore) -> Executor:
 
         return OperatorHandoff(store)
     return LocalExecutor(
-        store, settings.data_dir, read_only=settings.read_only_roots, limits=settings.driver_limits
+        store,
+        settings.data_dir,
+        read_only=settings.read_only_roots,
+        limits=settings.driver_limits,
+        driver_retries=settings.driver_retries,
     )
 
 

@@ -69,6 +69,14 @@ class Settings(BaseSettings):
     driver_nice: int = Field(
         10, ge=0, le=19, description="Scheduling priority of local drivers: below the service's own (0)."
     )
+    driver_retries: int = Field(
+        2,
+        ge=0,
+        le=100,
+        description="Times a local job's failed driver is started again with --resume before the job is "
+        "Failed: the last line behind the driver's own recovery from actor faults (as a RayJob's "
+        "backoffLimit). Not after a bad spec, out of memory, or more faults than the job allows.",
+    )
     model_roots: str = Field(
         "",
         description="Read-only directories every tenant's jobs may name by absolute path (shared "

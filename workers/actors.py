@@ -23,6 +23,7 @@ import torch
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
 from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
+from workers.faults import provoke
 from workers.step_actors import Generated
 from workers.weight_contract import kv_cache_dtype, sent_report
 from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
@@ -47,7 +48,17 @@ class _Member:
         self.rank, self.world_size = rank, world_size
         self.sync: CollectiveWeightSync | None = None
         self.dp_group: Any = None
+        self.armed: str | None = None  # a fault drill for this actor's next step call (workers.faults)
         _threads(self.spec)
+
+    def arm_fault(self, kind: str) -> None:
+        """Provoke fault drill ``kind`` inside the next ``generate`` / ``train_step``."""
+        self.armed = kind
+
+    def _drill(self, engine: Any) -> None:
+        kind, self.armed = self.armed, None
+        if kind is not None:
+            provoke(kind, engine)
 
     def free_address(self) -> str:
         """A ``tcp://ip:port`` on this node for the process group's rendezvous."""
@@ -101,6 +112,7 @@ class TrainerWorker(_Member):
         return self.engine.sft_step(batch)
 
     def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> TrainStats:
+        self._drill(self.engine)
         return self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -187,6 +199,7 @@ class GeneratorWorker(_Member):
         r = self.spec.rollout
         temp = r.temperature if temperature is None else temperature
         started = time.time()
+        self._drill(self.engine)
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes, started, time.time())
 

@@ -41,6 +41,7 @@ from rljob import metrics as m
 from rljob.metrics import AsyncStepMetrics
 from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
+from workers.faults import ActorFault
 from workers.rl_step import Batch, start_batch, train_and_sync
 from workers.step_actors import Generated, StepActors
 from workers.tasks import Task
@@ -111,7 +112,11 @@ class AsyncLoop:
         )
         self.version = step  # the sync above sent v_step; the batches asked for so far are done
         self.dropped += dropped
-        overlap = sum(busy_overlap(done.train_wall, b.pending.result()) for b in new if b is not batch)
+        try:
+            overlap = sum(busy_overlap(done.train_wall, b.pending.result()) for b in new if b is not batch)
+        except ActorFault as fault:  # a generator lost on a later batch: this step is trained
+            fault.after_training(done.row)
+            raise
 
         lags = torch.full((len(batch.problems),), float(lag(step, batch.version)))  # [B] one version a batch
         row: dict[str, Any] = {

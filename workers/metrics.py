@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from rljob.metrics import LABELS, PHASES, PROMETHEUS
+from rljob.metrics import ACTOR_RESTARTS, LABELS, PHASES, PROMETHEUS, RESTART_ROLES
 
 
 class PromExporter:
@@ -32,6 +32,13 @@ class PromExporter:
             registry=self.registry,
         )
         self._phases_seen: set[str] = set()
+        restarts = Counter(
+            ACTOR_RESTARTS.name.removesuffix("_total"),
+            ACTOR_RESTARTS.help,
+            (*LABELS, "role"),
+            registry=self.registry,
+        )
+        self._restarts = {role: restarts.labels(**self.labels, role=role) for role in RESTART_ROLES}
         self.port: int | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -57,6 +64,8 @@ class PromExporter:
                     metric.inc(max(float(row[m.key]), 0.0))
                 else:
                     metric.set(float(row[m.key]))
+        for role, key in RESTART_ROLES.items():
+            self._restarts[role].inc(max(float(row.get(key, 0.0)), 0.0))
         for phase in PHASES:
             key = f"timing/{phase}_s"
             if key in row:

@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -30,6 +30,7 @@ from workers.algo.mismatch import mismatch_metrics
 from workers.engines.batching import concat_rollouts, even_split, left_pad, split_rows
 from workers.engines.native.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, TrainStats
+from workers.faults import ActorFault
 from workers.step_actors import Generated, PendingRollouts, StepActors
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer
@@ -266,14 +267,11 @@ def train_and_sync(
     stats.pop(m.TRAIN_TOKENS, None)  # tokens/trained below says it
     t3 = time.perf_counter()
 
-    sync = sync_weights(actors)
-    t4 = time.perf_counter()
-
     isc = spec.algorithm.importance_sampling
     mismatch = mismatch_metrics(logp_old, batch.logprobs, batch.response_mask, isc.low, isc.high, isc.mode)
     gen_tokens = float(batch.response_mask.sum())
     train_tokens = gen_tokens + float(batch.prompt_mask.sum())
-    row: StepMetrics = {
+    trained: dict[str, Any] = {
         m.STEP: step,
         m.REWARD_MEAN: float(rewards.mean()),
         m.REWARD_STD: float(rewards.std()) if rewards.numel() > 1 else 0.0,
@@ -287,13 +285,17 @@ def train_and_sync(
         m.TIMING_GENERATION_S: generation_s,
         m.TIMING_REWARD_S: t2 - t1,
         m.TIMING_TRAIN_S: t3 - t2,
-        m.TIMING_WEIGHT_SYNC_S: t4 - t3,
-        m.TIMING_STEP_S: t4 - t0,
-        **sync,
         m.KV_CACHE_BYTES: float(sum(o.kv_cache_bytes for o in outs)),
         m.WEIGHTS_BYTES: float(sum(o.weight_bytes for o in outs)),
         m.TIME: time.time(),
     }
+    try:
+        sync = sync_weights(actors)
+    except ActorFault as fault:  # the step is trained: its recovery must not train it again
+        fault.after_training(trained)
+        raise
+    t4 = time.perf_counter()
+    row = cast(StepMetrics, {**trained, m.TIMING_WEIGHT_SYNC_S: t4 - t3, m.TIMING_STEP_S: t4 - t0, **sync})
     return Trained(row, batch, logp_old, (wall_start, wall_end))
 
 

@@ -78,6 +78,17 @@ def test_run_rejects_a_bad_override(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "precision.recipe" in result.output
 
 
+def test_run_refuses_a_fault_drill_it_cannot_do_before_starting_ray(tmp_path: Path) -> None:
+    spec = tmp_path / "ok.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(steps=5)))
+    out = tmp_path / "run"
+    bad = runner.invoke(app, ["run", str(spec), "--output", str(out), "--inject-fault", "generator:melt@2"])
+    assert bad.exit_code == 2 and "KIND 'melt' is not one of kill, raise, hang, engine" in bad.output
+    late = runner.invoke(app, ["run", str(spec), "--output", str(out), "--inject-fault", "trainer1:kill@9"])
+    assert late.exit_code == 2 and "steps 1-5 and 1 trainer(s)" in late.output
+    assert not (out / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_run_end_to_end_with_overrides(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"

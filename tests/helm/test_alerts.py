@@ -15,7 +15,12 @@ from tests.helm.monitoring import DRIVER_NAMESPACE, Prometheus, metric_names
 from tests.helm.tools import by_kind, render, run, tool
 
 J = 'job="qwen",namespace="team-a",recipe="fp8-gen"'
-NAMES = ["FP8RLTrainGenerationMismatch", "FP8RLJobFailed", "FP8RLGenerationThroughputDrop"]
+NAMES = [
+    "FP8RLTrainGenerationMismatch",
+    "FP8RLJobFailed",
+    "FP8RLGenerationThroughputDrop",
+    "FP8RLActorRestarts",
+]
 
 
 def rule_file(tmp_path: Path) -> tuple[Path, list[dict[str, Any]]]:
@@ -29,7 +34,7 @@ def test_promtool_checks_the_rules(tmp_path: Path) -> None:
     path, groups = rule_file(tmp_path)
     done = run([tool("promtool"), "check", "rules", str(path)])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 3 rules found" in done.stdout
+    assert "SUCCESS: 4 rules found" in done.stdout
     assert [r["alert"] for g in groups for r in g["rules"]] == NAMES
 
 
@@ -51,6 +56,7 @@ def test_rules_evaluate_on_a_real_prometheus(prom: Prometheus, tmp_path: Path) -
         "FP8RLTrainGenerationMismatch": [],
         "FP8RLJobFailed": [({"namespace": DRIVER_NAMESPACE}, 1.0)],
         "FP8RLGenerationThroughputDrop": [],
+        "FP8RLActorRestarts": [],  # the run had no fault: its restart counters stay at 0
     }
 
 
@@ -65,6 +71,15 @@ DROP_ALERT = {
         ),
     },
 }
+
+
+RESTARTS_DESCRIPTION = (
+    "The job recovered from 3 generator faults (process died, engine failed, call hung) in 1h; each "
+    "costs a step's generation (generator) or the steps since the last checkpoint (trainer), and "
+    "resources.max_generator_restarts ends the job. The condition FaultsRecovered of the RLJob names "
+    "the last fault, and the driver log has a line per fault: look for a failing GPU (Xid errors in "
+    "the node's kernel log), OOM kills, or a request that crashes the engine."
+)
 
 
 def mismatch_alert(value: str) -> dict[str, Any]:
@@ -163,13 +178,47 @@ def test_each_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None:
             },
         ],
     }
+    restarts = {
+        # a generator replaced at 10m, 20m and 30m (the counter 0, 1, 2, 3), a trainer never. The
+        # counter starts at 0 at 0m, so increase() over the hour does not extrapolate past it: at
+        # 29m the hour holds 2 restarts (quiet), at 30m 3 (firing, no `for`); at 95m the hour
+        # (35m, 95m] holds none.
+        "interval": "1m",
+        "input_series": [
+            {"series": f'fp8rl_actor_restarts_total{{{J},role="generator"}}', "values": "0x9 1x9 2x9 3x70"},
+            {"series": f'fp8rl_actor_restarts_total{{{J},role="trainer"}}', "values": "0x99"},
+        ],
+        "alert_rule_test": [
+            {"eval_time": "29m", "alertname": "FP8RLActorRestarts", "exp_alerts": []},
+            {
+                "eval_time": "30m",
+                "alertname": "FP8RLActorRestarts",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {
+                            "severity": "warning",
+                            "job": "qwen",
+                            "namespace": "team-a",
+                            "recipe": "fp8-gen",
+                            "role": "generator",
+                        },
+                        "exp_annotations": {
+                            "summary": "RLJob team-a/qwen: 3 generator restarts in 1h",
+                            "description": RESTARTS_DESCRIPTION,
+                        },
+                    }
+                ],
+            },
+            {"eval_time": "95m", "alertname": "FP8RLActorRestarts", "exp_alerts": []},
+        ],
+    }
     tests = tmp_path / "alerts-test.yaml"
     tests.write_text(
         yaml.safe_dump(
             {
                 "rule_files": [path.name],
                 "evaluation_interval": "1m",
-                "tests": [mismatch, healthy, failed, drop],
+                "tests": [mismatch, healthy, failed, drop, restarts],
             }
         )
     )

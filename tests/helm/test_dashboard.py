@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rljob.metrics import PHASES, PROMETHEUS
+from rljob.metrics import ACTOR_RESTARTS, PHASES, PROMETHEUS
 from rljob.status import Phase
 from tests.helm.grafana import (
     LABEL_VALUES,
@@ -196,7 +196,11 @@ def test_dashboard_shows_every_exported_metric(prom: Prometheus) -> None:
     exported = set(prom.label_values("__name__", '{__name__=~"fp8rl_.*"}'))
     # prometheus_client adds a `_created` series (the creation time) to each counter: not for a panel
     wanted = {name for name in exported if not name.endswith("_created")}
-    assert wanted == {m.name for m in PROMETHEUS} | {"fp8rl_step_duration_seconds", "fp8rl_jobs"}
+    assert wanted == {m.name for m in PROMETHEUS} | {
+        "fp8rl_step_duration_seconds",
+        "fp8rl_jobs",
+        ACTOR_RESTARTS.name,
+    }
     used = {name for _, t in targets(load()) for name in metric_names(t["expr"])}
     assert wanted - used == set()
     step_time = [p for p in panels(load()) if "fp8rl_step_duration_seconds" in panel_metrics(p)]

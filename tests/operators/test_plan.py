@@ -105,6 +105,31 @@ def exposition(step: int, reward: float) -> str:
     )
 
 
+def with_restarts(text: str, generator: int, trainer: int) -> str:
+    """``text`` and the driver's actor restarts (fp8rl_actor_restarts_total, a role label)."""
+    labels = 'job="j",namespace="team-a",recipe="fp8-e2e"'
+    return (
+        text
+        + "# TYPE fp8rl_actor_restarts counter\n"
+        + f'fp8rl_actor_restarts_total{{{labels},role="generator"}} {generator}.0\n'
+        + f'fp8rl_actor_restarts_total{{{labels},role="trainer"}} {trainer}.0\n'
+    )
+
+
+RECOVERED_1 = (
+    "the driver replaced 1 generator and 0 trainer actor(s) after faults (process died, engine "
+    "failed, call hung); its log has a line per fault"
+)
+
+
+RECOVERED = cond("FaultsRecovered", "GeneratorRestarted", RECOVERED_1)
+RECOVERED_3 = cond(
+    "FaultsRecovered",
+    "TrainerRestarted",
+    RECOVERED_1.replace("1 generator and 0 trainer", "2 generator and 1 trainer"),
+)
+
+
 @dataclass
 class Case:
     rljob: dict[str, Any]
@@ -500,6 +525,47 @@ def cases() -> dict[str, Case]:
                 )
             ],
             metrics=exposition(5, 0.75),
+        ),
+        "a driver that replaced a generator: condition FaultsRecovered and a Warning event": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [
+                WriteStatus(
+                    at_step.model_copy(
+                        update={
+                            "conditions": [
+                                STARTED,
+                                RUNNING,
+                                cond("FaultsRecovered", "GeneratorRestarted", RECOVERED_1, NOW),
+                            ]
+                        }
+                    )
+                ),
+                Event("Warning", "GeneratorRestarted", RECOVERED_1),
+            ],
+            metrics=with_restarts(exposition(4, 0.5), 1, 0),
+        ),
+        "no restart exported as 0: no condition": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [],
+            metrics=with_restarts(exposition(4, 0.5), 0, 0),
+        ),
+        "the same count again writes nothing": Case(
+            rljob(at_step.model_copy(update={"conditions": [STARTED, RUNNING, RECOVERED]})),
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [],
+            metrics=with_restarts(exposition(4, 0.5), 1, 0),
+        ),
+        "a lower count (the RayJob started the driver again) keeps the higher one": Case(
+            rljob(at_step.model_copy(update={"conditions": [STARTED, RUNNING, RECOVERED_3]})),
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [],
+            metrics=with_restarts(exposition(4, 0.5), 1, 0),
         ),
         "an older step (a restarted driver before its checkpoint) does not go back": Case(
             steady,

@@ -36,10 +36,10 @@ RUN_TIMEOUT = 240  # seconds for a whole tiny job on a busy 2-core machine
 
 
 @contextlib.contextmanager
-def local_service(tmp_path: Path) -> Iterator[TestClient]:
+def local_service(tmp_path: Path, driver_retries: int = 2) -> Iterator[TestClient]:
     """The service on SQLite with its local executor (drivers are real processes), as a client."""
     store = SqlJobStore(tmp_path / "jobs.sqlite")
-    executor = LocalExecutor(store, tmp_path, poll_s=0.2)
+    executor = LocalExecutor(store, tmp_path, poll_s=0.2, driver_retries=driver_retries)
     app = create_app(Settings(data_dir=tmp_path), store, {TOKEN: "team-a"}, executor)
     executor.start()
     try:
@@ -120,11 +120,11 @@ def test_restart_marks_orphaned_running_jobs_failed_and_resumable(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_dead_driver_fails_the_job_with_a_reason_and_it_resumes(tmp_path: Path) -> None:
-    """SIGKILL to the driver's process group (the driver and its local Ray): Failed, reason
-    WorkerExited with the signal; resume continues from the last checkpoint to the end."""
+    """SIGKILL to the driver's process group (the driver and its local Ray) with no retries left:
+    Failed, reason WorkerExited with the signal; resume continues from the last checkpoint to the end."""
     steps = 20  # still running when the test, some polls after step 3, kills it
     spec = tiny_spec(steps=steps, checkpoint_interval=2)
-    with local_service(tmp_path) as api:
+    with local_service(tmp_path, driver_retries=0) as api:
         assert api.post("/v1/jobs", json={"name": "dies", "spec": spec}, headers=HEADERS).status_code == 201
         get = getter(api, "dies")
         wait_for(get, "progress to step 3", lambda j: j["status"]["progress"]["step"] >= 3, RUN_TIMEOUT)
@@ -139,6 +139,32 @@ def test_a_dead_driver_fails_the_job_with_a_reason_and_it_resumes(tmp_path: Path
         assert done["status"]["progress"]["step"] == steps
         history = api.get("/v1/jobs/dies/metrics", headers=HEADERS).json()
         assert [r["step"] for r in history] == list(range(1, steps + 1))  # recomputed steps replace lost ones
+
+
+@pytest.mark.slow
+def test_a_dead_driver_is_started_again_with_resume_within_its_retries(tmp_path: Path) -> None:
+    """The same kill with driver_retries 2: the executor starts the driver again with --resume
+    (Starting, reason DriverRestarted, the exit in the message) and the job succeeds by itself,
+    every step once."""
+    steps = 20
+    spec = tiny_spec(steps=steps, checkpoint_interval=2)
+    with local_service(tmp_path) as api:
+        assert api.post("/v1/jobs", json={"name": "again", "spec": spec}, headers=HEADERS).status_code == 201
+        get = getter(api, "again")
+        wait_for(get, "progress to step 3", lambda j: j["status"]["progress"]["step"] >= 3, RUN_TIMEOUT)
+        run = run_dir(tmp_path, "team-a", "again")
+        first = _driver_pid(run)
+        os.killpg(first, signal.SIGKILL)
+        restarted = wait_for(
+            get, "the restart", lambda j: j["status"]["reason"] == "DriverRestarted", RUN_TIMEOUT
+        )
+        assert "code -9" in restarted["status"]["message"] and "(1 of 2)" in restarted["status"]["message"]
+        assert _driver_pid(run) != first
+        done = wait_for(get, "success", lambda j: j["status"]["phase"] == "Succeeded", RUN_TIMEOUT)
+        assert done["status"]["progress"]["step"] == steps
+        history = api.get("/v1/jobs/again/metrics", headers=HEADERS).json()
+        assert [r["step"] for r in history] == list(range(1, steps + 1))
+        assert "resumed from" in api.get("/v1/jobs/again/logs", headers=HEADERS).text
 
 
 @pytest.mark.slow

@@ -117,3 +117,23 @@ def test_a_job_on_vllm_and_megatron_through_the_control_plane(tmp_path: Path) ->
         logs = api.get("/v1/jobs/engines/logs", headers=HEADERS).text
         assert done["status"]["phase"] == "Succeeded", logs[-3000:]
         check_rows(api.get("/v1/jobs/engines/metrics", headers=HEADERS).json())
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_vllms_engine_core_dying_is_a_generator_fault_recovered_in_place(tmp_path: Path) -> None:
+    """vLLM's own death: its engine-core process killed during step 2's request, so that vLLM
+    raises EngineDeadError, goes through the driver's generator recovery (fresh actors, a new vLLM,
+    the trainer's weights of step 1, step 2 generated again), and the job ends with every step once."""
+    from workers.faults import FaultDrill
+
+    spec = {**engines_spec(), "resources": {"generator_engine": "vllm"}, "steps": 3, "checkpoint_interval": 3}
+    lines: list[str] = []
+    opts = RunOptions(log=lines.append, drills=[FaultDrill.parse("generator:engine@2")])
+    result = run(parse_spec(spec), tmp_path, opts)
+    assert result.last_step == 3
+    rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["faults/generator_restarts"] for r in rows] == [0.0, 1.0, 0.0]
+    assert all(r["sync/layers_mismatched"] == 0 for r in rows)
+    [fault] = [line for line in lines if line.startswith("fault: ")]
+    assert "generator 0 failed (EngineDeadError" in fault and "step 2" in fault, fault

@@ -38,6 +38,7 @@ vLLM is imported in :class:`VllmGenerator` only.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -189,6 +190,22 @@ class VllmGenerator:
             from vllm import LLM  # its logging reads VLLM_LOGGING_LEVEL at the first import
 
             self.llm = LLM(**kwargs)
+
+    def kill_engine_core(self) -> None:
+        """Kill vLLM's engine-core processes (a fault drill, :mod:`workers.faults`): vLLM finds
+        them gone and raises ``EngineDeadError`` at the next request, as after a crash of its own."""
+        client = self.llm.llm_engine.engine_core
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        processes = list(getattr(manager, "processes", None) or [])
+        if not processes:
+            raise RuntimeError(
+                "vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+                "there is no engine-core process to kill"
+            )
+        for proc in processes:
+            os.kill(proc.pid, signal.SIGKILL)
+        for proc in processes:
+            proc.join(timeout=30)
 
     def _gpu_memory(self) -> float:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

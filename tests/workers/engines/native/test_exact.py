@@ -284,13 +284,17 @@ class _Generator:
 def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: None) -> None:
     """Two trainer actors: the first reports the difference is elsewhere (row -1), the second
     finds its row 1 differing; ``JobActors``' gathering raises our error, not Ray's wrapper."""
-    from workers.job_actors import gather_train_results
+    from workers.job_actors import raise_exact_mismatch
 
     remote: Any = ray.remote
     trainers = [remote(_Trainer).remote(-1), remote(_Trainer).remote(1)]
     refs = [t.train_step.remote(None, torch.zeros(2)) for t in trainers]
     with pytest.raises(ExactMismatchError) as err:
-        gather_train_results(refs)
+        try:
+            ray.get(refs)
+        except Exception as wrapped:  # Ray's wrapper of the first failure, as JobActors.train sees it
+            raise_exact_mismatch(refs, wrapped)
+            raise
     assert type(err.value) is ExactMismatchError
     assert (err.value.trainer_index, err.value.row, err.value.position) == (1, 1, 2)
     assert (err.value.trainer, err.value.generator) == (-0.5, -0.25)
@@ -300,7 +304,7 @@ def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: 
 
 class _MismatchActors:
     """The step's actors as far as an exact mismatch goes: two trainers of 2 rows each, the
-    second finding its row 1 differing (as :func:`gather_train_results` hands it back)."""
+    second finding its row 1 differing (as :func:`raise_exact_mismatch` hands it back)."""
 
     num_trainers, num_generators = 2, 1
 
