@@ -65,7 +65,7 @@ class _Running:
     offset: int = 0  # bytes of metrics.jsonl already read
     stopping: bool = False  # suspended: its exit is not the job's outcome
     retries: int = 0  # drivers of this job started again after a failure (driver_retries)
-    faults_seen: int = 0  # lines of faults.jsonl already in the job's condition
+    faults_seen: int = 0  # bytes of faults.jsonl already in the job's condition
 
 
 def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
@@ -328,10 +328,10 @@ class LocalExecutor:
         path = run_dir(self.data_dir, r.job.tenant, r.job.name).faults
         if not path.exists():
             return
-        seen = sum(1 for line in path.read_text().splitlines() if line.strip())
-        if seen == r.faults_seen:
+        size = path.stat().st_size  # the driver only appends: a new size is a new fault
+        if size == r.faults_seen:
             return
-        r.faults_seen = seen
+        r.faults_seen = size
         condition = fault_condition(path)
         if condition is None:
             return

@@ -3,9 +3,10 @@
 A fault is an actor of the job lost or stuck: its process died (SIGKILL, OOM killer, a node
 drained), its engine died (vLLM's ``EngineDeadError``, a CUDA error such as an Xid), or a call to
 it did not return within its bound. :class:`workers.job_actors.JobActors` turns each into an
-:class:`ActorFault` naming the actor and the call; the driver (its ``_Job``) recovers in
-place: a generator fault starts fresh actors with the trainers' current state and
-regenerates the step; a trainer fault starts fresh actors from the last checkpoint. Any other
+:class:`ActorFault` naming the actor and the call; the driver recovers in place
+(:class:`workers.job_run.JobRun`): a generator fault starts fresh actors with the trainers'
+current state and regenerates the step; a trainer fault starts fresh actors from the last
+checkpoint. Any other
 exception an actor raises (a bug, a diverged loss, a refused weight) is not a fault: retrying
 would not help, so the job fails with it as before.
 

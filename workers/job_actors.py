@@ -25,7 +25,7 @@ from workers.engines.factory import uses_weight_channel, weight_receivers
 from workers.engines.native.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.weight_channel import channel_ranks
-from workers.faults import HANG_FACTOR, ActorFault, CallTimeouts, Role, first_line, is_engine_failure
+from workers.faults import ActorFault, CallTimeouts, Role, first_line, is_engine_failure
 from workers.step_actors import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
 
@@ -189,10 +189,7 @@ class JobActors:
         calls: list[Call] = [
             ("trainer", i, t.save.remote(str(directory))) for i, t in enumerate(self._trainers)
         ]
-        kind = "snapshot" if hang_bound else "save"
-        if hang_bound:
-            self.timeouts.record(kind, self.timeouts.floor_s / HANG_FACTOR)
-        self._gather(kind, calls)
+        self._gather("save", calls, bound=self.timeouts.floor_s if hang_bound else None)
 
     def load(self, directory: Path) -> None:
         """Every trainer loads ``trainer.pt`` from ``directory``, in parallel."""
@@ -203,10 +200,8 @@ class JobActors:
     def arm(self, role: Role, index: int, kind: str) -> None:
         """Arm a fault drill (:class:`~workers.faults.FaultDrill`): actor ``role`` ``index`` provokes
         ``kind`` inside its next ``generate`` (a generator) or ``train_step`` (a trainer)."""
-        actors = self._generators if role == "generator" else self._trainers
-        if not 0 <= index < len(actors):
-            raise ValueError(f"--inject-fault: the job has no {role} {index} (it has {len(actors)})")
-        self._gather("arm_fault", [(role, index, actors[index].arm_fault.remote(kind))])
+        actor = (self._generators if role == "generator" else self._trainers)[index]
+        self._gather("arm_fault", [(role, index, actor.arm_fault.remote(kind))])
 
     def shutdown(self) -> None:
         """Kill every actor (their engines and process groups go with them); a dead one is skipped."""
@@ -257,19 +252,21 @@ class JobActors:
         waited = time.monotonic() - since
         return ActorFault(role, index, f"gave no answer for {waited:.0f} s (hung; bound {bound:.0f} s)", call)
 
-    def _gather(self, kind: str, calls: list[Call], started: float | None = None) -> list[Any]:
+    def _gather(
+        self, kind: str, calls: list[Call], started: float | None = None, bound: float | None = None
+    ) -> list[Any]:
         """The results of ``calls`` (one per actor) in order, each fetched once as it arrives. A
         lost actor becomes an :class:`~workers.faults.ActorFault`: one that died or whose engine
         failed (after a short grace in which its partners in a collective fail too, so that the
         cause is named, not a partner's error), or one that gave no answer within the bound of
-        ``kind`` (:class:`~workers.faults.CallTimeouts`, counted from ``started``, monotonic
-        seconds). Any other error is raised as the actor raised it."""
+        ``kind`` (:class:`~workers.faults.CallTimeouts`, or ``bound`` seconds when given), counted
+        from ``started`` (monotonic seconds). Any other error is raised as the actor raised it."""
         import ray
 
         if started is None:
             started = time.monotonic()
             self._sent(kind, calls, started)
-        bound = self.timeouts.bound(kind)
+        bound = self.timeouts.bound(kind) if bound is None else bound
         position = {ref: i for i, (_, _, ref) in enumerate(calls)}
         values: dict[int, Any] = {}
         errors: dict[int, Exception] = {}

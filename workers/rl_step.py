@@ -287,15 +287,16 @@ def train_and_sync(
         m.TIMING_TRAIN_S: t3 - t2,
         m.KV_CACHE_BYTES: float(sum(o.kv_cache_bytes for o in outs)),
         m.WEIGHTS_BYTES: float(sum(o.weight_bytes for o in outs)),
-        m.TIME: time.time(),
     }
+    t_sync = time.perf_counter()
     try:
         sync = sync_weights(actors)
     except ActorFault as fault:  # the step is trained: its recovery must not train it again
         fault.after_training(trained)
         raise
     t4 = time.perf_counter()
-    row = cast(StepMetrics, {**trained, m.TIMING_WEIGHT_SYNC_S: t4 - t3, m.TIMING_STEP_S: t4 - t0, **sync})
+    timing = {m.TIMING_WEIGHT_SYNC_S: t4 - t_sync, m.TIMING_STEP_S: t4 - t0, m.TIME: time.time()}
+    row = cast(StepMetrics, {**trained, **timing, **sync})
     return Trained(row, batch, logp_old, (wall_start, wall_end))
 
 
