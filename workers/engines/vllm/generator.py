@@ -206,6 +206,14 @@ class VllmGenerator:
             os.kill(proc.pid, signal.SIGKILL)
         for proc in processes:
             proc.join(timeout=30)
+        deadline = time.monotonic() + 30  # vLLM's monitor marks the engine dead, then shuts the client
+        while not self._engine_dead() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _engine_dead(self) -> bool:
+        """Whether vLLM's client has found its engine core gone (its ``resources.engine_dead``)."""
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        return bool(getattr(resources, "engine_dead", False))
 
     def _gpu_memory(self) -> float:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -280,7 +288,17 @@ class VllmGenerator:
             for i in range(len(prompts))
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as err:
+            if not self._engine_dead():
+                raise
+            # vLLM's monitor thread closes the client's sockets when the engine core dies; a request
+            # sent meanwhile fails with that socket's error (e.g. ZMQError ENOTSOCK) instead of
+            # EngineDeadError. Name the cause, so that the driver sees an engine failure.
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            raise EngineDeadError() from err
         rollouts = rollouts_from_outputs(prompts, outputs, self.pad_id, self.eos_id)
         tokens = int(rollouts.prompt_mask.sum()) + int(rollouts.response_mask.sum())
         self.kv_cache_bytes = tokens * self._per_token  # what the batch's sequences held at the end

@@ -299,3 +299,32 @@ def test_tensor_parallel_workers_must_report_the_same() -> None:
     gen.llm = Llm([report(0.5), report(0.5), report(0.5, holds="missing")])
     with pytest.raises(RuntimeError, match=r"workers 0 and 2 .*\(lm_head.weight\)"):
         gen.weight_report()
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_a_request_lost_to_a_dead_engine_core_is_an_engine_failure(dead: bool) -> None:
+    """vLLM's monitor closes the client's sockets when its engine core dies; a request sent in
+    that window fails with the socket's error. With the engine marked dead that is an engine
+    failure (EngineDeadError, a fault the driver recovers); with the engine alive it stays the
+    error it was (not a fault: the job fails)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from workers.engines.vllm.generator import VllmGenerator
+    from workers.faults import is_engine_failure
+
+    class SocketClosed(Exception):  # stands in for zmq.error.ZMQError: Socket operation on non-socket
+        pass
+
+    class Llm:
+        llm_engine = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_dead=dead)))
+
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            raise SocketClosed("Socket operation on non-socket")
+
+    gen: Any = VllmGenerator.__new__(VllmGenerator)  # no engine: only the failure's naming
+    gen.llm, gen.eos_id = Llm(), 2
+    with pytest.raises(EngineDeadError if dead else SocketClosed) as caught:
+        gen.generate([[1, 2, 3]], 4, 1.0, 1.0, 0)
+    assert is_engine_failure(caught.value) is dead
+    if dead:
+        assert isinstance(caught.value.__cause__, SocketClosed)
