@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,12 +76,23 @@ def run(
     tok = ByteTokenizer()
     texts = [tok.encode(f"Calculate {i % 10} + {i // 10 % 10}. ") for i in range(prompts)]
     trainer = build_trainer(bench_spec(model, "bf16", dev), vocab_size(model, tok.vocab_size), str(dev))
-    rows = [
-        _variant(trainer, model, dev, w, kv, d, texts, new_tokens, repeat)
+    plan = [
+        (w, kv, d)
         for w, kv in VARIANTS
         if ("fp8" if kv else "bf16") in kv_caches
         for d in decodes  # interleaved: each variant's loops back to back
     ]
+    rows = []
+    for i, (w, kv, d) in enumerate(plan, 1):
+        rows.append(_variant(trainer, model, dev, w, kv, d, texts, new_tokens, repeat))
+        r = rows[-1]
+        # progress on stderr, so that a run cut short (a GPU lease) still shows what it measured
+        print(
+            f"[{i}/{len(plan)}] weights {r.weights}, KV {r.kv_cache}, {r.decode}: "
+            f"{r.tokens_per_s:.1f} tokens/s ({r.seconds:.3f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return device_name(dev), rows
 
 
