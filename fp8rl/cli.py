@@ -271,6 +271,13 @@ def report_cmd(
     run_dirs: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Run output directories.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="PNG to write.")] = Path("report.png"),
     window: Annotated[int, typer.Option(help="Moving-average window, steps.")] = 5,
+    per_run: Annotated[
+        bool,
+        typer.Option(
+            "--per-run",
+            help="One curve per run (default: one per variant, mean over its seeds, when it has several).",
+        ),
+    ] = False,
 ) -> None:
     """Plot reward, throughput and mismatch of one or several runs into a PNG, and print a table
     (with the last validation accuracy when a run has validation)."""
@@ -281,7 +288,7 @@ def report_cmd(
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
-    path = report(runs, output, window)
+    path = report(runs, output, window, by_variant=False if per_run else None)
     rows = summary(runs)
     recipes = by_recipe(rows)
     val = any(r["val_accuracy"] is not None for r in rows)  # the column only when a run validated

@@ -2,6 +2,11 @@
 
 Validation accuracy (``val/accuracy``, on the steps that validated) is drawn on the reward panel
 as markers in the run's colour, unsmoothed.
+
+Several seeds of a variant (the recipe, ``-no-is`` when importance sampling is off; e.g. ``make
+compare``'s 20 runs) are drawn as one curve per variant: the mean over its runs, on the steps
+they all reached, with a band of plus and minus one standard error; validation as the mean with
+standard-error bars. ``by_variant=False`` (``fp8rl report --per-run``) draws every run instead.
 """
 
 from __future__ import annotations
@@ -66,16 +71,52 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def report(runs: list[Run], output: Path, window: int = 5) -> Path:
-    """Draw the :data:`PANELS` for every run into ``output`` (PNG); return its path."""
+def variant_of(run: Run) -> str:
+    """The curve a run belongs to when runs are grouped: its variant, else its label."""
+    return run.variant or run.label
+
+
+def seed_mean(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[float], list[float]]:
+    """Mean and standard error over runs of ``(step, value)`` series, on the steps every series
+    has (NaN values ignored; standard error 0 where one value is left)."""
+    maps = [dict(s) for s in series]
+    common = sorted(set.intersection(*(set(mp) for mp in maps))) if maps else []
+    steps, means, errors = [], [], []
+    for step in common:
+        values = [mp[step] for mp in maps if not math.isnan(mp[step])]
+        if not values:
+            continue
+        mean, std = mean_std(values)
+        steps.append(step)
+        means.append(mean)
+        errors.append(std / math.sqrt(len(values)))
+    return steps, means, errors
+
+
+def _series(run: Run, key: str, window: int) -> list[tuple[int, float]]:
+    rl_rows = [r for r in run.rows if m.REWARD_MEAN in r]  # not the step-0 validation line
+    steps = [int(r["step"]) for r in rl_rows]
+    return list(zip(steps, smooth([float(r.get(key, math.nan)) for r in rl_rows], window), strict=True))
+
+
+def report(runs: list[Run], output: Path, window: int = 5, by_variant: bool | None = None) -> Path:
+    """Draw the :data:`PANELS` into ``output`` (PNG); return its path. ``by_variant``: one curve
+    per variant, mean over its runs (default: when a variant has several runs); else per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(variant_of(run), []).append(run)
+    if by_variant is None:
+        by_variant = any(len(g) > 1 for g in groups.values())
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))
     for ax, (key, title, line) in zip(axes.flat, PANELS, strict=True):
-        for run in runs:
+        if by_variant:
+            _draw_variants(ax, groups, key, window)
+        for run in [] if by_variant else runs:
             label, rows = run.label, run.rows
             rl_rows = [r for r in rows if m.REWARD_MEAN in r]  # not the step-0 validation line
             steps = [int(r["step"]) for r in rl_rows]
@@ -92,12 +133,35 @@ def report(runs: list[Run], output: Path, window: int = 5) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"fp8rl runs (moving average over {window} steps)")
+    if by_variant:
+        counts = ", ".join(f"{name} n={len(g)}" for name, g in groups.items())
+        fig.suptitle(
+            f"fp8rl runs: mean over seeds +- standard error ({counts}; moving average over {window} steps)"
+        )
+    else:
+        fig.suptitle(f"fp8rl runs (moving average over {window} steps)")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=90)
     plt.close(fig)
     return output
+
+
+def _draw_variants(ax: Any, groups: dict[str, list[Run]], key: str, window: int) -> None:
+    for name, group in groups.items():
+        steps, mean, err = seed_mean([_series(run, key, window) for run in group])
+        (curve,) = ax.plot(steps, mean, label=f"{name} (n={len(group)})")
+        low = [a - e for a, e in zip(mean, err, strict=True)]
+        high = [a + e for a, e in zip(mean, err, strict=True)]
+        ax.fill_between(steps, low, high, color=curve.get_color(), alpha=0.2, linewidth=0)
+        if key != m.REWARD_MEAN:
+            continue
+        val_steps, val_mean, val_err = seed_mean([validation_points(run.rows) for run in group])
+        if val_steps:
+            ax.errorbar(
+                val_steps, val_mean, yerr=val_err, fmt="o--", color=curve.get_color(), capsize=3,
+                label=f"{name} val accuracy",
+            )  # fmt: skip
 
 
 def validation_points(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:

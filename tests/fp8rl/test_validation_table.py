@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,57 @@ def test_means_standard_errors_and_paired_intervals_by_hand() -> None:
     assert gen["runs"] == 1 and math.isnan(gen["diff"][1]) and gen["learned"] == 0  # rose 0.1 only
     text = format_validation_table(list(table.values()))
     assert "fp8-e2e" in text and "-0.100 [-0.348, +0.148] (n=3)" in text and "3/3" in text
+
+
+def test_seed_mean_by_hand() -> None:
+    """The per-variant curve of ``fp8rl report``: mean and standard error over seeds, on the steps
+    every seed reached (a run cut short at step 2 leaves step 3 out), NaN ignored."""
+    from fp8rl.report import seed_mean
+
+    a = [(1, 1.0), (2, 2.0), (3, 3.0)]
+    b = [(1, 3.0), (2, 4.0)]
+    c = [(1, 2.0), (2, math.nan), (3, 9.0)]
+    steps, mean, err = seed_mean([a, b, c])
+    assert steps == [1, 2]
+    # step 1: 1, 3, 2 -> mean 2, sd 1, se 1/sqrt(3); step 2: 2, 4 (NaN left out) -> 3, sd sqrt(2), se 1
+    assert mean == pytest.approx([2.0, 3.0])
+    assert err == pytest.approx([1 / math.sqrt(3), 1.0])
+    assert seed_mean([]) == ([], [], [])
+
+
+def test_report_draws_one_curve_per_variant_over_seeds(tmp_path: object) -> None:
+    """Several seeds of a variant give one line per variant (its label names n); --per-run keeps
+    one line per run."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from fp8rl import report as rep
+
+    def run(variant: str, seed: int, offset: float) -> rep.Run:
+        rows = [{"step": 0, "val/accuracy": 0.1}] + [
+            {"step": s, "reward/mean": offset + s / 10, "val/accuracy": 0.5 if s == 4 else None}
+            for s in range(1, 5)
+        ]
+        return rep.Run(f"{variant}-seed{seed}", variant.removesuffix("-no-is"), rows, variant, seed)
+
+    runs = [run(v, s, s / 10) for v in ("bf16", "fp8-gen") for s in range(3)]
+    drawn: list[list[str]] = []
+    save = plt.Figure.savefig
+
+    def spy(fig: Any, *args: Any, **kwargs: Any) -> None:
+        drawn.append([ln.get_label() for ln in fig.axes[0].get_lines()])
+        save(fig, *args, **kwargs)
+
+    plt.Figure.savefig = spy  # type: ignore[method-assign]
+    try:
+        out = rep.report(runs, Path(str(tmp_path)) / "by-variant.png", window=1)
+        rep.report(runs, Path(str(tmp_path)) / "per-run.png", window=1, by_variant=False)
+    finally:
+        plt.Figure.savefig = save  # type: ignore[method-assign]
+    assert out.stat().st_size > 0
+    assert [x for x in drawn[0] if not x.startswith("_")] == ["bf16 (n=3)", "fp8-gen (n=3)"]
+    assert len([x for x in drawn[1] if "val" not in x and not x.startswith("_")]) == 6
