@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,15 +56,12 @@ def test_seed_mean_by_hand() -> None:
     assert seed_mean([]) == ([], [], [])
 
 
-def test_report_draws_one_curve_per_variant_over_seeds(tmp_path: object) -> None:
+def test_report_draws_one_curve_per_variant_over_seeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Several seeds of a variant give one line per variant (its label names n); --per-run keeps
     one line per run."""
-    from pathlib import Path
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib.figure import Figure
 
     from fp8rl import report as rep
 
@@ -76,18 +74,15 @@ def test_report_draws_one_curve_per_variant_over_seeds(tmp_path: object) -> None
 
     runs = [run(v, s, s / 10) for v in ("bf16", "fp8-gen") for s in range(3)]
     drawn: list[list[str]] = []
-    save = plt.Figure.savefig
+    save = Figure.savefig
 
-    def spy(fig: Any, *args: Any, **kwargs: Any) -> None:
-        drawn.append([ln.get_label() for ln in fig.axes[0].get_lines()])
+    def spy(fig: Figure, *args: Any, **kwargs: Any) -> None:
+        drawn.append([str(ln.get_label()) for ln in fig.axes[0].get_lines()])
         save(fig, *args, **kwargs)
 
-    plt.Figure.savefig = spy  # type: ignore[method-assign]
-    try:
-        out = rep.report(runs, Path(str(tmp_path)) / "by-variant.png", window=1)
-        rep.report(runs, Path(str(tmp_path)) / "per-run.png", window=1, by_variant=False)
-    finally:
-        plt.Figure.savefig = save  # type: ignore[method-assign]
+    monkeypatch.setattr(Figure, "savefig", spy)
+    out = rep.report(runs, tmp_path / "by-variant.png", window=1)
+    rep.report(runs, tmp_path / "per-run.png", window=1, by_variant=False)
     assert out.stat().st_size > 0
     assert [x for x in drawn[0] if not x.startswith("_")] == ["bf16 (n=3)", "fp8-gen (n=3)"]
     assert len([x for x in drawn[1] if "val" not in x and not x.startswith("_")]) == 6
