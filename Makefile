@@ -64,23 +64,38 @@ run: $(STAMP)
 # The FP8 papers' comparison on the example whose validation generalises
 # (examples/addition-cpu.yaml): bf16, fp8-gen, fp8-gen with importance sampling off, and fp8-e2e,
 # each on every seed (rollout.seed: prompt order, sampling, warm-up batches), then `fp8rl report`:
-# curves, and the table of final val/accuracy (mean +- standard error, paired difference to bf16
-# with a 95% interval, mismatch). Each run resumes, so an interrupted compare continues;
-# `make -j2 compare` runs two at a time.
+# curves (per variant, mean over seeds), and the table of final val/accuracy (mean +- standard
+# error, paired difference to bf16 with a 95% interval, mismatch). Each run resumes, so an
+# interrupted compare continues; `make -j2 compare` runs two at a time.
 SEEDS ?= 0 1 2 3 4
 COMPARE_STEPS ?= 600  # twice `make run`'s 300: the recipes have longer to part
 VARIANTS := bf16 fp8-gen fp8-gen-no-is fp8-e2e
 COMPARE_SPEC ?= examples/addition-cpu.yaml
 COMPARE_RUNS := $(foreach s,$(SEEDS),$(foreach v,$(VARIANTS),runs/compare-$(v)-seed$(s)))
-.PHONY: compare compare-onedigit $(COMPARE_RUNS)
+# The regime where precision matters (docs/results.md): the same comparison with the generator's
+# KV cache in FP8 (E4M3, per-layer scales), the FP8 variants only, against the bf16 runs above.
+KV_SEEDS ?= 0 1 2
+KV_VARIANTS := fp8-gen fp8-gen-no-is fp8-e2e
+KV_RUNS := $(foreach s,$(KV_SEEDS),$(foreach v,$(KV_VARIANTS),runs/compare-fp8kv-$(v)-seed$(s)))
+KV_BASELINE := $(foreach s,$(KV_SEEDS),runs/compare-bf16-seed$(s))
+.PHONY: compare compare-fp8kv compare-onedigit $(COMPARE_RUNS) $(KV_RUNS)
 compare: $(COMPARE_RUNS)
 	$(VENV)/bin/fp8rl report $(COMPARE_RUNS) -o runs/compare-report.png
 
-$(COMPARE_RUNS): runs/compare-%: $(STAMP)
-	mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant%-no-is}; \
+compare-fp8kv: $(KV_BASELINE) $(KV_RUNS)
+	$(VENV)/bin/fp8rl report $(KV_BASELINE) $(KV_RUNS) -o runs/compare-fp8kv-report.png
+
+# $(call compare_run,EXTRA): one run of a comparison; $* is VARIANT-seedN
+compare_run = mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant%-no-is}; \
 	is=$$([ "$$variant" = "$$recipe" ] || echo "--is-mode none"); \
-	$(VENV)/bin/fp8rl run $(COMPARE_SPEC) --recipe $$recipe $$is --seed $${name##*-seed} --output $@ \
-		--steps $(COMPARE_STEPS) --resume --no-progress $(RUN_ARGS) > $@.log 2>&1 || { tail -20 $@.log; exit 1; }
+	$(VENV)/bin/fp8rl run $(COMPARE_SPEC) --recipe $$recipe $$is --seed $${name\#\#*-seed} --output $@ \
+		--steps $(COMPARE_STEPS) --resume --no-progress $(1) $(RUN_ARGS) > $@.log 2>&1 || { tail -20 $@.log; exit 1; }
+
+$(COMPARE_RUNS): runs/compare-%: $(STAMP)
+	$(call compare_run,)
+
+$(KV_RUNS): runs/compare-fp8kv-%: $(STAMP)
+	$(call compare_run,--set precision.fp8_kv_cache=true)
 
 # The earlier comparison on the one-digit example (docs/results.md): three recipes, seeds 0-2.
 ONEDIGIT_SEEDS ?= 0 1 2

@@ -56,6 +56,14 @@ def run_cmd(
         int | None, typer.Option(help="Serve Prometheus /metrics on this port (0: any free port).")
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar (else one line per step).")] = True,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="Override any field, KEY=VALUE (dotted KEY, VALUE read as YAML), e.g. "
+            "precision.fp8_kv_cache=true. Repeatable.",
+        ),
+    ] = None,
     inject_fault: Annotated[
         list[str] | None,
         typer.Option(
@@ -67,7 +75,8 @@ def run_cmd(
     """Run one RL job on local Ray (or RAY_ADDRESS): generate, reward, train, sync, repeat."""
     from fp8rl.run import run_from_cli
 
-    overrides = {"recipe": recipe, "steps": steps, "output": output, "seed": seed, "is_mode": is_mode}
+    overrides: dict[str, Any] = {"recipe": recipe, "steps": steps, "output": output, "seed": seed}
+    overrides |= {"is_mode": is_mode, "set": set_ or []}
     raise typer.Exit(run_from_cli(spec_path, overrides, resume, metrics_port, progress, inject_fault or []))
 
 

@@ -39,7 +39,7 @@ class Run:
     label: str
     recipe: str | None
     rows: list[dict[str, Any]]
-    variant: str | None = None  # the recipe, "-no-is" when importance sampling is off (FP8 recipes)
+    variant: str | None = None  # the recipe; "-no-is": importance sampling off; "+fp8-kv": FP8 KV cache
     seed: int | None = None  # rollout.seed
 
 
@@ -56,6 +56,8 @@ def load_run(run_dir: Path) -> Run:
         recipe = data.get("precision", {}).get("recipe")
         is_mode = data.get("algorithm", {}).get("importance_sampling", {}).get("mode")
         variant = f"{recipe}-no-is" if recipe != "bf16" and is_mode == "none" else recipe
+        if data.get("precision", {}).get("fp8_kv_cache") and variant:
+            variant += "+fp8-kv"  # a regime of its own (make compare-fp8kv), not the recipe's run
         seed = data.get("rollout", {}).get("seed")
         if recipe and recipe not in label:
             label = f"{label} ({recipe})"

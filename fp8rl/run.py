@@ -10,6 +10,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import yaml
+
 from rljob import metrics as m
 from rljob.spec import JobSpec, SpecError, load_spec, parse_spec
 from rljob.status import EXIT_TOO_MANY_FAULTS
@@ -28,7 +30,33 @@ def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> JobSpec:
         data["rollout"]["seed"] = overrides["seed"]
     if overrides.get("is_mode") is not None:
         data["algorithm"]["importance_sampling"]["mode"] = overrides["is_mode"]
+    for item in overrides.get("set") or []:
+        set_field(data, item)
     return parse_spec(data, "(after command-line overrides)")
+
+
+def set_field(data: dict[str, Any], item: str) -> None:
+    """Apply one ``--set KEY=VALUE`` to a spec's JSON form: ``KEY`` a dotted path to a field that
+    exists (``precision.fp8_kv_cache``), ``VALUE`` read as YAML (``true``, ``3``, ``[0, 1]``,
+    ``e4m3``). The spec's own validation judges the value afterwards."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise SpecError(
+            "(command line)", [f"--set {item!r}: expected KEY=VALUE, e.g. precision.fp8_kv_cache=true"]
+        )
+    node: Any = data
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(node, dict) or part not in node:
+            where = ".".join(parts[:depth]) or "the spec"
+            fields = ", ".join(sorted(node)) if isinstance(node, dict) else "none: it is a value"
+            raise SpecError(
+                "(command line)", [f"--set {key}: {where} has no field {part!r} (fields: {fields})"]
+            )
+        if depth == len(parts) - 1:
+            node[part] = yaml.safe_load(text) if text.strip() else text
+        else:
+            node = node[part]
 
 
 def _format_row(row: Mapping[str, Any]) -> str:

@@ -78,6 +78,33 @@ def test_run_rejects_a_bad_override(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "precision.recipe" in result.output
 
 
+def test_set_overrides_any_field_and_names_what_is_wrong() -> None:
+    """--set KEY=VALUE: a dotted path to an existing field, the value read as YAML and validated
+    by the spec like the file; a typo names the level it failed at and the fields there."""
+    from fp8rl.run import apply_overrides
+    from rljob.spec import SpecError, parse_spec
+
+    spec = parse_spec(tiny_spec(steps=5), "test")
+    sets = ["precision.fp8_kv_cache=true", "precision.keep_bf16_layers=[1, 0]", "rollout.max_new_tokens=7"]
+    changed = apply_overrides(spec, {"set": sets, "recipe": "fp8-gen"})
+    assert changed.precision.fp8_kv_cache is True and changed.precision.keep_bf16_layers == (1, 0)
+    assert changed.rollout.max_new_tokens == 7 and changed.precision.recipe == "fp8-gen"
+    assert spec.precision.fp8_kv_cache is False  # the loaded spec is left as it was
+    with pytest.raises(
+        SpecError,
+        match=r"--set precision.fp8_kv_cach: precision has no field 'fp8_kv_cach' \(fields: .*fp8_kv_cache",
+    ):
+        apply_overrides(spec, {"set": ["precision.fp8_kv_cach=true"]})
+    with pytest.raises(SpecError, match=r"expected KEY=VALUE"):
+        apply_overrides(spec, {"set": ["precision.fp8_kv_cache"]})
+    with pytest.raises(
+        SpecError, match=r"--set steps.x: steps has no field 'x' \(fields: none: it is a value\)"
+    ):
+        apply_overrides(spec, {"set": ["steps.x=1"]})
+    with pytest.raises(SpecError, match=r"rollout.max_new_tokens"):  # the spec's own validation
+        apply_overrides(spec, {"set": ["rollout.max_new_tokens=-3"]})
+
+
 def test_run_refuses_a_fault_drill_it_cannot_do_before_starting_ray(tmp_path: Path) -> None:
     spec = tmp_path / "ok.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec(steps=5)))

@@ -86,3 +86,31 @@ def test_report_draws_one_curve_per_variant_over_seeds(
     assert out.stat().st_size > 0
     assert [x for x in drawn[0] if not x.startswith("_")] == ["bf16 (n=3)", "fp8-gen (n=3)"]
     assert len([x for x in drawn[1] if "val" not in x and not x.startswith("_")]) == 6
+
+
+@pytest.mark.parametrize(
+    ("precision", "is_mode", "variant"),
+    [
+        ({"recipe": "bf16"}, "none", "bf16"),  # bf16 has no importance sampling to turn off
+        ({"recipe": "fp8-gen"}, "tis", "fp8-gen"),
+        ({"recipe": "fp8-gen"}, "none", "fp8-gen-no-is"),
+        ({"recipe": "fp8-e2e", "fp8_kv_cache": True}, "tis", "fp8-e2e+fp8-kv"),
+        ({"recipe": "fp8-gen", "fp8_kv_cache": True}, "none", "fp8-gen-no-is+fp8-kv"),
+    ],
+)
+def test_a_runs_variant_names_what_sets_it_apart(
+    tmp_path: Path, precision: dict[str, Any], is_mode: str, variant: str
+) -> None:
+    import json
+
+    from fp8rl.report import load_run
+
+    spec = {
+        "precision": precision,
+        "algorithm": {"importance_sampling": {"mode": is_mode}},
+        "rollout": {"seed": 3},
+    }
+    (tmp_path / "spec.resolved.json").write_text(json.dumps(spec))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    run = load_run(tmp_path)
+    assert (run.variant, run.seed, run.recipe) == (variant, 3, precision["recipe"])
