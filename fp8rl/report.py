@@ -138,7 +138,7 @@ def report(runs: list[Run], output: Path, window: int = 5, by_variant: bool | No
     if by_variant:
         counts = ", ".join(f"{name} n={len(g)}" for name, g in groups.items())
         fig.suptitle(
-            f"fp8rl runs: mean over seeds +- standard error ({counts}; moving average over {window} steps)"
+            f"fp8rl runs: mean over seeds +- standard error (moving average over {window} steps)\n{counts}"
         )
     else:
         fig.suptitle(f"fp8rl runs (moving average over {window} steps)")
@@ -248,7 +248,7 @@ def validation_table(summaries: list[dict[str, Any]], baseline: str = "bf16") ->
 
 def format_validation_table(table: list[dict[str, Any]], baseline: str = "bf16") -> str:
     lines = [
-        f"{'recipe':<16} {'seeds':>5} {'val accuracy':>16} {'vs ' + baseline + ' (paired, 95% CI)':>32} "
+        f"{'recipe':<22} {'seeds':>5} {'val accuracy':>16} {'vs ' + baseline + ' (paired, 95% CI)':>32} "
         f"{'token_mult_prob_error':>22} {'learned':>8}"
     ]
     for r in table:
@@ -256,7 +256,7 @@ def format_validation_table(table: list[dict[str, Any]], baseline: str = "bf16")
         d = r["diff"]
         diff = "-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}] (n={d[3]})"
         lines.append(
-            f"{r['variant']:<16} {r['runs']:>5} {f'{mean:.3f} +- {se:.3f}':>16} {diff:>32} "
+            f"{r['variant']:<22} {r['runs']:>5} {f'{mean:.3f} +- {se:.3f}':>16} {diff:>32} "
             f"{r['token_mult_prob_error']:>22.5f} {str(r['learned']) + '/' + str(r['runs']):>8}"
         )
     lines.append(

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rljob import metrics as m
 from rljob.jobs import Job, JobNotFound, JobStore
 from rljob.metrics import MetricsLog
 from rljob.paths import path_problems, tenant_home
@@ -66,6 +67,7 @@ class _Running:
     stopping: bool = False  # suspended: its exit is not the job's outcome
     retries: int = 0  # drivers of this job started again after a failure (driver_retries)
     faults_seen: int = 0  # bytes of faults.jsonl already in the job's condition
+    started: float = 0.0  # wall clock at start: rows stamped before it are an earlier driver's
 
 
 def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
@@ -188,7 +190,9 @@ class LocalExecutor:
         proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home)
         confine(proc.pid, job.tenant, self.limits(job.tenant))
         proc.save(run.driver_pid)
-        running = _Running(job, proc, run.driver_log, MetricsLog(run.metrics), retries=retries)
+        running = _Running(
+            job, proc, run.driver_log, MetricsLog(run.metrics), retries=retries, started=time.time()
+        )
         running.faults_seen = -1  # the condition is refreshed from the file on the first look
         with self._lock:
             self._procs[(job.tenant, job.name)] = running
@@ -273,12 +277,15 @@ class LocalExecutor:
         if rows and int(rows[-1]["step"]) != r.seen_step:
             r.seen_step = int(rows[-1]["step"])
             progress = Progress.from_row(rows[-1], r.job.spec.steps)
+            # a resumed driver is Running once it writes a step of its own: the rows an earlier
+            # driver left (read again from the start) only carry the progress over
+            own = float(rows[-1].get(m.TIME, r.started)) >= r.started
 
             def change(s: JobStatus) -> JobStatus:
                 s = s.model_copy(update={"progress": progress})
                 return (
                     s.moved(Phase.RUNNING, Reason.TRAINING, f"step {progress.step}")
-                    if s.phase is Phase.STARTING
+                    if s.phase is Phase.STARTING and own
                     else s
                 )
 

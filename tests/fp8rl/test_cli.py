@@ -317,5 +317,10 @@ def test_bench_kernels_and_rollout_options() -> None:
               "--kv-cache", "bf16"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    rows = [line.split() for line in result.output.splitlines()[2:]]
+    rows = [line.split() for line in result.stdout.splitlines()[2:]]
     assert [(r[0], r[1], r[2]) for r in rows] == [("bf16", "bf16", "eager"), ("fp8", "bf16", "eager")]
+    progress = [ln for ln in result.stderr.splitlines() if ln.startswith("[")]  # one per variant, as it ends
+    assert [line.split(":")[0] for line in progress] == [
+        "[1/2] weights bf16, KV bf16, eager",
+        "[2/2] weights fp8, KV bf16, eager",
+    ]
