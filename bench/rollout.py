@@ -84,8 +84,8 @@ def run(
     ]
     rows = []
     for i, (w, kv, d) in enumerate(plan, 1):
-        rows.append(_variant(trainer, model, dev, w, kv, d, texts, new_tokens, repeat))
-        r = rows[-1]
+        r = _variant(trainer, model, dev, w, kv, d, texts, new_tokens, repeat)
+        rows.append(r)
         # progress on stderr, so that a run cut short (a GPU lease) still shows what it measured
         print(
             f"[{i}/{len(plan)}] weights {r.weights}, KV {r.kv_cache}, {r.decode}: "

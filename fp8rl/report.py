@@ -118,17 +118,8 @@ def report(runs: list[Run], output: Path, window: int = 5, by_variant: bool | No
     for ax, (key, title, line) in zip(axes.flat, PANELS, strict=True):
         if by_variant:
             _draw_variants(ax, groups, key, window)
-        for run in [] if by_variant else runs:
-            label, rows = run.label, run.rows
-            rl_rows = [r for r in rows if m.REWARD_MEAN in r]  # not the step-0 validation line
-            steps = [int(r["step"]) for r in rl_rows]
-            values = [float(r.get(key, math.nan)) for r in rl_rows]
-            (curve,) = ax.plot(steps, smooth(values, window), label=label)
-            val = validation_points(rows) if key == m.REWARD_MEAN else []
-            if val:
-                ax.plot(
-                    *zip(*val, strict=True), "o--", color=curve.get_color(), label=f"{label} val accuracy"
-                )
+        else:
+            _draw_runs(ax, runs, key, window)
         if line is not None:
             ax.axhline(line, color="red", linestyle="--", linewidth=0.8)
         ax.set_title(title)
@@ -147,6 +138,16 @@ def report(runs: list[Run], output: Path, window: int = 5, by_variant: bool | No
     fig.savefig(output, dpi=90)
     plt.close(fig)
     return output
+
+
+def _draw_runs(ax: Any, runs: list[Run], key: str, window: int) -> None:
+    for run in runs:
+        series = _series(run, key, window)
+        (curve,) = ax.plot([s for s, _ in series], [v for _, v in series], label=run.label)
+        val = validation_points(run.rows) if key == m.REWARD_MEAN else []
+        if val:
+            label = f"{run.label} val accuracy"
+            ax.plot(*zip(*val, strict=True), "o--", color=curve.get_color(), label=label)
 
 
 def _draw_variants(ax: Any, groups: dict[str, list[Run]], key: str, window: int) -> None:
