@@ -210,6 +210,20 @@ class VllmGenerator:
         while not self._engine_dead() and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    @contextmanager
+    def _engine_death_named(self) -> Iterator[None]:
+        """vLLM's monitor thread closes the client's sockets when the engine core dies; a request
+        sent meanwhile fails with that socket's error (e.g. ZMQError ENOTSOCK) instead of
+        EngineDeadError. Name the cause, so that the driver sees an engine failure."""
+        try:
+            yield
+        except Exception as err:
+            if not self._engine_dead():
+                raise
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            raise EngineDeadError() from err
+
     def _engine_dead(self) -> bool:
         """Whether vLLM's client has found its engine core gone (its ``resources.engine_dead``)."""
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
@@ -251,12 +265,13 @@ class VllmGenerator:
         sends it at the same time). ``seconds``: the whole update, loading included."""
         start = time.perf_counter()
         version = self._version + 1
-        self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"version": version}})
-        self.llm.finish_weight_update()
-        self._version = version
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
-        first = self.llm.collective_rpc("fp8rl_last_sync")[0]
+        with self._engine_death_named():
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": {"version": version}})
+            self.llm.finish_weight_update()
+            self._version = version
+            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+            first = self.llm.collective_rpc("fp8rl_last_sync")[0]
         return SyncResult(version, int(first["bytes"]), time.perf_counter() - start, int(first["buckets"]))
 
     def weight_report(self) -> WeightReport:
@@ -288,17 +303,8 @@ class VllmGenerator:
             for i in range(len(prompts))
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        try:
+        with self._engine_death_named():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        except Exception as err:
-            if not self._engine_dead():
-                raise
-            # vLLM's monitor thread closes the client's sockets when the engine core dies; a request
-            # sent meanwhile fails with that socket's error (e.g. ZMQError ENOTSOCK) instead of
-            # EngineDeadError. Name the cause, so that the driver sees an engine failure.
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            raise EngineDeadError() from err
         rollouts = rollouts_from_outputs(prompts, outputs, self.pad_id, self.eos_id)
         tokens = int(rollouts.prompt_mask.sum()) + int(rollouts.response_mask.sum())
         self.kv_cache_bytes = tokens * self._per_token  # what the batch's sequences held at the end
