@@ -146,6 +146,26 @@ def bench_kernels(
     _echo_report(report)
 
 
+@bench_app.command("host")
+def bench_host(
+    profile: Annotated[
+        str, typer.Option(help="the device profile planned for (sm90-cuda13.0: cuBLAS blockwise)")
+    ] = ("sm90-cuda13.0"),
+    calls: Annotated[int, typer.Option(help="calls per timing")] = 2000,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (median reported)")] = 5,
+) -> None:
+    """Host time of the FP8 linear's forward GEMM per call, kernel stubbed (no GPU needed): the
+    general fp8_matmul against the GEMM bound once per weight."""
+    from bench import host
+
+    def report() -> str:
+        if calls <= 0 or rounds <= 0:
+            raise ValueError(f"--calls {calls} / --rounds {rounds}: positive numbers")
+        return host.report(profile, calls, rounds)
+
+    _echo_report(report)
+
+
 @bench_app.command("step")
 def bench_step(
     model: ModelOpt = "tiny",

@@ -151,6 +151,28 @@ def test_triton_quantizer_is_the_torch_quantizer_bit_for_bit(
     assert torch.equal(fast.data.view(torch.uint8), ref.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("shape", [(1, 128), (7, 200), (300, 4096), (2048, 14336)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dual_layout_quantizer_is_two_torch_quantizations_bit_for_bit(
+    seed: int, shape: tuple[int, int], fmt: str
+) -> None:
+    """Training's one-read pass (x along K, x.T along tokens) against the torch quantizer of x
+    and of x.T: same bytes, same scales, x's rows padded to 16 with zeros of scale 1."""
+    from workers.fp8 import quant
+
+    x = (torch.randn(*shape, device="cuda") * torch.rand(shape[0], 1, device="cuda") * 10).to(torch.bfloat16)
+    x.view(-1)[torch.randperm(x.numel(), device="cuda")[:3]] *= 1000
+    rows, cols = quant.quantize_dual(x, fmt, rows_multiple=16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant, "_TRITON", False)
+        ref_rows, ref_cols = quant.quantize(x, fmt, (1, 128)), quant.quantize(x.t(), fmt, (1, 128))
+    m = shape[0]
+    assert rows.shape[0] == -(-m // 16) * 16 and bool((rows.scale[m:] == 1).all())
+    assert torch.equal(rows.scale[:m], ref_rows.scale) and torch.equal(cols.scale, ref_cols.scale)
+    assert torch.equal(rows.data[:m].view(torch.uint8), ref_rows.data.view(torch.uint8))
+    assert torch.equal(cols.data.view(torch.uint8), ref_cols.data.view(torch.uint8))
+
+
 @pytest.mark.parametrize("triton", [True, False])
 def test_non_finite_tile_is_named_at_the_end_of_the_guard(triton: bool) -> None:
     from workers.fp8 import NonFiniteError, finite_guard, quant, quantize

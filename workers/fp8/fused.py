@@ -22,12 +22,12 @@ runs alone, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from workers.fp8.linear import Fp8Linear, _fprop
+from workers.fp8.linear import Fp8Linear, FpropGemm, _fprop
 from workers.fp8.quant import Fp8Tensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -42,6 +42,7 @@ class FusedGroup:
     weight: Fp8Tensor  # [sum of N, K]
     bias: torch.Tensor | None
     first: Fp8Linear  # the config and name the group's GEMM uses
+    gemm: FpropGemm = field(default_factory=FpropGemm)  # the group's GEMM, bound once
     _x: torch.Tensor | None = None
     _y: torch.Tensor | None = None
     _served: set[int] | None = None  # members that took their columns of _y
@@ -52,7 +53,8 @@ class FusedGroup:
         if self._x is not x or self._y is None or self._served is None or member in self._served:
             # a new input (or a member asking twice: x may have changed in place): compute
             self._x, self._served = x, set()
-            self._y = _fprop(x2d, self.weight, self.bias, self.first.config, "+".join(self.names))
+            name = "+".join(self.names)
+            self._y = _fprop(x2d, self.gemm, self.weight, self.bias, self.first.config, name)
         y = self._y
         self._served.add(member)
         if len(self._served) == len(self.names):  # every member has its columns: let go of x

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +35,7 @@ class NonFiniteError(ValueError):
     """A tensor about to be quantized to FP8 held NaN or inf."""
 
 
-@dataclass(frozen=True)
-class _Call:
+class _Call(NamedTuple):  # a tuple: one is made per quantization in a guarded step
     where: str
     shape: tuple[int, ...]
     block: tuple[int, int] | None

@@ -40,12 +40,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from workers.fp8.dispatch import GemmPlan, OperandSpec, plan_gemm, profile_of
+from workers.fp8.dispatch import DeviceProfile, GemmPlan, OperandSpec, plan_gemm, profile_of
 from workers.fp8.formats import get_format
-from workers.fp8.matmul import Backend, fp8_matmul
-from workers.fp8.quant import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128, quantize, quantize_rows
+from workers.fp8.matmul import Backend, cublas_b_scale, fp8_matmul, is_col_major
+from workers.fp8.quant import (
+    Block,
+    BLOCK_128x128,
+    Fp8Tensor,
+    TILE_1x128,
+    quantize,
+    quantize_dual,
+    quantize_rows,
+)
 
 # precision.fp8_format -> the gradients' FP8 format (activations and weights are always E4M3)
 GRAD_FORMATS = {"e4m3": "e4m3", "hybrid": "e5m2"}
@@ -92,22 +101,93 @@ class Fp8LinearConfig:
 
 
 def _fprop(
-    x2d: torch.Tensor, w_q: Fp8Tensor, bias: torch.Tensor | None, cfg: Fp8LinearConfig, name: str
+    x2d: torch.Tensor,
+    gemm: FpropGemm,
+    w_q: Fp8Tensor,
+    bias: torch.Tensor | None,
+    cfg: Fp8LinearConfig,
+    name: str,
+    x_q: Fp8Tensor | None = None,
 ) -> torch.Tensor:
     """``q(x) @ q(W).T + b``, accumulated in float32, returned in ``x2d``'s dtype.
 
-    ``x2d [M, K]``, ``w_q [N, K]`` -> ``[M, N]``.
+    ``x2d [M, K]``, ``w_q [N, K]`` (through ``gemm``, its bound GEMM) -> ``[M, N]``; ``x_q``:
+    ``x2d`` already quantized (training's dual-layout pass), else quantized here.
     """
     m = x2d.shape[0]
     if cfg.rows_multiple > 1 and m % cfg.rows_multiple:  # zero rows: their own tiles, dropped below
         x2d = torch.nn.functional.pad(x2d, (0, 0, 0, -m % cfg.rows_multiple))
-    x_q = _quantize_rows(x2d, cfg.forward_fmt, cfg.activation_block, cfg, f"{name}: input")
+    if x_q is None:
+        x_q = _quantize_rows(x2d, cfg.forward_fmt, cfg.activation_block, cfg, f"{name}: input")
     # the kernel may write the activation dtype directly (cuBLAS blockwise writes BF16)
     out = x2d.dtype if bias is None else torch.float32
-    y = fp8_matmul(x_q, w_q.t(), backend=cfg.backend, out_dtype=out)[:m]  # [M, N]
+    y = gemm.bound(w_q, cfg, x2d.device, out)(x_q)[:m]  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2d.dtype)
+
+
+class _Bound:
+    """fprop's GEMM for one FP8 weight ``w_q [N, K]`` on one device, decided once: the weight's
+    transposed view, the plan, and for cuBLAS blockwise the weight's scale layout and the direct
+    call. Per call, :meth:`__call__` then does no planning, no layout checks and makes no objects
+    beyond its result (the FP8 linear's hot path: a decode step calls it ~100 times)."""
+
+    __slots__ = ("backend", "blockwise", "out_dtype", "plan", "profile", "w_q", "w_t")
+
+    def __init__(self, w_q: Fp8Tensor, cfg: Fp8LinearConfig, profile: DeviceProfile, out_dtype: torch.dtype):
+        self.w_q, self.profile, self.out_dtype, self.backend = w_q, profile, out_dtype, cfg.backend
+        self.w_t = w_q.t()  # [K, N], column-major for a row-major weight
+        fmt = get_format(cfg.forward_fmt)
+        a = OperandSpec((16, int(w_q.shape[1])), cfg.activation_block, fmt)
+        self.plan = plan_gemm(a, self.w_t, profile, cfg.backend, out_dtype)
+        # cuBLAS blockwise, called directly: (weight scale layout, a's recipe, b's recipe)
+        self.blockwise: tuple[torch.Tensor, Any, Any] | None = None
+        if (
+            self.plan.kernel == "cublas_blockwise"
+            and cfg.activation_block == TILE_1x128
+            and w_q.shape[1] % 128 == 0
+            and is_col_major(self.w_t.data)
+            and self.w_t._transpose_of is not None  # the layout lives with the weight: loads refresh it
+        ):
+            scaling = F.ScalingType  # the plan checked that this torch has F.scaled_mm
+            self.blockwise = (cublas_b_scale(self.w_t), scaling.BlockWise1x128, scaling.BlockWise128x128)
+
+    def __call__(self, x_q: Fp8Tensor) -> torch.Tensor:
+        """``x_q [M', K] @ w_q.T`` -> ``[M', N]`` (``out_dtype``, or the kernel's own dtype)."""
+        blockwise = self.blockwise
+        if blockwise is not None and x_q.data.shape[0] % 16 == 0 and x_q.data.stride(1) == 1:
+            sa = x_q.scale if x_q.scale.stride(0) == 1 else x_q.scale.t().contiguous().t()
+            sb, recipe_a, recipe_b = blockwise
+            return F.scaled_mm(
+                x_q.data, self.w_t.data, sa, recipe_a, sb, recipe_b, output_dtype=self.plan.out_dtype
+            )
+        return fp8_matmul(x_q, self.w_t, backend=self.backend, out_dtype=self.out_dtype)
+
+
+class FpropGemm:
+    """Holds the :class:`_Bound` fprop of a layer's (or a fused group's) current FP8 weight; bound
+    again only when the weight object, the device profile, the output dtype or the backend change
+    (an in-place weight load keeps the binding: it rewrites the scale layout the binding holds)."""
+
+    __slots__ = ("_bound",)
+
+    def __init__(self) -> None:
+        self._bound: _Bound | None = None
+
+    def bound(
+        self, w_q: Fp8Tensor, cfg: Fp8LinearConfig, device: torch.device, out_dtype: torch.dtype
+    ) -> _Bound:
+        b, profile = self._bound, profile_of(device)
+        if (
+            b is None
+            or b.w_q is not w_q
+            or b.profile is not profile
+            or b.out_dtype is not out_dtype
+            or b.backend != cfg.backend
+        ):
+            b = self._bound = _Bound(w_q, cfg, profile, out_dtype)
+        return b
 
 
 def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig, where: str) -> Fp8Tensor:
@@ -128,12 +208,17 @@ class _Fp8LinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         cfg = layer.config
         w_q = layer.fp8_weight()
-        y = _fprop(x2d, w_q, bias, cfg, layer.name)
-        if weight.requires_grad:
-            # wgrad contracts over M: keep x.T [K, M] tiled along tokens, in FP8, row-major
-            p2 = cfg.power_of_two_scales
+        p2 = cfg.power_of_two_scales
+        x_q = None
+        if weight.requires_grad and cfg.activation_block == TILE_1x128 and cfg.rows_multiple == 1:
+            # wgrad contracts over M: x.T [K, M] tiled along tokens, in FP8, row-major, made in
+            # the same pass as fprop's x (one read of x on a GPU)
+            where = f"{layer.name}: input"
+            x_q, ctx.x_t = quantize_dual(x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16)
+        elif weight.requires_grad:
             where = f"{layer.name}: input (wgrad copy)"
             ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
+        y = _fprop(x2d, layer.fprop_gemm, w_q, bias, cfg, layer.name, x_q)
         ctx.layer = layer
         ctx.w_q = w_q
         ctx.has_bias = bias is not None
@@ -149,15 +234,23 @@ class _Fp8LinearFn(torch.autograd.Function):
         p2 = cfg.power_of_two_scales
         grad_x = grad_w = grad_b = None
         where = f"{layer.name}: output gradient"
-        if ctx.needs_input_grad[0]:
-            g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_q = g_t = None
+        if need_dx and need_dw and cfg.grad_block == TILE_1x128:  # both layouts from one read of dy
+            g_q, g_t = quantize_dual(grad_y, cfg.grad_fmt, power_of_two=p2, where=where, rows_multiple=16)
+        if need_dx:
+            if g_q is None:
+                g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
             w_for_dgrad = layer.dgrad_weight(ctx.w_q, g_q)  # [N, K]
             grad_x = fp8_matmul(g_q, w_for_dgrad, backend=cfg.backend, out_dtype=ctx.x_dtype)
             grad_x = grad_x[: grad_y.shape[0]]  # [M, K]
-        if ctx.needs_input_grad[1]:
-            g_t = quantize(grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where)  # [N, M]
-            grad_w = fp8_matmul(g_t, ctx.x_t.t(), backend=cfg.backend)  # [N, K] float32
-            grad_w = grad_w.to(ctx.w_dtype)
+        if need_dw:
+            if g_t is None:
+                g_t = quantize(
+                    grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where
+                )  # [N, M]
+            # float32 accumulation, written in the master weight's dtype by the kernel itself
+            grad_w = fp8_matmul(g_t, ctx.x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype)  # [N, K]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
         return grad_x, grad_w, grad_b, None
@@ -201,6 +294,7 @@ class Fp8Linear(nn.Module):
         self.fp8_weight_updates = 0  # how many times the FP8 copy was (re)made or loaded
         # (FusedGroup, member index) once workers.fp8.fused has fused this layer with its siblings
         self.fused: Any = None
+        self.fprop_gemm = FpropGemm()  # the forward GEMM, bound once per FP8 weight
 
     @classmethod
     def from_linear(
@@ -345,7 +439,7 @@ class Fp8Linear(nn.Module):
                 group, member = self.fused
                 y2d: torch.Tensor = group.output(x, x2d, member)
             else:
-                y2d = _fprop(x2d, self.fp8_weight(), self.bias, self.config, self.name)
+                y2d = _fprop(x2d, self.fprop_gemm, self.fp8_weight(), self.bias, self.config, self.name)
         else:
             y2d = _Fp8LinearFn.apply(x2d, self.weight, self.bias, self)  # type: ignore[no-untyped-call]
         return y2d.reshape(*lead, self.out_features)

@@ -27,7 +27,16 @@ import torch
 from workers.fp8.dispatch import Backend, GemmPlan, plan_gemm, profile_of
 from workers.fp8.quant import Fp8Tensor
 
-__all__ = ["Backend", "GemmPlan", "chunk_size", "fp8_matmul", "lay_out", "matmul_emulated", "plan_for"]
+__all__ = [
+    "Backend",
+    "GemmPlan",
+    "chunk_size",
+    "cublas_b_scale",
+    "fp8_matmul",
+    "lay_out",
+    "matmul_emulated",
+    "plan_for",
+]
 
 
 def _k_block(x: Fp8Tensor, dim: int) -> int | None:
@@ -170,14 +179,20 @@ def blockwise_scales_for_cublas(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tenso
     scales of ``b`` are ``[N, K/128]`` with stride 1 along N.
     """
     sa = a.scale.t().contiguous().t()  # [M, K/128], strides (1, M): free when already so
-    # a weight's scale layout is made once per weight (kept with its FP8 copy), not per call
+    return sa, cublas_b_scale(b)
+
+
+def cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:
+    """``b``'s scales as cuBLAS's blockwise GEMM reads them (:func:`blockwise_scales_for_cublas`).
+    A weight's layout (``b`` the transpose of a weight) is made once per weight and kept with its
+    FP8 copy, not per call; an in-place weight load rewrites it in place."""
     owner = b._transpose_of
     sb = owner._memo.get("cublas_scale_t") if owner is not None else None
     if sb is None:
         sb = _cublas_b_scale(b)
         if owner is not None:
             owner._memo["cublas_scale_t"] = sb
-    return sa, sb
+    return sb
 
 
 def _cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:

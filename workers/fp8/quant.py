@@ -234,6 +234,39 @@ def quantize_rows(
     return quantize(x, f, TILE_1x128, power_of_two=power_of_two, where=where)
 
 
+def quantize_dual(
+    x: torch.Tensor,
+    fmt: str | Fp8Format,
+    *,
+    power_of_two: bool = False,
+    where: str = "quantize",
+    rows_multiple: int = 1,
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """A 2-D ``x [M, K]`` for the two GEMMs that read it: ``x`` in 1x128 tiles along K (as
+    :func:`quantize_rows`) and ``x.T [K, M]`` in 1x128 tiles along M (as ``quantize(x.t(), fmt,
+    (1, 128))``), the activation's or the output gradient's two layouts in training.
+
+    On CUDA one Triton kernel reads each 128x128 tile of ``x`` once and writes both layouts and
+    both scale tensors (:func:`workers.fp8.triton_quant.quantize_1x128_dual`); elsewhere it is
+    those two calls. Either way the bytes and scales are the two calls' (tested under Triton's
+    interpreter), and a NaN/inf in ``x`` is reported once, for ``x``'s own tiles.
+    """
+    f = get_format(fmt)
+    if x.is_cuda and x.dim() == 2 and _use_triton():
+        from workers.fp8.guard import active_guard
+        from workers.fp8.triton_quant import quantize_1x128_dual
+
+        guard = active_guard()
+        slot = guard.reserve(x.device, tuple(x.shape), TILE_1x128, where) if guard is not None else None
+        rows = -(-x.shape[0] // rows_multiple) * rows_multiple
+        data, scale, data_t, scale_t = quantize_1x128_dual(
+            x.detach(), f.name, f.max, f.dtype, power_of_two, slot, rows
+        )
+        return Fp8Tensor(data, scale, TILE_1x128, f), Fp8Tensor(data_t, scale_t, TILE_1x128, f)
+    rows_q = quantize_rows(x, f, power_of_two=power_of_two, where=where, rows_multiple=rows_multiple)
+    return rows_q, quantize(x.t(), f, TILE_1x128, power_of_two=power_of_two, where=where)
+
+
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str | Fp8Format, block: Block = None) -> Fp8Tensor:
     """Quantize ``x`` with given scales (e.g. calibrated KV-cache scales): saturating cast."""
     f = get_format(fmt)

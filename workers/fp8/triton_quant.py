@@ -56,29 +56,102 @@ def _quantize_1x128(
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_R]
     nans = tl.sum((x != x).to(tl.int32), axis=1)
     amax = tl.where(nans > 0, float("nan"), amax)  # max() may drop NaN; torch's amax keeps it
-    scale = tl.math.div_rn(amax, FMT_MAX)
-    scale = tl.where(scale < 1.1754943508222875e-38, 1.1754943508222875e-38, scale)  # NaN stays NaN
-    if POW2:
-        bits = scale.to(tl.int32, bitcast=True)
-        up = (bits & 0x7F800000) + 0x00800000  # next power of two
-        bits = tl.where((bits & 0x007FFFFF) == 0, bits, up)
-        scale = bits.to(tl.float32, bitcast=True)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
-    if E4M3:  # noqa: SIM108 - a constexpr branch, compiled away
-        q8 = q.to(tl.float8e4nv)
-    else:
-        q8 = q.to(tl.float8e5)
+    scale = _scale_of(amax, FMT_MAX, POW2)
+    q8 = _to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
     # rows in [rows, rows_out) are padding: x loaded as 0 gives data 0; their scale is 1
     scale = tl.where(r < rows, scale, 1.0)
     written = (r[:, None] < rows_out) & (c[None, :] < cols)
     tl.store(data_ptr + r[:, None] * cols + c[None, :], q8, mask=written)
     tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)  # M-major: [n_tiles, rows_out].T
     if CHECK:
-        bad = (amax != amax) | (amax == float("inf"))
-        tile = r.to(tl.int64) * n_tiles_c + pid_c
-        code = tl.where(bad & (r < rows), call_code + tile, 9223372036854775807)
-        tl.atomic_min(code_ptr, tl.min(code, axis=0))
+        _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
+
+
+@triton.jit
+def _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code) -> None:
+    """Fold the first non-finite tile among rows ``r`` (column tile ``pid_c``) into the guard's
+    code with an atomic min, issued only by a program that has one: finite tiles cost no atomic."""
+    bad = (amax != amax) | (amax == float("inf"))
+    tile = r.to(tl.int64) * n_tiles_c + pid_c
+    code = tl.where(bad & (r < rows), call_code + tile, 9223372036854775807)
+    first = tl.min(code, axis=0)
+    tl.atomic_min(code_ptr, first, mask=first != 9223372036854775807)
+
+
+@triton.jit
+def _scale_of(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
+    """amax -> scale, as :func:`workers.fp8.quant.amax_to_scale` (NaN stays NaN)."""
+    scale = tl.math.div_rn(amax, FMT_MAX)
+    scale = tl.where(scale < 1.1754943508222875e-38, 1.1754943508222875e-38, scale)
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        up = (bits & 0x7F800000) + 0x00800000  # next power of two
+        bits = tl.where((bits & 0x007FFFFF) == 0, bits, up)
+        scale = bits.to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _to_fp8(q, FMT_MAX: tl.constexpr, E4M3: tl.constexpr):
+    q = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
+    if E4M3:  # noqa: SIM108 - a constexpr branch, compiled away
+        q8 = q.to(tl.float8e4nv)
+    else:
+        q8 = q.to(tl.float8e5)
+    return q8
+
+
+@triton.jit
+def _quantize_1x128_dual(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    data_t_ptr,
+    scale_t_ptr,
+    code_ptr,
+    rows,
+    rows_out,
+    cols,
+    stride_r,
+    stride_c,
+    n_tiles_c,
+    call_code,
+    FMT_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    POW2: tl.constexpr,
+    CHECK: tl.constexpr,
+    TILE: tl.constexpr,
+) -> None:
+    """One 128x128 tile of ``x [rows, cols]`` read once, written twice: along ``cols`` (1x128
+    tiles of a row: :func:`quantize_1x128` of ``x``) and along ``rows`` (1x128 tiles of a column:
+    :func:`quantize_1x128` of ``x.T``), each with its own scales."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    r = pid_r * TILE + tl.arange(0, TILE)  # [TILE] rows of x (tokens)
+    c = pid_c * TILE + tl.arange(0, TILE)  # [TILE] columns of x
+    inside = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None] * stride_r + c[None, :] * stride_c, mask=inside, other=0.0)
+    x = x.to(tl.float32)
+    is_nan = x != x
+    # along cols: one scale per row
+    amax = tl.max(tl.abs(x), axis=1)
+    amax = tl.where(tl.sum(is_nan.to(tl.int32), axis=1) > 0, float("nan"), amax)
+    scale = _scale_of(amax, FMT_MAX, POW2)
+    q8 = _to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
+    scale = tl.where(r < rows, scale, 1.0)  # padding rows [rows, rows_out): zeros, scale 1
+    written = (r[:, None] < rows_out) & (c[None, :] < cols)
+    tl.store(data_ptr + r[:, None] * cols + c[None, :], q8, mask=written)
+    tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)  # M-major
+    # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
+    amax_t = tl.max(tl.abs(x), axis=0)
+    amax_t = tl.where(tl.sum(is_nan.to(tl.int32), axis=0) > 0, float("nan"), amax_t)
+    scale_t = _scale_of(amax_t, FMT_MAX, POW2)
+    q8_t = tl.trans(_to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [cols tile, rows tile]
+    inside_t = (c[:, None] < cols) & (r[None, :] < rows)
+    tl.store(data_t_ptr + c[:, None] * rows + r[None, :], q8_t, mask=inside_t)
+    tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
+    if CHECK:  # the rows' tiles name a non-finite value (the columns' tiles see the same ones)
+        _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
 
 
 def quantize_1x128(
@@ -125,3 +198,35 @@ def quantize_1x128(
         TILE=_TILE,
     )
     return data, scale
+
+
+def quantize_1x128_dual(
+    x: torch.Tensor,
+    fmt_name: str,
+    fmt_max: float,
+    fp8_dtype: torch.dtype,
+    power_of_two: bool,
+    check: tuple[torch.Tensor, int] | None,
+    rows_out: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_1x128` of ``x [R, C]`` and of ``x.T``, from one read of ``x``:
+    ``(data [R', C], scale [R', ceil(C/128)], data_t [C, R], scale_t [C, ceil(R/128)])``, each
+    laid out as that call lays it out (row-major data, M-major scales). ``check`` folds the
+    non-finite tiles of ``x``'s own layout into the guard."""
+    rows, cols = x.shape
+    n_tiles_c, n_tiles_r = triton.cdiv(cols, _TILE), triton.cdiv(rows, _TILE)
+    data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=x.device)
+    scale = torch.empty((n_tiles_c, rows_out), dtype=torch.float32, device=x.device).t()
+    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device)
+    scale_t = torch.empty((n_tiles_r, cols), dtype=torch.float32, device=x.device).t()
+    if rows_out == 0 or cols == 0:
+        return data, scale, data_t, scale_t
+    code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
+    grid: Any = (triton.cdiv(rows_out, _TILE), n_tiles_c)
+    _quantize_1x128_dual[grid](
+        x, data, scale, data_t, scale_t, code_buf, rows, rows_out, cols, x.stride(0), x.stride(1),
+        n_tiles_c, call * 2**32,
+        FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None, TILE=_TILE,
+        num_warps=8,
+    )  # fmt: skip
+    return data, scale, data_t, scale_t

@@ -12,6 +12,8 @@ emulated everywhere would fail too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -147,3 +149,53 @@ def test_kv_cache_quantizer_runs_on_meta() -> None:
         k_scale, _ = cal.layer_scales(1)
         q = quantize_kv(k, k_scale)
     assert q.data.dtype == torch.float8_e4m3fn and q.data.device.type == "meta"
+
+
+# -- the forward GEMM's hot path: bound once per weight ------------------------------------------
+
+
+def test_the_forward_gemm_is_planned_once_per_weight_and_follows_in_place_loads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On SM90 the FP8 linear's forward calls cuBLAS blockwise directly, with the plan and the
+    weight's scale layout decided at its first call, not per call; a weight loaded in place (the
+    generator's sync under a captured graph) keeps that binding and the next call uses the new
+    bytes and scales. The product is checked against float64 of the dequantized operands."""
+    from workers.fp8.dispatch import plan_gemm as real_plan
+
+    plans: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(1)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr("workers.fp8.linear.plan_gemm", counted)
+    profile = PROFILES["sm90-cuda13.0"]
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 384, bias=False)
+    layer.requires_grad_(False)
+    layer.drop_master_weight()
+    x = torch.randn(32, 256)
+
+    def want() -> torch.Tensor:
+        x_q = quantize(x, "e4m3", (1, 128)).dequantize(torch.float64)
+        return x_q @ layer.fp8_weight().dequantize(torch.float64).t()
+
+    def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+        return bool(((got.double() - ref).abs() <= 2 * gamma(256) * ref.abs().max()).all())
+
+    with simulate(profile), recording(monkeypatch) as rec:
+        outs = [layer(x) for _ in range(3)]
+    assert len(plans) == 1, "planned per call"
+    assert [(c.op, c.scaling()) for c in rec.calls] == [("v2", "blockwise")] * 3
+    assert_replays(rec, "sm90-cuda13.0")
+    assert all(close(y, want()) for y in outs)
+
+    held = layer.fp8_weight()
+    ptr, scale_ptr = held.data.data_ptr(), held._memo["cublas_scale_t"].data_ptr()
+    layer.load_fp8_weight(quantize(torch.randn(384, 256) * 0.05, "e4m3", (128, 128)))
+    assert layer.fp8_weight() is held and held.data.data_ptr() == ptr  # loaded in place
+    with simulate(profile), recording(monkeypatch) as rec:
+        y = layer(x)
+    assert len(plans) == 1 and held._memo["cublas_scale_t"].data_ptr() == scale_ptr
+    assert close(y, want()), "the bound GEMM read stale weights or scales after the load"

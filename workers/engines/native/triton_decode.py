@@ -3,6 +3,7 @@ run: Triton is absent on some CPU machines)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -10,6 +11,13 @@ import triton
 import triton.language as tl
 
 # -1e30 below stands for minus infinity: exp() and max() of a fully masked tile stay free of NaN
+
+# On a GPU the kernels round to BF16 with the hardware's conversion (round to nearest even) and
+# multiply BF16 tiles on the tensor cores with float32 accumulation. Triton's interpreter (the CPU
+# tests) truncates on .to(bfloat16) and has no BF16 dot, so there the same values are made with
+# bit operations and multiplied as float32 (exact for BF16 operands): the interpreter's branch is
+# the one the CPU checks against float64, the hardware branch is checked against it on a GPU.
+HW_BF16 = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -51,6 +59,7 @@ def _split_kernel(
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    HW: tl.constexpr,
 ) -> None:
     b = tl.program_id(0)
     h = tl.program_id(1)  # KV head
@@ -63,7 +72,7 @@ def _split_kernel(
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group[:, None], other=0.0
     )
-    q = q.to(tl.float32)
+    q = q.to(tl.bfloat16) if HW else q.to(tl.float32)  # BF16 values either way
     if FP8:
         k_scale = tl.load(ks_ptr)
         v_scale = tl.load(vs_ptr)
@@ -87,21 +96,23 @@ def _split_kernel(
             mask=inside[:, None],
             other=0.0,
         )
-        # float32 operands holding BF16 values: TF32 represents them exactly, so the products are
-        # BF16's (and Triton's interpreter, which the CPU tests use, has no BF16 dot)
+        # BF16 operands (in the interpreter: float32 holding BF16 values, products exact either way)
         if FP8:  # in registers: the materialized dequantization's values, bf16(f32(x) * scale)
-            k = _bf16(k.to(tl.float32) * k_scale)
-            v = _bf16(v.to(tl.float32) * v_scale)
+            k = _round_bf16(k.to(tl.float32) * k_scale, HW)
+            v = _round_bf16(v.to(tl.float32) * v_scale, HW)
+        elif HW:
+            k = k.to(tl.bfloat16)  # a BF16 cache: as loaded
+            v = v.to(tl.bfloat16)
         else:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * scaling  # [BLOCK_G, BLOCK_N], float32
+        scores = tl.dot(q, tl.trans(k)) * scaling  # [BLOCK_G, BLOCK_N], float32 accumulation
         scores = tl.where(valid[None, :], scores, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.where(valid[None, :], tl.exp(scores - m_new[:, None]), 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(_bf16(p), v)  # P rounded to BF16, as flash attention
+        acc = acc * alpha[:, None] + tl.dot(_round_bf16(p, HW), v)  # P rounded to BF16, as flash attention
         m_i = m_new
     row = (b * HQ + heads) * SPLITS + s  # [BLOCK_G]
     tl.store(m_ptr + row, m_i, mask=in_group)
@@ -110,8 +121,25 @@ def _split_kernel(
 
 
 @triton.jit
+def _round_bf16(x, HW: tl.constexpr):
+    """float32 ``x`` rounded to BF16 (nearest, ties to even): a BF16 tensor on a GPU (the hardware
+    conversion), the same values as float32 in the interpreter (:func:`_bf16`)."""
+    if HW:
+        return x.to(tl.bfloat16)
+    else:
+        return _bf16(x)
+
+
+@triton.jit
 def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    D: tl.constexpr,
+    HW: tl.constexpr,
 ) -> None:
     bh = tl.program_id(0)  # one (sequence, query head)
     s = tl.arange(0, BLOCK_S)
@@ -122,7 +150,7 @@ def _combine_kernel(
     acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     w = tl.where(live, tl.exp(m - tl.max(m, 0)), 0.0)  # a split that saw no key has l = 0
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_s, 0)
-    tl.store(out_ptr + bh * D + d, _bf16(out).to(tl.bfloat16))  # exact: already a BF16 value
+    tl.store(out_ptr + bh * D + d, _round_bf16(out, HW).to(tl.bfloat16))  # the interpreter: exact
 
 
 def run(
@@ -152,8 +180,9 @@ def run(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), seen.stride(0), chunk,
         HQ=hq, SPLITS=splits, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=block_n, FP8=fp8,
+        BLOCK_N=block_n, FP8=fp8, HW=HW_BF16,
     )  # fmt: skip
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
-    _combine_kernel[(b * hq,)](m, l_sum, acc, out, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), D=d)
+    block_s = triton.next_power_of_2(splits)
+    _combine_kernel[(b * hq,)](m, l_sum, acc, out, SPLITS=splits, BLOCK_S=block_s, D=d, HW=HW_BF16)
     return out

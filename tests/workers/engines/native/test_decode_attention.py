@@ -62,3 +62,31 @@ def test_the_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert da.enabled(torch.device("cuda")) and not da.enabled(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+def test_on_a_gpu_the_kernel_multiplies_bf16_tiles_on_the_tensor_cores(cache: str) -> None:
+    """Compiled for SM90 (no GPU needed), the GPU branch's two products are BF16 MMAs with float32
+    accumulation, BF16 or an E4M3 cache alike: no TF32 (the interpreter's branch, which the CPU
+    checks, is float32 and compiles to TF32 MMAs at half the rate) and no register spills."""
+    import re
+
+    from tests.workers.triton_sm90 import compile_sm90
+    from workers.engines.native import triton_decode
+
+    kv = "*fp8e4nv" if cache == "e4m3" else "*bf16"
+    sig = {"q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "seen_ptr": "*i1", "len_ptr": "*i64"}
+    sig |= {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh")
+    sig |= {"scaling": "fp32"} | dict.fromkeys((*strides, "stride_vt", "stride_sb", "chunk"), "i32")
+    consts = {"HQ": 32, "SPLITS": 4, "GROUP": 4, "BLOCK_G": 16, "D": 64, "BLOCK_N": da.BLOCK_N}
+    for hw, kind in ((True, "bf16"), (False, "tf32")):
+        ptx = compile_sm90(triton_decode._split_kernel, sig, {**consts, "FP8": cache == "e4m3", "HW": hw})
+        mmas = set(re.findall(r"mma\.sync\.aligned\.\w+\.row\.col\.f32\.(\w+)\.\w+\.f32", ptx))
+        assert mmas == {kind}, (hw, mmas)
+        assert "st.local" not in ptx, "register spills"
+    combine = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16"}
+    ptx = compile_sm90(
+        triton_decode._combine_kernel, combine, {"SPLITS": 4, "BLOCK_S": 4, "D": 64, "HW": True}
+    )
+    assert "cvt.rn.bf16.f32" in ptx  # the hardware's round to nearest even

@@ -1,0 +1,65 @@
+"""The Triton quantizers (workers/fp8/triton_quant.py) on the CPU: their arithmetic under Triton's
+interpreter (in a fresh interpreter: ``triton_quant_checks.py``), and their compilation for SM90
+(``tests/workers/triton_sm90.py``). Their speed only a GPU shows (``make gpu-check``, kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.triton_sm90 import compile_sm90
+from workers.fp8 import triton_quant as tq
+from workers.fp8.quant import quantize_dual, quantize_rows
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_quantizers_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.workers.fp8.triton_quant_checks"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    assert out.stdout.count("ok ") == 2
+
+
+COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}
+COMMON |= {"n_tiles_c": "i32", "call_code": "i64"}
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("check", [True, False])
+def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> None:
+    fp8 = "*fp8e4nv" if fmt == "e4m3" else "*fp8e5"
+    consts = {"FMT_MAX": 448.0 if fmt == "e4m3" else 57344.0, "E4M3": fmt == "e4m3", "POW2": False}
+    consts |= {"CHECK": check, "TILE": 128}
+    one = {"x_ptr": "*bf16", "data_ptr": fp8, "scale_ptr": "*fp32", "code_ptr": "*i64", **COMMON}
+    ptx = compile_sm90(tq._quantize_1x128, one, {**consts, "BLOCK_R": 32})
+    assert ("atom.global" in ptx) == check  # the guard's atomic exists only when checking
+    dual = {
+        "x_ptr": "*bf16",
+        "data_ptr": fp8,
+        "scale_ptr": "*fp32",
+        "data_t_ptr": fp8,
+        "scale_t_ptr": "*fp32",
+    }
+    ptx = compile_sm90(tq._quantize_1x128_dual, {**dual, "code_ptr": "*i64", **COMMON}, consts, num_warps=8)
+    assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
+
+
+def test_dual_layout_off_the_gpu_is_the_two_calls() -> None:
+    """On a CPU (and on meta) quantize_dual is quantize_rows of x and quantize of x.T: same bytes."""
+    x = torch.randn(70, 300) * 3
+    rows, cols = quantize_dual(x, "e4m3")
+    want = quantize_rows(x, "e4m3")
+    assert torch.equal(rows.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(cols.data.view(torch.uint8), quantize_rows(x.t(), "e4m3").data.view(torch.uint8))
+    assert cols.shape == (300, 70) and cols.block == (1, 128)
+    meta_rows, meta_cols = quantize_dual(torch.empty(70, 300, device="meta"), "e5m2")
+    assert meta_rows.data.device.type == "meta" and meta_cols.shape == (300, 70)
