@@ -50,19 +50,42 @@ def _quantize_1x128(
     pid_c = tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     c = pid_c * TILE + tl.arange(0, TILE)  # [TILE]
+    x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
+    _write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
+                FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
+
+
+@triton.jit
+def _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c):
+    """``x[r, c]`` as float32, zeros outside ``[rows, cols]``."""
     inside = (r[:, None] < rows) & (c[None, :] < cols)
     x = tl.load(x_ptr + r[:, None] * stride_r + c[None, :] * stride_c, mask=inside, other=0.0)
-    x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_R]
-    nans = tl.sum((x != x).to(tl.int32), axis=1)
-    amax = tl.where(nans > 0, float("nan"), amax)  # max() may drop NaN; torch's amax keeps it
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _amax(x, AXIS: tl.constexpr):
+    """max |x| along ``AXIS``; NaN where a NaN is (max() may drop NaN; torch's amax keeps it)."""
+    amax = tl.max(tl.abs(x), axis=AXIS)
+    nans = tl.sum((x != x).to(tl.int32), axis=AXIS)
+    return tl.where(nans > 0, float("nan"), amax)
+
+
+@triton.jit
+def _write_rows(
+    x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
+    FMT_MAX: tl.constexpr, E4M3: tl.constexpr, POW2: tl.constexpr, CHECK: tl.constexpr,
+) -> None:  # fmt: skip
+    """The tile ``x [r, c]`` in 1x128 tiles along ``c``: FP8 bytes into ``data [rows_out, cols]``
+    (row-major), one scale per row into ``scale`` (M-major: ``[n_tiles_c, rows_out]``); rows in
+    ``[rows, rows_out)`` are padding (x loaded as 0 gives data 0; their scale is 1)."""
+    amax = _amax(x, 1)
     scale = _scale_of(amax, FMT_MAX, POW2)
     q8 = _to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
-    # rows in [rows, rows_out) are padding: x loaded as 0 gives data 0; their scale is 1
     scale = tl.where(r < rows, scale, 1.0)
     written = (r[:, None] < rows_out) & (c[None, :] < cols)
     tl.store(data_ptr + r[:, None] * cols + c[None, :], q8, mask=written)
-    tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)  # M-major: [n_tiles, rows_out].T
+    tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)
     if CHECK:
         _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
 
@@ -129,29 +152,17 @@ def _quantize_1x128_dual(
     pid_c = tl.program_id(1)
     r = pid_r * TILE + tl.arange(0, TILE)  # [TILE] rows of x (tokens)
     c = pid_c * TILE + tl.arange(0, TILE)  # [TILE] columns of x
-    inside = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + r[:, None] * stride_r + c[None, :] * stride_c, mask=inside, other=0.0)
-    x = x.to(tl.float32)
-    is_nan = x != x
-    # along cols: one scale per row
-    amax = tl.max(tl.abs(x), axis=1)
-    amax = tl.where(tl.sum(is_nan.to(tl.int32), axis=1) > 0, float("nan"), amax)
-    scale = _scale_of(amax, FMT_MAX, POW2)
-    q8 = _to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
-    scale = tl.where(r < rows, scale, 1.0)  # padding rows [rows, rows_out): zeros, scale 1
-    written = (r[:, None] < rows_out) & (c[None, :] < cols)
-    tl.store(data_ptr + r[:, None] * cols + c[None, :], q8, mask=written)
-    tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)  # M-major
+    x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
+    # along cols, as the one-layout kernel (the rows' tiles name a non-finite value for the guard;
+    # the columns' tiles see the same ones)
+    _write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
+                FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
     # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
-    amax_t = tl.max(tl.abs(x), axis=0)
-    amax_t = tl.where(tl.sum(is_nan.to(tl.int32), axis=0) > 0, float("nan"), amax_t)
-    scale_t = _scale_of(amax_t, FMT_MAX, POW2)
+    scale_t = _scale_of(_amax(x, 0), FMT_MAX, POW2)
     q8_t = tl.trans(_to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [cols tile, rows tile]
     inside_t = (c[:, None] < cols) & (r[None, :] < rows)
     tl.store(data_t_ptr + c[:, None] * rows + r[None, :], q8_t, mask=inside_t)
     tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
-    if CHECK:  # the rows' tiles name a non-finite value (the columns' tiles see the same ones)
-        _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
 
 
 def quantize_1x128(
