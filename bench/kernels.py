@@ -17,7 +17,10 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
 - ``wgrad``: the weight gradient ``dy.T @ x`` (contraction over the M tokens), 1x128 x 1x128
   blockwise, for M a multiple of 128;
 - ``quantize``: the 1x128 activation quantizer (Triton on CUDA), reported as GB/s of bytes read
-  plus written.
+  plus written;
+- ``small_m``: the Triton block-FP8 GEMM for at most 64 tokens (``workers/fp8/triton_gemm.py``,
+  split-K), BF16 activation in: its time *includes* the activation's quantization, so compare it
+  with ``blockwise`` + ``quantize`` (the table's last ratio does).
 
 A kind that this device refuses is reported as refused, with the first line of the error.
 """
@@ -31,13 +34,14 @@ from functools import partial
 
 import torch
 
+from workers.fp8.linear import SMALL_M_MAX
 from workers.fp8.matmul import _blockwise, lay_out
 from workers.fp8.quant import quantize, quantize_rows
 
 TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 # the 1B preset's MLP (hidden 2048 -> 8192 -> 2048) and Llama-3-8B's (4096 -> 14336)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
-KINDS: tuple[str, ...] = ("bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize")
+KINDS: tuple[str, ...] = ("bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "small_m")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
 
 
@@ -132,6 +136,11 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             calls.append(partial(_blockwise, a, b, torch.bfloat16))
         elif kind == "quantize":
             calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
+        elif kind == "small_m":
+            from workers.fp8.triton_gemm import small_m_gemm
+
+            wq = quantize(w, "e4m3", (128, 128))
+            calls.append(partial(small_m_gemm, x, wq.data, wq.scale, torch.bfloat16, None))
         else:
             raise ValueError(f"kind {kind!r}: choose from {KINDS}")
     return calls
@@ -152,6 +161,9 @@ def run(
                 if kind == "wgrad" and m % 128:
                     rows.append(KernelRow(m, k, n, kind, None, "M not a multiple of 128"))
                     continue
+                if kind == "small_m" and m > SMALL_M_MAX:
+                    rows.append(KernelRow(m, k, n, kind, None, f"M over {SMALL_M_MAX}"))
+                    continue
                 try:
                     us = _time_calls(dev, _calls(kind, m, k, n, dev), replays)
                     rows.append(KernelRow(m, k, n, kind, us))
@@ -170,7 +182,8 @@ def format_table(rows: Sequence[KernelRow]) -> str:
     for r in rows:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
-    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s; bf16 TFLOP/s"]
+    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s; bf16 TFLOP/s; "]
+    lines[0] += "(blockwise + quantize) / small_m"
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
         cells = []
@@ -192,9 +205,21 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         q = by_kind.get("quantize")
         gbs = f"{q.quantizer_gbs:.0f}" if q is not None and q.quantizer_gbs is not None else "-"
         tf = f"{base.tflops:.0f}" if base is not None and base.tflops is not None else "-"
-        lines.append(f"{k:>6} {n:>6} {m:>5} " + " ".join(cells) + f"   {' '.join(ratios)}; {gbs}; {tf}")
+        small = _small_m_ratio(by_kind)
+        lines.append(
+            f"{k:>6} {n:>6} {m:>5} " + " ".join(cells) + f"   {' '.join(ratios)}; {gbs}; {tf}; {small}"
+        )
     lines += [f"{kind}: {note}" for kind, note in notes.items()]
     return "\n".join(lines)
+
+
+def _small_m_ratio(by_kind: dict[str, KernelRow]) -> str:
+    """cuBLAS's path for few tokens (quantize, then blockwise) over the Triton GEMM that does both."""
+    parts = [by_kind.get(kind) for kind in ("blockwise", "quantize", "small_m")]
+    us = [p.us if p is not None else None for p in parts]
+    if us[0] is None or us[1] is None or not us[2]:
+        return "-"
+    return f"{(us[0] + us[1]) / us[2]:.2f}x"
 
 
 def report(device: str = "cuda", **options: object) -> str:

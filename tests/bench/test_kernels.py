@@ -36,3 +36,15 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
 def test_an_unknown_kind_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="kind 'int4'"):
         kernels._calls("int4", 16, 128, 128, torch.device("cpu"))
+
+
+def test_the_small_m_gemm_is_compared_with_quantize_plus_blockwise_and_kept_to_few_tokens() -> None:
+    row = {
+        "blockwise": kernels.KernelRow(16, 256, 256, "blockwise", us=10.0),
+        "quantize": kernels.KernelRow(16, 256, 256, "quantize", us=2.0),
+        "small_m": kernels.KernelRow(16, 256, 256, "small_m", us=6.0),
+    }
+    assert kernels._small_m_ratio(row) == "2.00x"  # (10 + 2) / 6, by hand
+    assert kernels._small_m_ratio({**row, "small_m": kernels.KernelRow(16, 256, 256, "small_m", None)}) == "-"
+    rows = kernels.run("cpu", tokens=(128,), shapes=((256, 256),), kinds=("small_m",), replays=1)
+    assert rows[0].us is None and rows[0].note == "M over 64"

@@ -173,6 +173,24 @@ def test_dual_layout_quantizer_is_two_torch_quantizations_bit_for_bit(
     assert torch.equal(cols.data.view(torch.uint8), ref_cols.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+@pytest.mark.parametrize("k_n", [(2048, 8192), (8192, 2048), (300, 256)])
+def test_small_m_gemm_is_the_quantized_product(seed: int, m: int, k_n: tuple[int, int]) -> None:
+    """The Triton GEMM for few tokens against float64 of the torch quantizer's bytes (bit for bit
+    the kernel's on a GPU): within float32 summation, then the BF16 output's rounding."""
+    from workers.fp8.quant import quantize
+    from workers.fp8.triton_gemm import small_m_gemm
+
+    k, n = k_n
+    x = (torch.randn(m, k, device="cuda") * torch.rand(m, 1, device="cuda") * 10).to(torch.bfloat16)
+    w = quantize(torch.randn(n, k, device="cuda") / k**0.5, "e4m3", (128, 128))
+    got = small_m_gemm(x, w.data, w.scale, torch.float32, None)
+    want = quantize(x, "e4m3", (1, 128)).dequantize(torch.float64) @ w.dequantize(torch.float64).t()
+    assert float((got.double() - want).abs().max()) <= 2 * k * 2**-24 * float(want.abs().max())
+    bf16 = small_m_gemm(x, w.data, w.scale, torch.bfloat16, None)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("triton", [True, False])
 def test_non_finite_tile_is_named_at_the_end_of_the_guard(triton: bool) -> None:
     from workers.fp8 import NonFiniteError, finite_guard, quant, quantize

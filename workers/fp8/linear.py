@@ -36,6 +36,8 @@ weight alone (the high-precision one becomes a shape-only placeholder on the ``m
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,11 +119,15 @@ def _fprop(
     m = x2d.shape[0]
     if cfg.rows_multiple > 1 and m % cfg.rows_multiple:  # zero rows: their own tiles, dropped below
         x2d = torch.nn.functional.pad(x2d, (0, 0, 0, -m % cfg.rows_multiple))
-    if x_q is None:
-        x_q = _quantize_rows(x2d, cfg.forward_fmt, cfg.activation_block, cfg, f"{name}: input")
     # the kernel may write the activation dtype directly (cuBLAS blockwise writes BF16)
     out = x2d.dtype if bias is None else torch.float32
-    y = gemm.bound(w_q, cfg, x2d.device, out)(x_q)[:m]  # [M, N]
+    bound = gemm.bound(w_q, cfg, x2d.device, out)
+    if x_q is None and bound.small_m and x2d.shape[0] <= SMALL_M_MAX:
+        y = bound.small_m_gemm(x2d, f"{name}: input")  # quantizes x itself
+    else:
+        if x_q is None:
+            x_q = _quantize_rows(x2d, cfg.forward_fmt, cfg.activation_block, cfg, f"{name}: input")
+        y = bound(x_q)[:m]  # [M, N]
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2d.dtype)
@@ -133,7 +139,7 @@ class _Bound:
     call. Per call, :meth:`__call__` then does no planning, no layout checks and makes no objects
     beyond its result (the FP8 linear's hot path: a decode step calls it ~100 times)."""
 
-    __slots__ = ("backend", "blockwise", "out_dtype", "plan", "profile", "w_q", "w_t")
+    __slots__ = ("backend", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q", "w_t")
 
     def __init__(self, w_q: Fp8Tensor, cfg: Fp8LinearConfig, profile: DeviceProfile, out_dtype: torch.dtype):
         self.w_q, self.profile, self.out_dtype, self.backend = w_q, profile, out_dtype, cfg.backend
@@ -152,6 +158,27 @@ class _Bound:
         ):
             scaling = F.ScalingType  # the plan checked that this torch has F.scaled_mm
             self.blockwise = (cublas_b_scale(self.w_t), scaling.BlockWise1x128, scaling.BlockWise128x128)
+        # the Triton GEMM for few tokens (workers.fp8.triton_gemm), where asked for and it applies
+        self.small_m = (
+            small_m_gemm_enabled(w_q.device)
+            and w_q.block == BLOCK_128x128
+            and w_q.fmt.name == "e4m3"
+            and w_q.shape[0] % 128 == 0
+            and cfg.activation_block == TILE_1x128
+            and cfg.forward_fmt == "e4m3"
+            and not cfg.power_of_two_scales
+            and cfg.rows_multiple == 1
+        )
+
+    def small_m_gemm(self, x2d: torch.Tensor, where: str) -> torch.Tensor:
+        """``q(x2d) @ w_q.T`` for at most ``SMALL_M_MAX`` tokens, the activation quantized inside
+        the kernel (checked by the active finite guard as the quantizer checks it)."""
+        from workers.fp8.guard import active_guard
+        from workers.fp8.triton_gemm import small_m_gemm
+
+        guard = active_guard()
+        slot = guard.reserve(x2d.device, tuple(x2d.shape), TILE_1x128, where) if guard is not None else None
+        return small_m_gemm(x2d, self.w_q.data, self.w_q.scale, self.out_dtype, slot)
 
     def __call__(self, x_q: Fp8Tensor) -> torch.Tensor:
         """``x_q [M', K] @ w_q.T`` -> ``[M', N]`` (``out_dtype``, or the kernel's own dtype)."""
@@ -163,6 +190,22 @@ class _Bound:
                 x_q.data, self.w_t.data, sa, recipe_a, sb, recipe_b, output_dtype=self.plan.out_dtype
             )
         return fp8_matmul(x_q, self.w_t, backend=self.backend, out_dtype=self.out_dtype)
+
+
+SMALL_M_MAX = 64  # workers.fp8.triton_gemm.MAX_M (that module imports Triton: not imported here)
+
+
+def small_m_gemm_enabled(device: torch.device) -> bool:
+    """``FP8RL_SMALL_M_GEMM=triton``: the forward GEMM of at most 64 tokens runs the Triton block-FP8
+    GEMM (:mod:`workers.fp8.triton_gemm`) on CUDA (or under Triton's interpreter on the CPU, for
+    tests); ``cublas`` (the default until a GPU has measured it) leaves it to the dispatch. Read
+    when a weight's GEMM is bound."""
+    wanted = os.environ.get("FP8RL_SMALL_M_GEMM", "cublas")
+    if wanted not in ("cublas", "triton"):
+        raise ValueError(f"FP8RL_SMALL_M_GEMM={wanted!r}: use cublas (default) or triton")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    on_device = device.type == "cuda" or (interpret and device.type == "cpu")
+    return wanted == "triton" and on_device and importlib.util.find_spec("triton") is not None
 
 
 class FpropGemm:

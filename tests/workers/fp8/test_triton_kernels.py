@@ -1,6 +1,7 @@
-"""The Triton quantizers (workers/fp8/triton_quant.py) on the CPU: their arithmetic under Triton's
-interpreter (in a fresh interpreter: ``triton_quant_checks.py``), and their compilation for SM90
-(``tests/workers/triton_sm90.py``). Their speed only a GPU shows (``make gpu-check``, kernels)."""
+"""The Triton quantizers (workers/fp8/triton_quant.py) and the small-M GEMM (triton_gemm.py) on the
+CPU: their arithmetic under Triton's interpreter (in a fresh interpreter: ``triton_kernel_checks.py``),
+and their compilation for SM90 (``tests/workers/triton_sm90.py``). Their speed only a GPU shows
+(``make gpu-check``, kernels)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from workers.fp8.quant import quantize_dual, quantize_rows
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_quantizers_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+def test_kernels_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FP8RL_SMALL_M_GEMM": "triton", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "tests.workers.fp8.triton_quant_checks"],
+        [sys.executable, "-m", "tests.workers.fp8.triton_kernel_checks"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 2
+    assert out.stdout.count("ok ") == 4
 
 
 COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}
@@ -63,3 +64,32 @@ def test_dual_layout_off_the_gpu_is_the_two_calls() -> None:
     assert cols.shape == (300, 70) and cols.block == (1, 128)
     meta_rows, meta_cols = quantize_dual(torch.empty(70, 300, device="meta"), "e5m2")
     assert meta_rows.data.device.type == "meta" and meta_cols.shape == (300, 70)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_small_m_gemm_compiles_for_sm90_on_the_tensor_cores(block_m: int) -> None:
+    """E4M3 tiles multiplied on the tensor cores: Hopper's FP8 wgmma for 64-row tiles; below 64
+    rows Triton takes FP16 MMAs of the E4M3 values (exact: every E4M3 value is an FP16 value)."""
+    import re
+
+    from workers.fp8 import triton_gemm
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "part_ptr": "*fp32", "code_ptr": "*i64"}
+    ints = ("m_rows", "n_cols", "k_len", "stride_xm", "stride_xk", "stride_wn", "stride_wk", "stride_sn")
+    sig |= dict.fromkeys((*ints, "stride_sk", "blocks_per_split", "n_kblocks"), "i32") | {"call_code": "i64"}
+    consts = {"FMT_MAX": 448.0, "CHECK": True, "BLOCK_M": block_m, "BLOCK": 128}
+    ptx = compile_sm90(triton_gemm._small_m_kernel, sig, consts)
+    fp8_wgmma = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx)
+    f16_mma = re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)
+    assert fp8_wgmma if block_m == 64 else f16_mma, "not the tensor-core product expected"
+    assert "st.local" not in ptx
+
+
+def test_the_small_m_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.fp8.linear import small_m_gemm_enabled
+
+    monkeypatch.delenv("FP8RL_SMALL_M_GEMM", raising=False)
+    assert not small_m_gemm_enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_SMALL_M_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="FP8RL_SMALL_M_GEMM='cutlass'"):
+        small_m_gemm_enabled(torch.device("cuda"))

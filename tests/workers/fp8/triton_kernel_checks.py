@@ -1,0 +1,154 @@
+"""Checks of the Triton quantizers and the small-M GEMM that need Triton's interpreter, which must
+be switched on before Triton is imported: ``test_triton_kernels.py`` runs this module in a fresh
+interpreter with ``TRITON_INTERPRET=1`` (``python -m tests.workers.fp8.triton_kernel_checks``).
+
+The interpreter's FP8 casts round a few values differently from the GPU's and torch's, so FP8
+bytes are compared kernel against kernel (the dual-layout pass against two calls of the one-layout
+kernel, as :func:`workers.fp8.quant.quantize` makes them on a GPU; the GEMM against float64 of the
+one-layout kernel's bytes); scales, which need no FP8 cast, are compared with torch's quantizer
+exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
+from workers.fp8.quant import quantize
+from workers.fp8.triton_gemm import small_m_gemm
+from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual
+
+E4M3 = ("e4m3", 448.0, torch.float8_e4m3fn)
+E5M2 = ("e5m2", 57344.0, torch.float8_e5m2)
+NONE = torch.iinfo(torch.int64).max
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    )
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+
+
+def dual_layout_pass_writes_the_two_calls_bytes_and_scales() -> None:
+    """Odd shapes (partial tiles along both dims), one token, padded rows, E4M3/E5M2, power-of-two
+    scales, a strided input (a transposed view), values over five decades."""
+    g = torch.Generator().manual_seed(0)
+    for rows, cols, fmt, pow2, transposed in (
+        (200, 300, E4M3, False, False),
+        (130, 256, E5M2, False, False),
+        (1, 128, E4M3, True, False),
+        (40, 384, E4M3, False, True),
+    ):
+        x = torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, cols)
+        if transposed:
+            x = x.t().contiguous().t()  # the same values, column-major
+        x = x.to(torch.bfloat16)
+        rows_out = -(-rows // 16) * 16
+        data, scale, data_t, scale_t = quantize_1x128_dual(x, *fmt, pow2, None, rows_out)
+        one, one_scale = quantize_1x128(x, *fmt, pow2, None, rows_out)
+        t, t_scale = quantize_1x128(x.t(), *fmt, pow2, None, cols)
+        case = (rows, cols, fmt[0], pow2, transposed)
+        assert same_bytes(data, one) and same(scale, one_scale), case
+        assert same_bytes(data_t, t) and same(scale_t, t_scale), case
+        assert torch.equal(scale[:rows], quantize(x, fmt[0], (1, 128), power_of_two=pow2).scale), case
+        assert torch.equal(scale_t, quantize(x.t(), fmt[0], (1, 128), power_of_two=pow2).scale), case
+        assert bool((data[rows:].float() == 0).all()) and bool((scale[rows:] == 1).all()), case
+
+
+def the_guard_is_touched_only_by_a_non_finite_tile() -> None:
+    """All finite: the guard's code stays "none". A NaN at row 33, column 200 of a 256-wide tensor
+    is tile 33 * 2 + 1 of the call: both kernels fold exactly that code."""
+    x = torch.randn(40, 256)
+    for kernel in ("one", "dual"):
+        code = torch.full((), NONE, dtype=torch.int64)
+        run(kernel, x, code)
+        assert int(code) == NONE, kernel
+        bad = x.clone()
+        bad[33, 200] = float("nan")
+        bad[39, 0] = float("inf")  # a later tile: the minimum names the first
+        run(kernel, bad, code)
+        assert int(code) == 5 * 2**32 + 33 * 2 + 1, (kernel, int(code))
+
+
+def run(kernel: str, x: torch.Tensor, code: torch.Tensor) -> None:
+    if kernel == "one":
+        quantize_1x128(x, *E4M3, False, (code, 5), 48)
+    else:
+        quantize_1x128_dual(x, *E4M3, False, (code, 5), 48)
+
+
+def float64_product(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """``dequant(q(x)) @ dequant(W).T`` in float64, ``q`` the one-layout quantizer kernel."""
+    m, k = x.shape
+    data, scale = quantize_1x128(x, *E4M3, False, None, m)
+    xa = data.double() * scale.double().repeat_interleave(128, dim=1)[:, :k]
+    wd = w.double() * w_scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], :k]
+    return xa @ wd.t()
+
+
+def small_m_gemm_is_the_quantized_product() -> None:
+    """One token to 64, K not a multiple of 128, a strided activation, one to four K-ranges (the
+    partial sums added): within float32 summation of the float64 product of the same bytes."""
+    g = torch.Generator().manual_seed(1)
+    cases = (
+        (1, 300, 256, None, False),
+        (7, 1024, 384, 3, True),
+        (64, 512, 128, 1, False),
+        (20, 1000, 256, 4, False),
+    )
+    for m, k, n, splits, strided in cases:
+        x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)
+        x = (x.t().contiguous().t() if strided else x).to(torch.bfloat16)
+        w = quantize(torch.randn(n, k, generator=g) / k**0.5, "e4m3", (128, 128))
+        got = small_m_gemm(x, w.data, w.scale, torch.float32, None, splits)
+        want = float64_product(x, w.data, w.scale)
+        bound = 2 * k * 2**-24 * float(want.abs().max())  # float32 accumulation over k terms
+        assert float((got.double() - want).abs().max()) <= bound, (m, k, n, splits)
+
+
+def fp8_linear_takes_the_small_m_gemm_when_asked() -> None:
+    """``FP8RL_SMALL_M_GEMM=triton``: an FP8-only layer's forward with 5 tokens is the kernel's
+    product; with 100 tokens the dispatch's; a NaN in the input is named by the finite guard."""
+    assert os.environ.get("FP8RL_SMALL_M_GEMM") == "triton"
+    torch.manual_seed(2)
+    layer = Fp8Linear(256, 384, bias=False, dtype=torch.bfloat16)
+    layer.requires_grad_(False)
+    layer.drop_master_weight()
+    w = layer.fp8_weight()
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    y = layer(x)
+    assert layer.fprop_gemm._bound is not None and layer.fprop_gemm._bound.small_m
+    want = float64_product(x, w.data, w.scale)
+    assert float((y.double() - want).abs().max()) <= 2**-8 * float(want.abs().max())  # BF16 output
+    big = torch.randn(100, 256, dtype=torch.bfloat16)
+    want_big = quantize(big, "e4m3", (1, 128)).dequantize(torch.float64) @ w.dequantize(torch.float64).t()
+    assert float((layer(big).double() - want_big).abs().max()) <= 2**-8 * float(want_big.abs().max())
+    x[3, 200] = float("nan")
+    try:
+        with finite_guard():
+            layer(x)
+    except NonFiniteError as err:
+        assert "Fp8Linear: input" in str(err) and "block (3, 1)" in str(err), str(err)
+    else:
+        raise AssertionError("a NaN input went through the small-M GEMM unreported")
+
+
+CHECKS = (
+    dual_layout_pass_writes_the_two_calls_bytes_and_scales,
+    the_guard_is_touched_only_by_a_non_finite_tile,
+    small_m_gemm_is_the_quantized_product,
+    fp8_linear_takes_the_small_m_gemm_when_asked,
+)
+
+if __name__ == "__main__":
+    for check in CHECKS:
+        check()
+        print(f"ok {check.__name__}")
