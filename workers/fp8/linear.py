@@ -134,33 +134,51 @@ def _fprop(
 
 
 class _Bound:
-    """fprop's GEMM for one FP8 weight ``w_q [N, K]`` on one device, decided once: the weight's
-    transposed view, the plan, and for cuBLAS blockwise the weight's scale layout and the direct
-    call. Per call, :meth:`__call__` then does no planning, no layout checks and makes no objects
-    beyond its result (the FP8 linear's hot path: a decode step calls it ~100 times)."""
+    """One GEMM ``a @ b`` of an FP8 weight on one device, decided once: ``b`` the weight as the
+    GEMM's second operand (fprop: ``W.T``, a view; dgrad: ``W`` as a column-major copy where a CUDA
+    kernel runs), the plan, and for cuBLAS blockwise the weight's scale layout and the direct call.
+    Per call, :meth:`__call__` then does no planning, no layout checks and makes no objects beyond
+    its result (the FP8 linear's hot path: a decode step calls fprop ~100 times, a training step
+    each layer's fprop and dgrad once per micro-batch)."""
 
-    __slots__ = ("backend", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q", "w_t")
+    __slots__ = ("b", "backend", "blockwise", "out_dtype", "plan", "profile", "small_m", "updates", "w_q")
 
-    def __init__(self, w_q: Fp8Tensor, cfg: Fp8LinearConfig, profile: DeviceProfile, out_dtype: torch.dtype):
+    def __init__(
+        self,
+        w_q: Fp8Tensor,
+        cfg: Fp8LinearConfig,
+        profile: DeviceProfile,
+        out_dtype: torch.dtype,
+        dgrad: bool = False,
+        updates: int = 0,
+    ):
         self.w_q, self.profile, self.out_dtype, self.backend = w_q, profile, out_dtype, cfg.backend
-        self.w_t = w_q.t()  # [K, N], column-major for a row-major weight
-        fmt = get_format(cfg.forward_fmt)
-        a = OperandSpec((16, int(w_q.shape[1])), cfg.activation_block, fmt)
-        self.plan = plan_gemm(a, self.w_t, profile, cfg.backend, out_dtype)
-        # cuBLAS blockwise, called directly: (weight scale layout, a's recipe, b's recipe)
+        self.updates = updates  # the layer's fp8_weight_updates when bound (dgrad's copy follows it)
+        a_block, a_fmt = (cfg.grad_block, cfg.grad_fmt) if dgrad else (cfg.activation_block, cfg.forward_fmt)
+        b = w_q if dgrad else w_q.t()  # [K, N] of the GEMM: dgrad contracts over W's rows
+        a = OperandSpec((16, int(b.shape[0])), a_block, get_format(a_fmt))
+        self.plan = plan_gemm(a, b, profile, cfg.backend, out_dtype)
+        if dgrad and self.plan.kernel != "emulate":  # same values, column-major, made once per weight
+            b = Fp8Tensor(w_q.data.t().contiguous().t(), w_q.scale, w_q.block, w_q.fmt)
+        self.b = b
+        # cuBLAS blockwise, called directly: (the weight's scale layout, a's recipe, b's recipe); for
+        # fprop the layout lives with the weight, so an in-place load rewrites it (dgrad's copy is
+        # made again after any weight update)
         self.blockwise: tuple[torch.Tensor, Any, Any] | None = None
         if (
             self.plan.kernel == "cublas_blockwise"
-            and cfg.activation_block == TILE_1x128
-            and w_q.shape[1] % 128 == 0
-            and is_col_major(self.w_t.data)
-            and self.w_t._transpose_of is not None  # the layout lives with the weight: loads refresh it
+            and a_block == TILE_1x128
+            and b.block == BLOCK_128x128
+            and b.shape[0] % 128 == 0
+            and is_col_major(b.data)
+            and (dgrad or b._transpose_of is not None)
         ):
             scaling = F.ScalingType  # the plan checked that this torch has F.scaled_mm
-            self.blockwise = (cublas_b_scale(self.w_t), scaling.BlockWise1x128, scaling.BlockWise128x128)
-        # the Triton GEMM for few tokens (workers.fp8.triton_gemm), where asked for and it applies
+            self.blockwise = (cublas_b_scale(b), scaling.BlockWise1x128, scaling.BlockWise128x128)
+        # fprop: the Triton GEMM for few tokens (workers.fp8.triton_gemm), where asked for and it applies
         self.small_m = (
-            small_m_gemm_enabled(w_q.device)
+            not dgrad
+            and small_m_gemm_enabled(w_q.device)
             and w_q.block == BLOCK_128x128
             and w_q.fmt.name == "e4m3"
             and w_q.shape[0] % 128 == 0
@@ -180,16 +198,24 @@ class _Bound:
         slot = guard.reserve(x2d.device, tuple(x2d.shape), TILE_1x128, where) if guard is not None else None
         return small_m_gemm(x2d, self.w_q.data, self.w_q.scale, self.out_dtype, slot)
 
-    def __call__(self, x_q: Fp8Tensor) -> torch.Tensor:
-        """``x_q [M', K] @ w_q.T`` -> ``[M', N]`` (``out_dtype``, or the kernel's own dtype)."""
+    def matches(self, w_q: Fp8Tensor, profile: DeviceProfile, out_dtype: torch.dtype, backend: str) -> bool:
+        return (
+            self.w_q is w_q
+            and self.profile is profile
+            and self.out_dtype is out_dtype
+            and self.backend == backend
+        )
+
+    def __call__(self, a_q: Fp8Tensor) -> torch.Tensor:
+        """``a_q [M', K] @ b`` -> ``[M', N]`` (``out_dtype``, or the kernel's own dtype)."""
         blockwise = self.blockwise
-        if blockwise is not None and x_q.data.shape[0] % 16 == 0 and x_q.data.stride(1) == 1:
-            sa = x_q.scale if x_q.scale.stride(0) == 1 else x_q.scale.t().contiguous().t()
+        if blockwise is not None and a_q.data.shape[0] % 16 == 0 and a_q.data.stride(1) == 1:
+            sa = a_q.scale if a_q.scale.stride(0) == 1 else a_q.scale.t().contiguous().t()
             sb, recipe_a, recipe_b = blockwise
             return F.scaled_mm(
-                x_q.data, self.w_t.data, sa, recipe_a, sb, recipe_b, output_dtype=self.plan.out_dtype
+                a_q.data, self.b.data, sa, recipe_a, sb, recipe_b, output_dtype=self.plan.out_dtype
             )
-        return fp8_matmul(x_q, self.w_t, backend=self.backend, out_dtype=self.out_dtype)
+        return fp8_matmul(a_q, self.b, backend=self.backend, out_dtype=self.out_dtype)
 
 
 SMALL_M_MAX = 64  # workers.fp8.triton_gemm.MAX_M (that module imports Triton: not imported here)
@@ -222,13 +248,7 @@ class FpropGemm:
         self, w_q: Fp8Tensor, cfg: Fp8LinearConfig, device: torch.device, out_dtype: torch.dtype
     ) -> _Bound:
         b, profile = self._bound, profile_of(device)
-        if (
-            b is None
-            or b.w_q is not w_q
-            or b.profile is not profile
-            or b.out_dtype is not out_dtype
-            or b.backend != cfg.backend
-        ):
+        if b is None or not b.matches(w_q, profile, out_dtype, cfg.backend):
             b = self._bound = _Bound(w_q, cfg, profile, out_dtype)
         return b
 
@@ -284,9 +304,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         if need_dx:
             if g_q is None:
                 g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
-            w_for_dgrad = layer.dgrad_weight(ctx.w_q, g_q)  # [N, K]
-            grad_x = fp8_matmul(g_q, w_for_dgrad, backend=cfg.backend, out_dtype=ctx.x_dtype)
-            grad_x = grad_x[: grad_y.shape[0]]  # [M, K]
+            grad_x = layer.dgrad_gemm(ctx.w_q, g_q.device, ctx.x_dtype)(g_q)  # [M', K]
+            grad_x = grad_x[: grad_y.shape[0]].to(ctx.x_dtype)  # [M, K]
         if need_dw:
             if g_t is None:
                 g_t = quantize(
@@ -332,7 +351,7 @@ class Fp8Linear(nn.Module):
         self.name = name
         self._w_q: Fp8Tensor | None = None
         self._w_q_key: tuple[int, int, int] | None = None
-        self._w_q_cm: Fp8Tensor | None = None  # column-major copy for dgrad (trainers, CUDA kernels)
+        self._dgrad: _Bound | None = None  # dgrad's GEMM (its column-major weight copy: trainers, CUDA)
         self.fp8_only = False  # True after drop_master_weight(): the FP8 weight is all there is
         self.fp8_weight_updates = 0  # how many times the FP8 copy was (re)made or loaded
         # (FusedGroup, member index) once workers.fp8.fused has fused this layer with its siblings
@@ -367,22 +386,24 @@ class Fp8Linear(nn.Module):
             cfg = self.config
             self._w_q = cfg.quantize_weight(self.weight, f"{self.name}: weight").with_dequant_cache()
             self._w_q_key = key
-            self._w_q_cm = None
+            self._dgrad = None
             self.fp8_weight_updates += 1
         return self._w_q
 
-    def dgrad_weight(self, w_q: Fp8Tensor, g_q: Fp8Tensor) -> Fp8Tensor:
-        """``w_q [N, K]`` as dgrad's second operand: column-major where a CUDA kernel runs (a copy
-        made once per weight update), itself where the GEMM is emulated."""
-        if self.gemm_plan(g_q, w_q).kernel == "emulate":
-            return w_q
-        if self._w_q_cm is None or self._w_q_cm.scale is not w_q.scale:
-            data = w_q.data.t().contiguous().t()  # same values, column-major
-            self._w_q_cm = Fp8Tensor(data, w_q.scale, w_q.block, w_q.fmt)
-        return self._w_q_cm
-
-    def gemm_plan(self, a: Fp8Tensor, b: Fp8Tensor) -> GemmPlan:
-        return plan_gemm(a, b, profile_of(a.device), self.config.backend)
+    def dgrad_gemm(self, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:
+        """dgrad's GEMM ``q(dy) @ w_q`` (``w_q [N, K]``), bound once per weight update: the weight
+        as a column-major copy where a CUDA kernel runs (itself where the GEMM is emulated), the
+        plan and the scale layout."""
+        b, profile = self._dgrad, profile_of(device)
+        if (
+            b is None
+            or not b.matches(w_q, profile, out_dtype, self.config.backend)
+            or b.updates != self.fp8_weight_updates
+        ):
+            b = self._dgrad = _Bound(
+                w_q, self.config, profile, out_dtype, dgrad=True, updates=self.fp8_weight_updates
+            )
+        return b
 
     @torch.no_grad()
     def load_fp8_weight(self, w_q: Fp8Tensor) -> None:
@@ -407,7 +428,7 @@ class Fp8Linear(nn.Module):
                 self.fused[0].refresh()  # the rows are the group's: its derived layout too
         else:
             self._w_q = w_q
-        self._w_q_cm = None
+        self._dgrad = None
         self.fp8_weight_updates += 1
 
     def _device(self) -> torch.device:
@@ -427,17 +448,21 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"), requires_grad=False
         )
-        self._w_q, self._w_q_key, self._w_q_cm = w_q, None, None
+        self._w_q, self._w_q_key, self._dgrad = w_q, None, None
         self.fp8_only = True
 
     def fp8_allocated_bytes(self) -> int:
         """Bytes of this layer's FP8 weight copies (data, scales, CPU dequantization cache)."""
-        copies = [c for c in (self._w_q, self._w_q_cm) if c is not None]
-        total = sum(c.allocated_bytes for c in copies)
+        total = self._w_q.allocated_bytes if self._w_q is not None else 0
         if self.fused is not None and self.fused[1] == 0:  # the group's derived copies, once
             total += sum(t.numel() * t.element_size() for t in self.fused[0].weight._memo.values())
-        if self._w_q is not None and self._w_q_cm is not None:
-            total -= self._w_q_cm.scale.numel() * 4  # shared with _w_q
+        dgrad = self._dgrad
+        if (
+            dgrad is not None and dgrad.b is not dgrad.w_q
+        ):  # dgrad's column-major copy (its scales are _w_q's)
+            total += dgrad.b.data.numel() * dgrad.b.data.element_size()
+            if dgrad.blockwise is not None:
+                total += dgrad.blockwise[0].numel() * 4
         return total
 
     def gemm_plans(self, tokens: int = 256, out_dtype: torch.dtype = torch.bfloat16) -> dict[str, GemmPlan]:

@@ -27,8 +27,9 @@ CONFIGS = {
     "blockwise-e4m3": Fp8LinearConfig(),  # the default, E4M3 gradients: blockwise on all three
     "tensorwise": Fp8LinearConfig(weight_block=None, activation_block=None, grad_block=None),
 }
-# (tokens, in, out): odd K and tokens (padding), partial blocks, all-128 dims, a single token
-SHAPES = [(7, 200, 48), (130, 256, 160), (200, 256, 384), (1, 128, 256)]
+# (tokens, in, out): odd K and tokens (padding), partial blocks, all-128 dims, a single token, and
+# rows already a multiple of 16 with K and N multiples of 128 (fprop and dgrad call cuBLAS directly)
+SHAPES = [(7, 200, 48), (130, 256, 160), (200, 256, 384), (1, 128, 256), (32, 256, 384)]
 # the benchmark's LLM shapes (Llama-3-8B MLP) at small token counts: calls recorded, not computed
 LLM_SHAPES = [(1, 4096, 14336), (16, 14336, 4096)]
 
@@ -199,3 +200,42 @@ def test_the_forward_gemm_is_planned_once_per_weight_and_follows_in_place_loads(
         y = layer(x)
     assert len(plans) == 1 and held._memo["cublas_scale_t"].data_ptr() == scale_ptr
     assert close(y, want()), "the bound GEMM read stale weights or scales after the load"
+
+
+def test_dgrad_is_planned_once_per_weight_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer's dgrad GEMM (the column-major weight copy, plan and scale layout) is bound at the
+    first backward after a weight update and reused until the next one; an optimizer step binds
+    it again, and the gradient then follows the new weight (float64 of the dequantized operands)."""
+    from workers.fp8.dispatch import plan_gemm as real_plan
+
+    plans: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(1)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr("workers.fp8.linear.plan_gemm", counted)
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 384, bias=False)
+    x = torch.randn(32, 256, requires_grad=True)
+    dy = torch.randn(32, 384)
+
+    def dgrad_ok() -> bool:
+        g = quantize(dy, "e4m3", (1, 128)).dequantize(torch.float64)
+        want = g @ layer.fp8_weight().dequantize(torch.float64)
+        assert x.grad is not None
+        return bool(((x.grad.double() - want).abs() <= 2 * gamma(384) * want.abs().max()).all())
+
+    with simulate(PROFILES["sm90-cuda13.0"]), recording(monkeypatch) as rec:
+        for _ in range(3):
+            x.grad = None
+            layer(x).backward(dy)
+        assert len(plans) == 2  # fprop and dgrad, once each
+        assert dgrad_ok()
+        with torch.no_grad():
+            layer.weight.mul_(-0.5)  # an optimizer step: in place, the version counter moves
+        x.grad = None
+        layer(x).backward(dy)
+        assert len(plans) == 4 and dgrad_ok()
+    assert {c.scaling() for c in rec.calls} == {"blockwise"}
+    assert_replays(rec, "sm90-cuda13.0")
