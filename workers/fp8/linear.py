@@ -386,7 +386,7 @@ class Fp8Linear(nn.Module):
             cfg = self.config
             self._w_q = cfg.quantize_weight(self.weight, f"{self.name}: weight").with_dequant_cache()
             self._w_q_key = key
-            self._dgrad = None
+            self._dgrad = self.fprop_gemm._bound = None  # bound to the previous copy: let it go
             self.fp8_weight_updates += 1
         return self._w_q
 
@@ -428,6 +428,7 @@ class Fp8Linear(nn.Module):
                 self.fused[0].refresh()  # the rows are the group's: its derived layout too
         else:
             self._w_q = w_q
+            self.fprop_gemm._bound = None  # bound to the previous weight: let it go
         self._dgrad = None
         self.fp8_weight_updates += 1
 
