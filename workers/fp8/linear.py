@@ -277,7 +277,9 @@ class _Fp8LinearFn(torch.autograd.Function):
             # wgrad contracts over M: x.T [K, M] tiled along tokens, in FP8, row-major, made in
             # the same pass as fprop's x (one read of x on a GPU)
             where = f"{layer.name}: input"
-            x_q, ctx.x_t = quantize_dual(x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16)
+            x_q, ctx.x_t = quantize_dual(
+                x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=True
+            )  # on CUDA x.T's tokens padded to a multiple of 128: wgrad finds them laid out
         elif weight.requires_grad:
             where = f"{layer.name}: input (wgrad copy)"
             ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
@@ -300,7 +302,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_q = g_t = None
         if need_dx and need_dw and cfg.grad_block == TILE_1x128:  # both layouts from one read of dy
-            g_q, g_t = quantize_dual(grad_y, cfg.grad_fmt, power_of_two=p2, where=where, rows_multiple=16)
+            pad = ctx.x_t.shape[1] != grad_y.shape[0]  # x.T's tokens were padded: pad dy.T's alike
+            g_q, g_t = quantize_dual(
+                grad_y, cfg.grad_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=pad
+            )
         if need_dx:
             if g_q is None:
                 g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
@@ -311,8 +316,11 @@ class _Fp8LinearFn(torch.autograd.Function):
                 g_t = quantize(
                     grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where
                 )  # [N, M]
+            x_t = ctx.x_t
+            if x_t.shape[1] != g_t.shape[1]:  # x.T padded, dy.T not: the GEMM pads both again
+                x_t = Fp8Tensor(x_t.data[:, : g_t.shape[1]], x_t.scale, x_t.block, x_t.fmt)
             # float32 accumulation, written in the master weight's dtype by the kernel itself
-            grad_w = fp8_matmul(g_t, ctx.x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype)  # [N, K]
+            grad_w = fp8_matmul(g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype)  # [N, K]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
         return grad_x, grad_w, grad_b, None

@@ -241,6 +241,7 @@ def quantize_dual(
     power_of_two: bool = False,
     where: str = "quantize",
     rows_multiple: int = 1,
+    pad_tokens: bool = False,
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
     """A 2-D ``x [M, K]`` for the two GEMMs that read it: ``x`` in 1x128 tiles along K (as
     :func:`quantize_rows`) and ``x.T [K, M]`` in 1x128 tiles along M (as ``quantize(x.t(), fmt,
@@ -249,7 +250,10 @@ def quantize_dual(
     On CUDA one Triton kernel reads each 128x128 tile of ``x`` once and writes both layouts and
     both scale tensors (:func:`workers.fp8.triton_quant.quantize_1x128_dual`); elsewhere it is
     those two calls. Either way the bytes and scales are the two calls' (tested under Triton's
-    interpreter), and a NaN/inf in ``x`` is reported once, for ``x``'s own tiles.
+    interpreter), and a NaN/inf in ``x`` is reported once, for ``x``'s own tiles. On CUDA,
+    ``pad_tokens`` writes ``x.T`` as ``[K, M']`` with M' the next multiple of 128, zeros past M
+    (the wgrad GEMM contracts over M, and cuBLAS's blockwise kernel wants it a multiple of 128:
+    no padded copy per call); the scales are the same.
     """
     f = get_format(fmt)
     if x.is_cuda and x.dim() == 2 and _use_triton():
@@ -259,8 +263,9 @@ def quantize_dual(
         guard = active_guard()
         slot = guard.reserve(x.device, tuple(x.shape), TILE_1x128, where) if guard is not None else None
         rows = -(-x.shape[0] // rows_multiple) * rows_multiple
+        tokens = -(-x.shape[0] // 128) * 128 if pad_tokens else x.shape[0]
         data, scale, data_t, scale_t = quantize_1x128_dual(
-            x.detach(), f.name, f.max, f.dtype, power_of_two, slot, rows
+            x.detach(), f.name, f.max, f.dtype, power_of_two, slot, rows, tokens
         )
         return Fp8Tensor(data, scale, TILE_1x128, f), Fp8Tensor(data_t, scale_t, TILE_1x128, f)
     rows_q = quantize_rows(x, f, power_of_two=power_of_two, where=where, rows_multiple=rows_multiple)

@@ -134,6 +134,7 @@ def _quantize_1x128_dual(
     code_ptr,
     rows,
     rows_out,
+    rows_t_out,
     cols,
     stride_r,
     stride_c,
@@ -147,7 +148,8 @@ def _quantize_1x128_dual(
 ) -> None:
     """One 128x128 tile of ``x [rows, cols]`` read once, written twice: along ``cols`` (1x128
     tiles of a row: :func:`quantize_1x128` of ``x``) and along ``rows`` (1x128 tiles of a column:
-    :func:`quantize_1x128` of ``x.T``), each with its own scales."""
+    :func:`quantize_1x128` of ``x.T``, its rows ``rows_t_out >= rows`` long, zeros past ``rows``),
+    each with its own scales."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * TILE + tl.arange(0, TILE)  # [TILE] rows of x (tokens)
@@ -160,8 +162,8 @@ def _quantize_1x128_dual(
     # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
     scale_t = _scale_of(_amax(x, 0), FMT_MAX, POW2)
     q8_t = tl.trans(_to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [cols tile, rows tile]
-    inside_t = (c[:, None] < cols) & (r[None, :] < rows)
-    tl.store(data_t_ptr + c[:, None] * rows + r[None, :], q8_t, mask=inside_t)
+    inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)  # x is 0 past rows: data 0
+    tl.store(data_t_ptr + c[:, None] * rows_t_out + r[None, :], q8_t, mask=inside_t)
     tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
 
 
@@ -219,23 +221,30 @@ def quantize_1x128_dual(
     power_of_two: bool,
     check: tuple[torch.Tensor, int] | None,
     rows_out: int,
+    rows_t_out: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_1x128` of ``x [R, C]`` and of ``x.T``, from one read of ``x``:
-    ``(data [R', C], scale [R', ceil(C/128)], data_t [C, R], scale_t [C, ceil(R/128)])``, each
-    laid out as that call lays it out (row-major data, M-major scales). ``check`` folds the
-    non-finite tiles of ``x``'s own layout into the guard."""
+    ``(data [R', C], scale [R', ceil(C/128)], data_t [C, R''], scale_t [C, ceil(R/128)])``, each
+    laid out as that call lays it out (row-major data, M-major scales). ``rows_t_out = R''``
+    (default ``R``, at most the next multiple of 128): ``x.T``'s rows padded with zeros, so that a
+    GEMM contracting over them finds the contraction already a multiple of 128 (the scales cover
+    the padding: no new tile). ``check`` folds the non-finite tiles of ``x``'s own layout into the
+    guard."""
     rows, cols = x.shape
+    rows_t_out = rows if rows_t_out is None else rows_t_out
     n_tiles_c, n_tiles_r = triton.cdiv(cols, _TILE), triton.cdiv(rows, _TILE)
+    if not rows <= rows_t_out <= n_tiles_r * _TILE:
+        raise ValueError(f"rows_t_out={rows_t_out}: between {rows} and {n_tiles_r * _TILE} (no new tile)")
     data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=x.device)
     scale = torch.empty((n_tiles_c, rows_out), dtype=torch.float32, device=x.device).t()
-    data_t = torch.empty((cols, rows), dtype=fp8_dtype, device=x.device)
+    data_t = torch.empty((cols, rows_t_out), dtype=fp8_dtype, device=x.device)
     scale_t = torch.empty((n_tiles_r, cols), dtype=torch.float32, device=x.device).t()
     if rows_out == 0 or cols == 0:
         return data, scale, data_t, scale_t
     code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
-    grid: Any = (triton.cdiv(rows_out, _TILE), n_tiles_c)
+    grid: Any = (triton.cdiv(max(rows_out, rows_t_out), _TILE), n_tiles_c)
     _quantize_1x128_dual[grid](
-        x, data, scale, data_t, scale_t, code_buf, rows, rows_out, cols, x.stride(0), x.stride(1),
+        x, data, scale, data_t, scale_t, code_buf, rows, rows_out, rows_t_out, cols, x.stride(0), x.stride(1),
         n_tiles_c, call * 2**32,
         FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None, TILE=_TILE,
         num_warps=8,

@@ -50,7 +50,8 @@ def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> 
         "data_t_ptr": fp8,
         "scale_t_ptr": "*fp32",
     }
-    ptx = compile_sm90(tq._quantize_1x128_dual, {**dual, "code_ptr": "*i64", **COMMON}, consts, num_warps=8)
+    dual |= {"code_ptr": "*i64", "rows_t_out": "i32", **COMMON}
+    ptx = compile_sm90(tq._quantize_1x128_dual, dual, consts, num_warps=8)
     assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
 
 

@@ -61,6 +61,12 @@ def dual_layout_pass_writes_the_two_calls_bytes_and_scales() -> None:
         assert torch.equal(scale[:rows], quantize(x, fmt[0], (1, 128), power_of_two=pow2).scale), case
         assert torch.equal(scale_t, quantize(x.t(), fmt[0], (1, 128), power_of_two=pow2).scale), case
         assert bool((data[rows:].float() == 0).all()) and bool((scale[rows:] == 1).all()), case
+        # x.T's tokens padded to a multiple of 128 (for wgrad): the same bytes, zeros after, same scales
+        padded = -(-rows // 128) * 128
+        _, _, data_p, scale_p = quantize_1x128_dual(x, *fmt, pow2, None, rows_out, padded)
+        assert data_p.shape == (cols, padded) and data_p.is_contiguous(), case
+        assert torch.equal(data_p[:, :rows].view(torch.uint8), t.view(torch.uint8)), case
+        assert bool((data_p[:, rows:].float() == 0).all()) and same(scale_p, t_scale), case
 
 
 def the_guard_is_touched_only_by_a_non_finite_tile() -> None:
