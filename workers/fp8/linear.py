@@ -260,6 +260,69 @@ def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig
     return quantize(x, fmt, block, power_of_two=cfg.power_of_two_scales, where=where)
 
 
+def _train_forward(
+    ctx: Any, x2d: torch.Tensor, owner: Any, bias: torch.Tensor | None, wgrad: bool, w_dtype: torch.dtype
+) -> torch.Tensor:
+    """The forward of an FP8 GEMM autograd will differentiate: ``owner`` (an :class:`Fp8Linear`, or
+    a fused group of them in a trainer) gives the config, the FP8 weight and the bound GEMMs;
+    ``wgrad``: a weight gradient will be asked for (keep ``x.T`` in FP8)."""
+    cfg = owner.config
+    w_q = owner.fp8_weight()
+    p2 = cfg.power_of_two_scales
+    x_q = None
+    if wgrad and cfg.activation_block == TILE_1x128 and cfg.rows_multiple == 1:
+        # wgrad contracts over M: x.T [K, M] tiled along tokens, in FP8, row-major, made in the
+        # same pass as fprop's x (one read of x on a GPU; there x.T's tokens are padded to a
+        # multiple of 128, so wgrad finds them laid out)
+        where = f"{owner.name}: input"
+        x_q, ctx.x_t = quantize_dual(
+            x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=True
+        )
+    elif wgrad:
+        where = f"{owner.name}: input (wgrad copy)"
+        ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
+    y = _fprop(x2d, owner.fprop_gemm, w_q, bias, cfg, owner.name, x_q)
+    ctx.owner = owner
+    ctx.w_q = w_q
+    ctx.x_dtype = x2d.dtype
+    ctx.w_dtype = w_dtype
+    return y
+
+
+def _train_backward(
+    ctx: Any, grad_y: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dW, db)`` of :func:`_train_forward`'s GEMM for ``grad_y [M, N]`` (None where not
+    needed): dgrad through the owner's bound GEMM, wgrad from the FP8 ``x.T`` kept in forward."""
+    owner = ctx.owner
+    cfg = owner.config
+    p2 = cfg.power_of_two_scales
+    grad_x = grad_w = grad_b = None
+    where = f"{owner.name}: output gradient"
+    g_q = g_t = None
+    if need_dx and need_dw and cfg.grad_block == TILE_1x128:  # both layouts from one read of dy
+        pad = ctx.x_t.shape[1] != grad_y.shape[0]  # x.T's tokens were padded: pad dy.T's alike
+        g_q, g_t = quantize_dual(
+            grad_y, cfg.grad_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=pad
+        )
+    if need_dx:
+        if g_q is None:
+            g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
+        grad_x = owner.dgrad_gemm(ctx.w_q, g_q.device, ctx.x_dtype)(g_q)  # [M', K]
+        grad_x = grad_x[: grad_y.shape[0]].to(ctx.x_dtype)  # [M, K]
+    if need_dw:
+        if g_t is None:
+            g_t = quantize(grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where)  # [N, M]
+        x_t = ctx.x_t
+        if x_t.shape[1] != g_t.shape[1]:  # x.T padded, dy.T not: the GEMM pads both again
+            x_t = Fp8Tensor(x_t.data[:, : g_t.shape[1]], x_t.scale, x_t.block, x_t.fmt)
+        # float32 accumulation, written in the master weight's dtype by the kernel itself
+        grad_w = fp8_matmul(g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype)  # [N, K]
+    if need_db:
+        grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
+    return grad_x, grad_w, grad_b
+
+
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -269,61 +332,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,  # [N]
         layer: Fp8Linear,
     ) -> torch.Tensor:
-        cfg = layer.config
-        w_q = layer.fp8_weight()
-        p2 = cfg.power_of_two_scales
-        x_q = None
-        if weight.requires_grad and cfg.activation_block == TILE_1x128 and cfg.rows_multiple == 1:
-            # wgrad contracts over M: x.T [K, M] tiled along tokens, in FP8, row-major, made in
-            # the same pass as fprop's x (one read of x on a GPU)
-            where = f"{layer.name}: input"
-            x_q, ctx.x_t = quantize_dual(
-                x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=True
-            )  # on CUDA x.T's tokens padded to a multiple of 128: wgrad finds them laid out
-        elif weight.requires_grad:
-            where = f"{layer.name}: input (wgrad copy)"
-            ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
-        y = _fprop(x2d, layer.fprop_gemm, w_q, bias, cfg, layer.name, x_q)
-        ctx.layer = layer
-        ctx.w_q = w_q
-        ctx.has_bias = bias is not None
-        ctx.x_dtype = x2d.dtype
-        ctx.w_dtype = weight.dtype
-        return y
+        return _train_forward(ctx, x2d, layer, bias, weight.requires_grad, weight.dtype)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_y,) = grads  # [M, N]
-        layer: Fp8Linear = ctx.layer
-        cfg = layer.config
-        p2 = cfg.power_of_two_scales
-        grad_x = grad_w = grad_b = None
-        where = f"{layer.name}: output gradient"
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_q = g_t = None
-        if need_dx and need_dw and cfg.grad_block == TILE_1x128:  # both layouts from one read of dy
-            pad = ctx.x_t.shape[1] != grad_y.shape[0]  # x.T's tokens were padded: pad dy.T's alike
-            g_q, g_t = quantize_dual(
-                grad_y, cfg.grad_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=pad
-            )
-        if need_dx:
-            if g_q is None:
-                g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
-            grad_x = layer.dgrad_gemm(ctx.w_q, g_q.device, ctx.x_dtype)(g_q)  # [M', K]
-            grad_x = grad_x[: grad_y.shape[0]].to(ctx.x_dtype)  # [M, K]
-        if need_dw:
-            if g_t is None:
-                g_t = quantize(
-                    grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where
-                )  # [N, M]
-            x_t = ctx.x_t
-            if x_t.shape[1] != g_t.shape[1]:  # x.T padded, dy.T not: the GEMM pads both again
-                x_t = Fp8Tensor(x_t.data[:, : g_t.shape[1]], x_t.scale, x_t.block, x_t.fmt)
-            # float32 accumulation, written in the master weight's dtype by the kernel itself
-            grad_w = fp8_matmul(g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype)  # [N, K]
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
-        return grad_x, grad_w, grad_b, None
+        need = ctx.needs_input_grad
+        return (*_train_backward(ctx, grad_y, need[0], need[1], need[2]), None)
 
 
 class Fp8Linear(nn.Module):
