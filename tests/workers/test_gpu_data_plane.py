@@ -191,6 +191,35 @@ def test_small_m_gemm_is_the_quantized_product(seed: int, m: int, k_n: tuple[int
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.to(torch.bfloat16))
 
 
+def test_a_gpu_trainer_fuses_its_projections_and_keeps_the_gradients() -> None:
+    """On CUDA the trainer runs q/k/v and gate/up as one FP8 GEMM each way: its loss and gradients
+    are those of the separate layers (same FP8 bytes; the GPU's FP8 accumulation at most)."""
+    import copy
+
+    spec = parse_spec(
+        {
+            "model": {
+                "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 2, "num_kv_heads": 1}
+            },
+            "precision": {"recipe": "fp8-e2e"},
+        }
+    )
+    trainer = NativeTrainer(spec, ByteTokenizer().vocab_size, "cuda")
+    assert trainer.fused_groups == 2 * 2
+    plain = copy.deepcopy(trainer.model)
+    for m in plain.modules():
+        if isinstance(m, Fp8Linear):
+            m.fused_train = None
+    tok = ByteTokenizer()
+    ids, mask = left_pad([tok.encode("12 + 30 = 42"), tok.encode("7 + 5 = 12")], tok.pad_id)
+    ids, mask = ids.cuda(), mask.cuda()
+    for model in (trainer.model, plain):
+        model(input_ids=ids, attention_mask=mask).logits.float().square().mean().backward()
+    for (name, p), q in zip(trainer.model.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert rel_err(p.grad, q.grad) < GPU_FP8_REL_TOL, name
+
+
 @pytest.mark.parametrize("triton", [True, False])
 def test_non_finite_tile_is_named_at_the_end_of_the_guard(triton: bool) -> None:
     from workers.fp8 import NonFiniteError, finite_guard, quant, quantize

@@ -23,11 +23,20 @@ runs alone, as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from workers.fp8.linear import Fp8Linear, FpropGemm, _fprop
+from workers.fp8.linear import (
+    Fp8Linear,
+    FpropGemm,
+    _Bound,
+    _fprop,
+    _train_backward,
+    _train_forward,
+    bound_dgrad,
+)
 from workers.fp8.quant import Fp8Tensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -123,3 +132,133 @@ def _fuse(names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
         if bias is not None:
             m.bias = nn.Parameter(bias[a:b], requires_grad=False)  # a view: loads write the group's bias
         m.fused = (group, i)
+
+
+# -- trainers: q/k/v and gate/up as one FP8 GEMM each, forward and backward ---------------------
+
+
+class _FusedTrainFn(torch.autograd.Function):
+    """The group's GEMM under autograd: one quantization of x (both layouts), one fprop, and in
+    backward one quantization of dy, one dgrad and one wgrad, whose rows are the members' weight
+    gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x2d: torch.Tensor, bias: torch.Tensor | None, group: TrainFusedGroup, *weights: torch.Tensor
+    ) -> torch.Tensor:
+        wgrad = any(w.requires_grad for w in weights)
+        return _train_forward(ctx, x2d, group, bias, wgrad, weights[0].dtype)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_y,) = grads  # [M, sum of N]
+        need = ctx.needs_input_grad
+        grad_x, grad_w, grad_b = _train_backward(ctx, grad_y, need[0], any(need[3:]), need[1])
+        group: TrainFusedGroup = ctx.owner
+        parts: tuple[torch.Tensor | None, ...] = (
+            torch.split(grad_w, list(group.sizes)) if grad_w is not None else (None,) * len(group.sizes)
+        )
+        return (grad_x, grad_b, None, *parts)
+
+
+class TrainFusedGroup:
+    """Several trainable :class:`Fp8Linear` of the same input (q/k/v, gate/up) run as one FP8 GEMM
+    in forward and in backward. The members keep their master weights (parameters, optimizer
+    state, state dicts and gradients are the members'); the group's FP8 weight is the members'
+    FP8 weights stacked, each quantized on its own in 128x128 blocks (so the bytes are the
+    members', and their rows are whole blocks), and each member's FP8 copy is a view of its rows:
+    weight sync and export read the members' copies as before."""
+
+    def __init__(self, names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
+        self.names, self.layers = names, layers
+        self.sizes = tuple(m.out_features for m in layers)
+        self.config = layers[0].config
+        self.name = "+".join(m.name for m in layers)
+        self.fprop_gemm = FpropGemm()
+        self._dgrad: _Bound | None = None
+        self.fp8_weight_updates = 0
+        self._w_q: Fp8Tensor | None = None
+        self._keys: tuple[Any, ...] | None = None
+        self._x: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] | None = None
+        self._served: set[int] = set()
+
+    @torch.no_grad()
+    def fp8_weight(self) -> Fp8Tensor:
+        """The members' FP8 weights stacked, made again when any member's master weight changed."""
+        keys = tuple(m._weight_key() for m in self.layers)
+        if self._w_q is None or keys != self._keys:
+            parts = [self.config.quantize_weight(m.weight, f"{m.name}: weight") for m in self.layers]
+            data, scale = torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts])
+            self._w_q = Fp8Tensor(data, scale, parts[0].block, parts[0].fmt, True)
+            row = 0
+            for m in self.layers:  # each member's copy: a view of its rows, current for its key
+                n = m.out_features
+                m._w_q = Fp8Tensor(
+                    data[row : row + n],
+                    scale[row // 128 : (row + n) // 128],
+                    parts[0].block,
+                    parts[0].fmt,
+                    True,
+                )
+                m._w_q_key, m._dgrad, m.fprop_gemm._bound = m._weight_key(), None, None
+                m.fp8_weight_updates += 1
+                row += n
+            self._keys = keys
+            self._dgrad = self.fprop_gemm._bound = None
+            self.fp8_weight_updates += 1
+        return self._w_q
+
+    def dgrad_gemm(self, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:
+        return bound_dgrad(self, w_q, device, out_dtype)
+
+    def output(self, x: torch.Tensor, x2d: torch.Tensor, member: int) -> torch.Tensor:
+        """Member ``member``'s ``x2d @ W.T + b``: one GEMM for the group per input (the same tensor
+        object ``x``); its output split once, so autograd joins the members' gradients with one
+        concatenation."""
+        if self._x is not x or self._parts is None or member in self._served:
+            self._x, self._served = x, set()
+            biases = [m.bias for m in self.layers]
+            bias = torch.cat(biases) if biases[0] is not None else None  # type: ignore[arg-type]
+            weights = [m.weight for m in self.layers]
+            grad = torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
+            if grad:
+                y = _FusedTrainFn.apply(x2d, bias, self, *weights)  # type: ignore[no-untyped-call]
+            else:
+                y = _fprop(x2d, self.fprop_gemm, self.fp8_weight(), bias, self.config, self.name)
+            self._parts = torch.split(y, list(self.sizes), dim=1)
+        part = self._parts[member]
+        self._served.add(member)
+        if len(self._served) == len(self.layers):  # every member has its columns: let go of x
+            self._x, self._parts, self._served = None, None, set()
+        return part
+
+
+def fuse_for_training(model: nn.Module) -> int:
+    """Fuse every q/k/v and gate/up group of trainable FP8 layers (same input size, config, dtype,
+    bias or none; every member's output a whole number of 128-row blocks); returns how many."""
+    fused = 0
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(m, Fp8Linear) for m in members):
+                continue
+            layers: list[Fp8Linear] = members  # type: ignore[assignment]
+            first = layers[0]
+            if all(
+                not m.fp8_only
+                and m.fused is None
+                and m.fused_train is None
+                and m.out_features % 128 == 0
+                and m.in_features == first.in_features
+                and m.config == first.config
+                and m.weight.dtype == first.weight.dtype
+                and m.weight.device == first.weight.device
+                and (m.bias is None) == (first.bias is None)
+                for m in layers
+            ) and first.config.weight_block == (128, 128):
+                group = TrainFusedGroup(names, layers)
+                for i, m in enumerate(layers):
+                    m.fused_train = (group, i)
+                fused += 1
+    return fused

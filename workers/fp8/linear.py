@@ -234,6 +234,21 @@ def small_m_gemm_enabled(device: torch.device) -> bool:
     return wanted == "triton" and on_device and importlib.util.find_spec("triton") is not None
 
 
+def bound_dgrad(owner: Any, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:
+    """``owner``'s (an :class:`Fp8Linear` or a fused group's) dgrad GEMM, kept in ``owner._dgrad``
+    and bound again when the weight, the device profile, the dtype, the backend or the owner's
+    ``fp8_weight_updates`` changed."""
+    b: _Bound | None = owner._dgrad
+    profile, cfg = profile_of(device), owner.config
+    if (
+        b is None
+        or not b.matches(w_q, profile, out_dtype, cfg.backend)
+        or b.updates != owner.fp8_weight_updates
+    ):
+        b = owner._dgrad = _Bound(w_q, cfg, profile, out_dtype, dgrad=True, updates=owner.fp8_weight_updates)
+    return b
+
+
 class FpropGemm:
     """Holds the :class:`_Bound` fprop of a layer's (or a fused group's) current FP8 weight; bound
     again only when the weight object, the device profile, the output dtype or the backend change
@@ -379,6 +394,8 @@ class Fp8Linear(nn.Module):
         self.fp8_weight_updates = 0  # how many times the FP8 copy was (re)made or loaded
         # (FusedGroup, member index) once workers.fp8.fused has fused this layer with its siblings
         self.fused: Any = None
+        # (TrainFusedGroup, member index) once workers.fp8.fused has fused this trainer's layer
+        self.fused_train: Any = None
         self.fprop_gemm = FpropGemm()  # the forward GEMM, bound once per FP8 weight
 
     @classmethod
@@ -417,16 +434,7 @@ class Fp8Linear(nn.Module):
         """dgrad's GEMM ``q(dy) @ w_q`` (``w_q [N, K]``), bound once per weight update: the weight
         as a column-major copy where a CUDA kernel runs (itself where the GEMM is emulated), the
         plan and the scale layout."""
-        b, profile = self._dgrad, profile_of(device)
-        if (
-            b is None
-            or not b.matches(w_q, profile, out_dtype, self.config.backend)
-            or b.updates != self.fp8_weight_updates
-        ):
-            b = self._dgrad = _Bound(
-                w_q, self.config, profile, out_dtype, dgrad=True, updates=self.fp8_weight_updates
-            )
-        return b
+        return bound_dgrad(self, w_q, device, out_dtype)
 
     @torch.no_grad()
     def load_fp8_weight(self, w_q: Fp8Tensor) -> None:
@@ -525,11 +533,14 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)  # [M, K]
         params_need_grad = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        if not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
+        if self.fused_train is not None:  # one GEMM for the group, forward and backward (fused.py)
+            group, member = self.fused_train
+            y2d: torch.Tensor = group.output(x, x2d, member)
+        elif not torch.is_grad_enabled() or not (x.requires_grad or params_need_grad):
             # inference (generation): one quantization of x, no autograd state, no wgrad copy
             if self.fused is not None:  # one GEMM for the group (workers.fp8.fused)
                 group, member = self.fused
-                y2d: torch.Tensor = group.output(x, x2d, member)
+                y2d = group.output(x, x2d, member)
             else:
                 y2d = _fprop(x2d, self.fprop_gemm, self.fp8_weight(), self.bias, self.config, self.name)
         else:

@@ -16,7 +16,7 @@ from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.fp8 import fused as fused_mod
 from workers.fp8 import linear as linear_mod
-from workers.fp8.export import fp8_weight_names
+from workers.fp8.export import export_weights, fp8_weight_names
 from workers.fp8.fused import fuse_projections
 from workers.fp8.linear import Fp8Linear
 from workers.tokenizer import ByteTokenizer
@@ -150,3 +150,66 @@ def test_fused_groups_pass_cudas_checks_in_the_static_decode_loop() -> None:
             ids.to("meta"), mask.to("meta"), 4, 1.0, 1.0, 0, TOK.eos_id, TOK.pad_id
         )
     assert tokens.shape == logps.shape == (4, 4) and tokens.device.type == "meta"
+
+
+# -- trainers ---------------------------------------------------------------------------------
+
+
+def train_loss(model: Any) -> torch.Tensor:
+    ids, mask = left_pad([TOK.encode("12 + 30 = 42"), TOK.encode("7 + 5 = 12")], TOK.pad_id)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits.float()
+    return out.square().mean()
+
+
+def test_a_trainers_fused_groups_give_the_separate_layers_gradients_with_fewer_gemms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """q/k/v and gate/up fused in a trainer: one quantization of x and one GEMM per group in
+    forward, one of dy and one dgrad and one wgrad in backward; the loss and every parameter's
+    gradient are the separate layers' (float32 emulation: rounding at most), the members' FP8
+    bytes their own, and after an optimizer step the group takes the members' new weights."""
+    trainer = NativeTrainer(SPEC, TOK.vocab_size, "cpu")
+    assert trainer.fused_groups == 0  # the CPU keeps separate layers; the test fuses by hand
+    fused, plain = trainer.model, copy.deepcopy(trainer.model)
+    assert fused_mod.fuse_for_training(fused) == 2 * 2
+    from workers.fp8.matmul import fp8_matmul as real
+
+    gemms: list[int] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        gemms.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("workers.fp8.linear.fp8_matmul", counting)
+    losses = []
+    for model in (plain, fused):
+        gemms.clear()
+        loss = train_loss(model)
+        loss.backward()
+        losses.append((float(loss.detach()), len(gemms)))
+    # per decoder layer 7 GEMMs of each kind separately, 4 fused: 2 layers x 3 kinds x 3 fewer
+    assert losses[0][1] >= 2 * 7 * 3 and losses[1][1] == losses[0][1] - 2 * 3 * 3
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-5)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        err = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30))
+        assert err < 1e-4, (name, err)
+    attn = fused.model.layers[0].self_attn
+    group = attn.q_proj.fused_train[0]
+    assert attn.v_proj.fp8_weight().data.data_ptr() == group.fp8_weight().data[384:].data_ptr()
+    own = attn.v_proj.config.quantize_weight(attn.v_proj.weight)
+    assert torch.equal(attn.v_proj.fp8_weight().data.view(torch.uint8), own.data.view(torch.uint8))
+    for model in (plain, fused):  # the same optimizer step on both
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        torch.testing.assert_close(logits(fused), logits(plain), rtol=1e-4, atol=1e-4)
+    # what a weight sync sends: every FP8 weight the member's own quantization of its new weight
+    names = fp8_weight_names(fused)
+    params = dict(fused.named_parameters())
+    payload = export_weights(fused, names)
+    assert set(names) >= {"model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
+    for name in names:
+        own = attn.q_proj.config.quantize_weight(params[name])
+        assert torch.equal(payload[name].data.view(torch.uint8), own.data.view(torch.uint8)), name

@@ -49,6 +49,7 @@ from workers.engines.protocols import Payload, Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit, weight_bytes
 from workers.fp8.export import export_weights
+from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales
 
@@ -94,6 +95,11 @@ class NativeTrainer:
         self.spec, self.device, self.dp_group = spec, torch.device(device), dp_group
         self.model = build_policy(spec, vocab_size, DTYPES[spec.precision.master_dtype], self.device)
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "trainer")
+        # q/k/v and gate/up as one FP8 GEMM each, forward and backward, on a GPU (same bytes,
+        # members' own master weights; workers/fp8/fused.py); the CPU keeps one GEMM per layer
+        self.fused_groups = (
+            fuse_for_training(self.model) if self.device.type == "cuda" and not is_exact(self.model) else 0
+        )
         opt = spec.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay

@@ -72,3 +72,20 @@ def test_train_step_runs_on_meta(profile: str, recipe: str) -> None:
         logp_old, totals = trainer.train_step_on_device(batch, torch.tensor([1.0, 0.0, 1.0, 0.0]), 1.0)
     assert logp_old.device.type == "meta" and logp_old.shape == (4, 5)
     assert {t.device.type for t in totals.values()} == {"meta"}
+
+
+def test_a_train_step_with_fused_groups_runs_on_meta() -> None:
+    """The trainer's fused q/k/v and gate/up (one GEMM each way; what a GPU trainer runs) on SM90's
+    kernels: no host read in the step."""
+    from workers.fp8.fused import fuse_for_training
+
+    trainer = NativeTrainer(spec("fp8-e2e"), TOK.vocab_size, "meta")
+    assert fuse_for_training(trainer.model) == 2 * 2
+    ids, mask = left_pad([TOK.encode("1 + 2 =")] * 4, TOK.pad_id)
+    response = torch.full((4, 5), ord("3"))
+    batch = Rollouts(ids, mask, response, torch.ones(4, 5), torch.zeros(4, 5))
+    with simulate("sm90-cuda13.0"):
+        logp_old, totals = trainer.train_step_on_device(batch, torch.tensor([1.0, 0.0, 1.0, 0.0]), 1.0)
+    assert logp_old.device.type == "meta" and {t.device.type for t in totals.values()} == {"meta"}
+    attn = trainer.model.model.layers[1].self_attn
+    assert attn.k_proj.fused_train is not None and attn.k_proj.fp8_weight().data.device.type == "meta"
