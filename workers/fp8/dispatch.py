@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib.util
 import os
 import re
 from collections.abc import Iterator
@@ -289,3 +290,15 @@ def _plan(
 def cublas_blockwise_disabled() -> bool:
     """``FP8RL_CUBLAS_BLOCKWISE=0`` turns the blockwise kernel off (rowwise instead), for A/B runs."""
     return os.environ.get("FP8RL_CUBLAS_BLOCKWISE", "1") == "0"
+
+
+def triton_switch(variable: str, default: str, triton_value: str, device: torch.device) -> bool:
+    """An opt-in Triton kernel's environment switch: ``variable`` is ``default`` (off) or
+    ``triton_value``/``"triton"`` (on); on only for a CUDA device, or a CPU under Triton's
+    interpreter (tests), with Triton installed. Anything else is refused, naming the variable."""
+    wanted = os.environ.get(variable, default)
+    if wanted not in (default, triton_value):
+        raise ValueError(f"{variable}={wanted!r}: use {default} (default) or {triton_value}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    on_device = device.type == "cuda" or (interpret and device.type == "cpu")
+    return wanted == triton_value and on_device and importlib.util.find_spec("triton") is not None

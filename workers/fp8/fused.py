@@ -22,6 +22,7 @@ runs alone, as before.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,19 +78,23 @@ class FusedGroup:
         _refresh_derived(self.weight)
 
 
+def _candidates(model: nn.Module) -> Iterator[tuple[tuple[str, ...], list[Fp8Linear]]]:
+    """Every q/k/v and gate/up group of FP8 layers under one parent, by name."""
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, Fp8Linear) for m in members):
+                yield names, members  # type: ignore[misc]
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every q/k/v and gate/up group of FP8-only layers whose outputs are whole 128-row
     blocks; returns how many groups were fused."""
     fused = 0
-    for parent in model.modules():
-        for names in GROUPS:
-            members = [getattr(parent, n, None) for n in names]
-            if not all(isinstance(m, Fp8Linear) for m in members):
-                continue
-            layers: list[Fp8Linear] = members  # type: ignore[assignment]
-            if _fusable(layers):
-                _fuse(names, layers)
-                fused += 1
+    for names, layers in _candidates(model):
+        if _fusable(layers):
+            _fuse(names, layers)
+            fused += 1
     return fused
 
 
@@ -238,27 +243,22 @@ def fuse_for_training(model: nn.Module) -> int:
     """Fuse every q/k/v and gate/up group of trainable FP8 layers (same input size, config, dtype,
     bias or none; every member's output a whole number of 128-row blocks); returns how many."""
     fused = 0
-    for parent in model.modules():
-        for names in GROUPS:
-            members = [getattr(parent, n, None) for n in names]
-            if not all(isinstance(m, Fp8Linear) for m in members):
-                continue
-            layers: list[Fp8Linear] = members  # type: ignore[assignment]
-            first = layers[0]
-            if all(
-                not m.fp8_only
-                and m.fused is None
-                and m.fused_train is None
-                and m.out_features % 128 == 0
-                and m.in_features == first.in_features
-                and m.config == first.config
-                and m.weight.dtype == first.weight.dtype
-                and m.weight.device == first.weight.device
-                and (m.bias is None) == (first.bias is None)
-                for m in layers
-            ) and first.config.weight_block == (128, 128):
-                group = TrainFusedGroup(names, layers)
-                for i, m in enumerate(layers):
-                    m.fused_train = (group, i)
-                fused += 1
+    for names, layers in _candidates(model):
+        first = layers[0]
+        if all(
+            not m.fp8_only
+            and m.fused is None
+            and m.fused_train is None
+            and m.out_features % 128 == 0
+            and m.in_features == first.in_features
+            and m.config == first.config
+            and m.weight.dtype == first.weight.dtype
+            and m.weight.device == first.weight.device
+            and (m.bias is None) == (first.bias is None)
+            for m in layers
+        ) and first.config.weight_block == (128, 128):
+            group = TrainFusedGroup(names, layers)
+            for i, m in enumerate(layers):
+                m.fused_train = (group, i)
+            fused += 1
     return fused

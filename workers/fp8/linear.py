@@ -36,8 +36,6 @@ weight alone (the high-precision one becomes a shape-only placeholder on the ``m
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.fp8.dispatch import DeviceProfile, GemmPlan, OperandSpec, plan_gemm, profile_of
+from workers.fp8.dispatch import DeviceProfile, GemmPlan, OperandSpec, plan_gemm, profile_of, triton_switch
 from workers.fp8.formats import get_format
 from workers.fp8.matmul import Backend, cublas_b_scale, fp8_matmul, is_col_major
 from workers.fp8.quant import (
@@ -226,12 +224,7 @@ def small_m_gemm_enabled(device: torch.device) -> bool:
     GEMM (:mod:`workers.fp8.triton_gemm`) on CUDA (or under Triton's interpreter on the CPU, for
     tests); ``cublas`` (the default until a GPU has measured it) leaves it to the dispatch. Read
     when a weight's GEMM is bound."""
-    wanted = os.environ.get("FP8RL_SMALL_M_GEMM", "cublas")
-    if wanted not in ("cublas", "triton"):
-        raise ValueError(f"FP8RL_SMALL_M_GEMM={wanted!r}: use cublas (default) or triton")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    on_device = device.type == "cuda" or (interpret and device.type == "cpu")
-    return wanted == "triton" and on_device and importlib.util.find_spec("triton") is not None
+    return triton_switch("FP8RL_SMALL_M_GEMM", "cublas", "triton", device)
 
 
 def bound_dgrad(owner: Any, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:

@@ -25,7 +25,6 @@ arithmetic is checked against a float64 reference under Triton's interpreter on 
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -36,14 +35,9 @@ BLOCK_N = 32  # keys per tile
 
 def enabled(device: torch.device) -> bool:
     """Whether the static decode loop on ``device`` uses this kernel (see the module docstring)."""
-    import importlib.util
+    from workers.fp8.dispatch import triton_switch
 
-    wanted = os.environ.get("FP8RL_DECODE_ATTENTION", "sdpa")
-    if wanted not in ("sdpa", "triton"):
-        raise ValueError(f"FP8RL_DECODE_ATTENTION={wanted!r}: use sdpa (default) or triton")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    on_device = device.type == "cuda" or (interpret and device.type == "cpu")
-    return wanted == "triton" and on_device and importlib.util.find_spec("triton") is not None
+    return triton_switch("FP8RL_DECODE_ATTENTION", "sdpa", "triton", device)
 
 
 def splits_for(batch: int, kv_heads: int, length: int, device: torch.device) -> int:
