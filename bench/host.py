@@ -8,7 +8,7 @@ replaced by a function that returns a preallocated result, so what is timed is f
 checks. Two ways of issuing the same GEMM, measured in one run, interleaved:
 
 - ``fp8_matmul``: the general entry point, which plans and lays out its operands per call;
-- ``bound``: the ``Fp8Linear``'s forward GEMM bound once per weight (``FpropGemm``).
+- ``bound``: the ``Fp8Linear``'s forward GEMM bound once per weight (``BoundGemm``).
 
 On a GPU, ``make gpu-check``'s ``overhead`` section measures the real calls' host and GPU time.
 """

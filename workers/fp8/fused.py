@@ -22,6 +22,7 @@ runs alone, as before.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +31,11 @@ import torch
 from torch import nn
 
 from workers.fp8.linear import (
+    BoundGemm,
     Fp8Linear,
-    FpropGemm,
-    _Bound,
     _fprop,
     _train_backward,
     _train_forward,
-    bound_dgrad,
 )
 from workers.fp8.quant import Fp8Tensor
 
@@ -52,7 +51,7 @@ class FusedGroup:
     weight: Fp8Tensor  # [sum of N, K]
     bias: torch.Tensor | None
     first: Fp8Linear  # the config and name the group's GEMM uses
-    gemm: FpropGemm = field(default_factory=FpropGemm)  # the group's GEMM, bound once
+    gemm: BoundGemm = field(default_factory=BoundGemm)  # the group's GEMM, bound once
     _x: torch.Tensor | None = None
     _y: torch.Tensor | None = None
     _served: set[int] | None = None  # members that took their columns of _y
@@ -119,21 +118,31 @@ def _fusable(layers: list[Fp8Linear]) -> bool:
 
 
 @torch.no_grad()
-def _fuse(names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
-    weights = [m.fp8_weight() for m in layers]
+def _stacked(weights: list[Fp8Tensor]) -> tuple[Fp8Tensor, list[Fp8Tensor], tuple[int, ...]]:
+    """Members' FP8 weights (whole 128-row blocks) as one ``[sum N, K]`` weight, each member's a
+    view of its rows (data and scales), and the row bounds: member i owns rows bounds[i]:bounds[i + 1]."""
     data = torch.cat([w.data for w in weights])  # [sum N, K]
     scale = torch.cat([w.scale for w in weights])  # [sum N / 128, K / 128]
-    group_weight = Fp8Tensor(data, scale, weights[0].block, weights[0].fmt, True)
+    block, fmt = weights[0].block, weights[0].fmt
     bounds = [0]
     for w in weights:
         bounds.append(bounds[-1] + w.shape[0])
+    rows = [
+        Fp8Tensor(data[a:b], scale[a // 128 : b // 128], block, fmt, True)
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return Fp8Tensor(data, scale, block, fmt, True), rows, tuple(bounds)
+
+
+def _fuse(names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
+    group_weight, rows, bounds = _stacked([m.fp8_weight() for m in layers])
     bias = None
     if layers[0].bias is not None:
         bias = torch.cat([m.bias.detach() for m in layers if m.bias is not None])
-    group = FusedGroup(names, tuple(bounds), group_weight, bias, layers[0])
+    group = FusedGroup(names, bounds, group_weight, bias, layers[0])
     for i, m in enumerate(layers):
         a, b = bounds[i], bounds[i + 1]
-        m._w_q = Fp8Tensor(data[a:b], scale[a // 128 : b // 128], group_weight.block, group_weight.fmt, True)
+        m._w_q = rows[i]
         if bias is not None:
             m.bias = nn.Parameter(bias[a:b], requires_grad=False)  # a view: loads write the group's bias
         m.fused = (group, i)
@@ -179,9 +188,7 @@ class TrainFusedGroup:
         self.sizes = tuple(m.out_features for m in layers)
         self.config = layers[0].config
         self.name = "+".join(m.name for m in layers)
-        self.fprop_gemm = FpropGemm()
-        self._dgrad: _Bound | None = None
-        self.fp8_weight_updates = 0
+        self.fprop_gemm, self.dgrad_gemm = BoundGemm(), BoundGemm(dgrad=True)
         self._w_q: Fp8Tensor | None = None
         self._keys: tuple[Any, ...] | None = None
         self._x: torch.Tensor | None = None
@@ -194,28 +201,16 @@ class TrainFusedGroup:
         keys = tuple(m._weight_key() for m in self.layers)
         if self._w_q is None or keys != self._keys:
             parts = [self.config.quantize_weight(m.weight, f"{m.name}: weight") for m in self.layers]
-            data, scale = torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts])
-            self._w_q = Fp8Tensor(data, scale, parts[0].block, parts[0].fmt, True)
-            row = 0
-            for m in self.layers:  # each member's copy: a view of its rows, current for its key
-                n = m.out_features
-                m._w_q = Fp8Tensor(
-                    data[row : row + n],
-                    scale[row // 128 : (row + n) // 128],
-                    parts[0].block,
-                    parts[0].fmt,
-                    True,
-                )
-                m._w_q_key, m._dgrad, m.fprop_gemm._bound = m._weight_key(), None, None
+            self._w_q, rows, _ = _stacked(parts)
+            for m, own in zip(self.layers, rows, strict=True):  # a view of its rows, current for its key
+                m._w_q, m._w_q_key = own, m._weight_key()
+                m.fprop_gemm.release()
+                m.dgrad_gemm.release()
                 m.fp8_weight_updates += 1
-                row += n
             self._keys = keys
-            self._dgrad = self.fprop_gemm._bound = None
-            self.fp8_weight_updates += 1
+            self.fprop_gemm.release()
+            self.dgrad_gemm.release()
         return self._w_q
-
-    def dgrad_gemm(self, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:
-        return bound_dgrad(self, w_q, device, out_dtype)
 
     def output(self, x: torch.Tensor, x2d: torch.Tensor, member: int) -> torch.Tensor:
         """Member ``member``'s ``x2d @ W.T + b``: one GEMM for the group per input (the same tensor

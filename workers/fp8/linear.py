@@ -102,7 +102,7 @@ class Fp8LinearConfig:
 
 def _fprop(
     x2d: torch.Tensor,
-    gemm: FpropGemm,
+    gemm: BoundGemm,
     w_q: Fp8Tensor,
     bias: torch.Tensor | None,
     cfg: Fp8LinearConfig,
@@ -139,7 +139,7 @@ class _Bound:
     its result (the FP8 linear's hot path: a decode step calls fprop ~100 times, a training step
     each layer's fprop and dgrad once per micro-batch)."""
 
-    __slots__ = ("b", "backend", "blockwise", "out_dtype", "plan", "profile", "small_m", "updates", "w_q")
+    __slots__ = ("b", "backend", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q")
 
     def __init__(
         self,
@@ -148,10 +148,8 @@ class _Bound:
         profile: DeviceProfile,
         out_dtype: torch.dtype,
         dgrad: bool = False,
-        updates: int = 0,
     ):
         self.w_q, self.profile, self.out_dtype, self.backend = w_q, profile, out_dtype, cfg.backend
-        self.updates = updates  # the layer's fp8_weight_updates when bound (dgrad's copy follows it)
         a_block, a_fmt = (cfg.grad_block, cfg.grad_fmt) if dgrad else (cfg.activation_block, cfg.forward_fmt)
         b = w_q if dgrad else w_q.t()  # [K, N] of the GEMM: dgrad contracts over W's rows
         a = OperandSpec((16, int(b.shape[0])), a_block, get_format(a_fmt))
@@ -227,38 +225,29 @@ def small_m_gemm_enabled(device: torch.device) -> bool:
     return triton_switch("FP8RL_SMALL_M_GEMM", "cublas", "triton", device)
 
 
-def bound_dgrad(owner: Any, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:
-    """``owner``'s (an :class:`Fp8Linear` or a fused group's) dgrad GEMM, kept in ``owner._dgrad``
-    and bound again when the weight, the device profile, the dtype, the backend or the owner's
-    ``fp8_weight_updates`` changed."""
-    b: _Bound | None = owner._dgrad
-    profile, cfg = profile_of(device), owner.config
-    if (
-        b is None
-        or not b.matches(w_q, profile, out_dtype, cfg.backend)
-        or b.updates != owner.fp8_weight_updates
-    ):
-        b = owner._dgrad = _Bound(w_q, cfg, profile, out_dtype, dgrad=True, updates=owner.fp8_weight_updates)
-    return b
+class BoundGemm:
+    """Holds the :class:`_Bound` forward GEMM (or, with ``dgrad``, the dgrad GEMM) of a layer's or
+    a fused group's current FP8 weight; bound again when the weight object, the device profile,
+    the output dtype or the backend change. The owner releases it whenever it replaces its FP8
+    weight, and the dgrad one at every weight update (its column-major copy would be stale); an
+    in-place weight load keeps the forward one, since the load rewrites the scale layout it holds."""
 
+    __slots__ = ("_bound", "dgrad")
 
-class FpropGemm:
-    """Holds the :class:`_Bound` fprop of a layer's (or a fused group's) current FP8 weight; bound
-    again only when the weight object, the device profile, the output dtype or the backend change
-    (an in-place weight load keeps the binding: it rewrites the scale layout the binding holds)."""
-
-    __slots__ = ("_bound",)
-
-    def __init__(self) -> None:
+    def __init__(self, dgrad: bool = False) -> None:
         self._bound: _Bound | None = None
+        self.dgrad = dgrad
 
     def bound(
         self, w_q: Fp8Tensor, cfg: Fp8LinearConfig, device: torch.device, out_dtype: torch.dtype
     ) -> _Bound:
         b, profile = self._bound, profile_of(device)
         if b is None or not b.matches(w_q, profile, out_dtype, cfg.backend):
-            b = self._bound = _Bound(w_q, cfg, profile, out_dtype)
+            b = self._bound = _Bound(w_q, cfg, profile, out_dtype, self.dgrad)
         return b
+
+    def release(self) -> None:
+        self._bound = None
 
 
 def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig, where: str) -> Fp8Tensor:
@@ -316,7 +305,7 @@ def _train_backward(
     if need_dx:
         if g_q is None:
             g_q = _quantize_rows(grad_y, cfg.grad_fmt, cfg.grad_block, cfg, where)  # [M', N], M' >= M
-        grad_x = owner.dgrad_gemm(ctx.w_q, g_q.device, ctx.x_dtype)(g_q)  # [M', K]
+        grad_x = owner.dgrad_gemm.bound(ctx.w_q, cfg, g_q.device, ctx.x_dtype)(g_q)  # [M', K]
         grad_x = grad_x[: grad_y.shape[0]].to(ctx.x_dtype)  # [M, K]
     if need_dw:
         if g_t is None:
@@ -382,14 +371,15 @@ class Fp8Linear(nn.Module):
         self.name = name
         self._w_q: Fp8Tensor | None = None
         self._w_q_key: tuple[int, int, int] | None = None
-        self._dgrad: _Bound | None = None  # dgrad's GEMM (its column-major weight copy: trainers, CUDA)
         self.fp8_only = False  # True after drop_master_weight(): the FP8 weight is all there is
         self.fp8_weight_updates = 0  # how many times the FP8 copy was (re)made or loaded
         # (FusedGroup, member index) once workers.fp8.fused has fused this layer with its siblings
         self.fused: Any = None
         # (TrainFusedGroup, member index) once workers.fp8.fused has fused this trainer's layer
         self.fused_train: Any = None
-        self.fprop_gemm = FpropGemm()  # the forward GEMM, bound once per FP8 weight
+        self.fprop_gemm = BoundGemm()  # the forward GEMM, bound once per FP8 weight
+        # dgrad's GEMM, bound once per weight update (its column-major weight copy: trainers, CUDA)
+        self.dgrad_gemm = BoundGemm(dgrad=True)
 
     @classmethod
     def from_linear(
@@ -419,15 +409,10 @@ class Fp8Linear(nn.Module):
             cfg = self.config
             self._w_q = cfg.quantize_weight(self.weight, f"{self.name}: weight").with_dequant_cache()
             self._w_q_key = key
-            self._dgrad = self.fprop_gemm._bound = None  # bound to the previous copy: let it go
+            self.fprop_gemm.release()  # bound to the previous copy: let it go
+            self.dgrad_gemm.release()
             self.fp8_weight_updates += 1
         return self._w_q
-
-    def dgrad_gemm(self, w_q: Fp8Tensor, device: torch.device, out_dtype: torch.dtype) -> _Bound:
-        """dgrad's GEMM ``q(dy) @ w_q`` (``w_q [N, K]``), bound once per weight update: the weight
-        as a column-major copy where a CUDA kernel runs (itself where the GEMM is emulated), the
-        plan and the scale layout."""
-        return bound_dgrad(self, w_q, device, out_dtype)
 
     @torch.no_grad()
     def load_fp8_weight(self, w_q: Fp8Tensor) -> None:
@@ -452,8 +437,8 @@ class Fp8Linear(nn.Module):
                 self.fused[0].refresh()  # the rows are the group's: its derived layout too
         else:
             self._w_q = w_q
-            self.fprop_gemm._bound = None  # bound to the previous weight: let it go
-        self._dgrad = None
+            self.fprop_gemm.release()  # bound to the previous weight: let it go
+        self.dgrad_gemm.release()
         self.fp8_weight_updates += 1
 
     def _device(self) -> torch.device:
@@ -473,7 +458,8 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta"), requires_grad=False
         )
-        self._w_q, self._w_q_key, self._dgrad = w_q, None, None
+        self._w_q, self._w_q_key = w_q, None
+        self.dgrad_gemm.release()
         self.fp8_only = True
 
     def fp8_allocated_bytes(self) -> int:
@@ -481,10 +467,8 @@ class Fp8Linear(nn.Module):
         total = self._w_q.allocated_bytes if self._w_q is not None else 0
         if self.fused is not None and self.fused[1] == 0:  # the group's derived copies, once
             total += sum(t.numel() * t.element_size() for t in self.fused[0].weight._memo.values())
-        dgrad = self._dgrad
-        if (
-            dgrad is not None and dgrad.b is not dgrad.w_q
-        ):  # dgrad's column-major copy (its scales are _w_q's)
+        dgrad = self.dgrad_gemm._bound
+        if dgrad is not None and dgrad.b is not dgrad.w_q:  # dgrad's column-major copy (scales: _w_q's)
             total += dgrad.b.data.numel() * dgrad.b.data.element_size()
             if dgrad.blockwise is not None:
                 total += dgrad.blockwise[0].numel() * 4
