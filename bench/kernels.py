@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from workers.fp8.linear import SMALL_M_MAX
+from workers.fp8.linear_gemm import SMALL_M_MAX
 from workers.fp8.matmul import _blockwise, lay_out
 from workers.fp8.quant import quantize, quantize_rows
 

@@ -30,13 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.fp8.linear import (
-    BoundGemm,
-    Fp8Linear,
-    _fprop,
-    _train_backward,
-    _train_forward,
-)
+from workers.fp8.linear import Fp8Linear
+from workers.fp8.linear_gemm import BoundGemm, _fprop, _train_backward, _train_forward
 from workers.fp8.quant import Fp8Tensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -21,7 +21,7 @@ KB: reading it once per column block costs little and saves a launch and a round
 memory); a non-finite activation tile is reported to the finite guard as the quantizer reports it,
 by the programs of column block 0.
 
-Which GEMM runs: :mod:`workers.fp8.linear` binds this kernel for the forward GEMM on CUDA when
+Which GEMM runs: :mod:`workers.fp8.linear_gemm` binds this kernel for the forward GEMM on CUDA when
 ``FP8RL_SMALL_M_GEMM=triton`` (read when the weight is bound) and the call has at most
 ``MAX_M`` tokens; off by default until ``make gpu-check``'s kernel microbenchmark
 (``triton_small_m`` rows) has measured it. Imported only where it runs (Triton on CUDA, or its

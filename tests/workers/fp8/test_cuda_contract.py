@@ -170,7 +170,7 @@ def test_the_forward_gemm_is_planned_once_per_weight_and_follows_in_place_loads(
         plans.append(1)
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr("workers.fp8.linear.plan_gemm", counted)
+    monkeypatch.setattr("workers.fp8.linear_gemm.plan_gemm", counted)
     profile = PROFILES["sm90-cuda13.0"]
     torch.manual_seed(0)
     layer = Fp8Linear(256, 384, bias=False)
@@ -214,7 +214,7 @@ def test_dgrad_is_planned_once_per_weight_update(monkeypatch: pytest.MonkeyPatch
         plans.append(1)
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr("workers.fp8.linear.plan_gemm", counted)
+    monkeypatch.setattr("workers.fp8.linear_gemm.plan_gemm", counted)
     torch.manual_seed(0)
     layer = Fp8Linear(256, 384, bias=False)
     x = torch.randn(32, 256, requires_grad=True)

@@ -16,6 +16,7 @@ from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.fp8 import fused as fused_mod
 from workers.fp8 import linear as linear_mod
+from workers.fp8 import linear_gemm
 from workers.fp8.export import export_weights, fp8_weight_names
 from workers.fp8.fused import fuse_projections
 from workers.fp8.linear import Fp8Linear
@@ -64,7 +65,7 @@ def test_fused_groups_keep_the_bytes_and_give_the_separate_layers_outputs(
     # each member's weight is a view of its rows of the group's one weight
     assert attn.k_proj.fp8_weight().data.data_ptr() == group.weight.data[256:384].data_ptr()
     calls = []
-    real = linear_mod._fprop
+    real = linear_gemm._fprop
 
     def counting(*args: Any) -> Any:
         calls.append(args[-1])
@@ -180,7 +181,7 @@ def test_a_trainers_fused_groups_give_the_separate_layers_gradients_with_fewer_g
         gemms.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("workers.fp8.linear.fp8_matmul", counting)
+    monkeypatch.setattr("workers.fp8.linear_gemm.fp8_matmul", counting)
     losses = []
     for model in (plain, fused):
         gemms.clear()

@@ -156,7 +156,7 @@ def test_inference_quantizes_activations_once(seed: int, monkeypatch: pytest.Mon
 
     layer = Fp8Linear(128, 16)
     layer.fp8_weight()
-    monkeypatch.setattr("workers.fp8.linear.quantize", counting)
+    monkeypatch.setattr("workers.fp8.linear_gemm.quantize", counting)  # the training GEMMs' own calls
     monkeypatch.setattr("workers.fp8.quant.quantize", counting)  # quantize_rows' CPU path
     with torch.no_grad():
         y = layer(torch.randn(3, 128))

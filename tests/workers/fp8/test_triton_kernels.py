@@ -87,7 +87,7 @@ def test_small_m_gemm_compiles_for_sm90_on_the_tensor_cores(block_m: int) -> Non
 
 
 def test_the_small_m_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.fp8.linear import small_m_gemm_enabled
+    from workers.fp8.linear_gemm import small_m_gemm_enabled
 
     monkeypatch.delenv("FP8RL_SMALL_M_GEMM", raising=False)
     assert not small_m_gemm_enabled(torch.device("cuda"))
