@@ -264,7 +264,8 @@ def kernel_microbench(quick: bool) -> str:
     from bench import kernels
 
     shapes = kernels.SHAPES[:2] if quick else kernels.SHAPES
-    return "```\n" + kernels.report("cuda", shapes=shapes) + "\n```"
+    table = kernels.report("cuda", shapes=shapes)
+    return "```\n" + table + "\n\n" + kernels.weight_quantization("1b", "cuda") + "\n```"
 
 
 def overhead() -> str:

@@ -224,3 +224,48 @@ def _small_m_ratio(by_kind: dict[str, KernelRow]) -> str:
 
 def report(device: str = "cuda", **options: object) -> str:
     return format_table(run(device, **options))  # type: ignore[arg-type]
+
+
+def weight_quantization(model: str = "1b", device: str = "cuda", repeats: int = 5) -> str:
+    """A trainer's FP8 weights made again after an optimizer step, two ways, alternating: each layer
+    on its own when next used (its master weight quantized by the torch quantizer, a fused group's
+    members stacked), and the batched call of :mod:`workers.fp8.weights` (one Triton launch on
+    CUDA). Wall time with the device waited for at both ends (both run eagerly in a trainer, so
+    launch cost counts); the median of ``repeats``."""
+    from bench.common import bench_spec, pick_device, timed, vocab_size
+    from workers.engines.native.trainer import NativeTrainer
+    from workers.fp8.linear import Fp8Linear
+    from workers.tokenizer import ByteTokenizer
+
+    dev = pick_device(device)
+    trainer = NativeTrainer(
+        bench_spec(model, "fp8-e2e", dev), vocab_size(model, ByteTokenizer().vocab_size), str(dev)
+    )
+    layers = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    owners = list({id(o): o for o in (m.fused_train[0] if m.fused_train else m for m in layers)}.values())
+    params: list[torch.Tensor] = [m.weight for m in layers]
+
+    def updated() -> None:  # what an optimizer step leaves: every master weight written in place
+        with torch.no_grad():
+            torch._foreach_add_(params, 0.0)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def each_layer() -> None:
+        for owner in owners:
+            owner.fp8_weight()
+
+    times: dict[str, list[float]] = {"each layer": [], "batched": []}
+    for i in range(repeats + 1):  # the first round warms up (compilation, allocator)
+        for name, fn in (("each layer", each_layer), ("batched", trainer.fp8_weights.quantize)):
+            updated()
+            _, seconds = timed(dev, fn)
+            if i:
+                times[name].append(seconds * 1e3)
+    each, batched = (sorted(t)[len(t) // 2] for t in times.values())
+    n_params = sum(p.numel() for p in params)
+    return (
+        f"{model}: {len(layers)} FP8 weights ({n_params / 1e6:.1f}M parameters, {len(owners)} quantized "
+        f"separately), {dev.type}\n"
+        f"each layer: {each:.2f} ms   batched: {batched:.2f} ms   each layer / batched: {each / batched:.2f}x"
+    )

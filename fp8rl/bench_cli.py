@@ -121,6 +121,13 @@ def bench_kernels(
     shapes: Annotated[
         str, typer.Option(help="INxOUT weight shapes, comma-separated")
     ] = "2048x8192,8192x2048,4096x14336",
+    weights: Annotated[
+        str,
+        typer.Option(
+            help="also time a trainer's FP8 weights re-quantized after an optimizer step, each layer "
+            "on its own vs the batched call, on this model preset (e.g. 1b; empty: skip)"
+        ),
+    ] = "",
 ) -> None:
     """Time per call of each GEMM kind (BF16 mm, blockwise, rowwise, tensorwise FP8, wgrad) and of
     the activation quantizer, per token count; GPU time from CUDA-graph replay."""
@@ -141,7 +148,9 @@ def bench_kernels(
 
     def report() -> str:
         ms, ks = parse()
-        return kernels.report(str(pick_device(device)), tokens=ms, shapes=ks)
+        dev = str(pick_device(device))
+        table = kernels.report(dev, tokens=ms, shapes=ks)
+        return table + ("\n\n" + kernels.weight_quantization(weights, dev) if weights else "")
 
     _echo_report(report)
 

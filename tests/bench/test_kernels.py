@@ -48,3 +48,12 @@ def test_the_small_m_gemm_is_compared_with_quantize_plus_blockwise_and_kept_to_f
     assert kernels._small_m_ratio({**row, "small_m": kernels.KernelRow(16, 256, 256, "small_m", None)}) == "-"
     rows = kernels.run("cpu", tokens=(128,), shapes=((256, 256),), kinds=("small_m",), replays=1)
     assert rows[0].us is None and rows[0].note == "M over 64"
+
+
+def test_weight_quantization_times_both_ways_on_the_tiny_preset() -> None:
+    text = kernels.weight_quantization("tiny", "cpu", repeats=1)
+    head, times = text.splitlines()
+    assert head.startswith("tiny: 14 FP8 weights") and head.endswith("cpu")  # 2 layers x 7 linears
+    parts = times.split()
+    each, batched, ratio = float(parts[2]), float(parts[5]), float(parts[-1].rstrip("x"))
+    assert each > 0 and batched > 0 and ratio == pytest.approx(each / batched, abs=0.01)

@@ -220,6 +220,51 @@ def test_a_gpu_trainer_fuses_its_projections_and_keeps_the_gradients() -> None:
         assert rel_err(p.grad, q.grad) < GPU_FP8_REL_TOL, name
 
 
+def test_a_gpu_trainers_weights_are_quantized_in_one_launch_bit_for_bit() -> None:
+    """After an update one Triton launch quantizes every FP8 weight (workers/fp8/weights.py):
+    each layer's bytes and scales are the torch quantizer's, its cuBLAS scale layout the one the
+    forward GEMM would derive, a fused group's weight its members' bytes in their storage."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.fp8.matmul import _cublas_b_scale
+    from workers.fp8.quant import quantize
+
+    s = parse_spec(
+        {
+            "model": {
+                "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_heads": 2, "num_kv_heads": 1}
+            },
+            "precision": {"recipe": "fp8-e2e"},
+        }
+    )
+    trainer = NativeTrainer(s, TOK.vocab_size, "cuda")
+    assert trainer.fused_groups == 2 * 2
+    layers = [m for m in trainer.model.modules() if isinstance(m, Fp8Linear)]
+    with torch.no_grad():
+        for m in layers:
+            m.weight.mul_(1.5)  # as an optimizer does: in place
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        assert trainer.fp8_weights.quantize() == len(layers) == 2 * 7
+        torch.cuda.synchronize()
+    launches = [e.count for e in prof.key_averages() if "_quantize_128x128_many" in e.key]
+    assert launches == [1], launches
+    for m in layers:
+        w_q, want = m._w_q, quantize(m.weight.detach(), "e4m3", (128, 128))
+        assert w_q is not None and torch.equal(w_q.data.view(torch.uint8), want.data.view(torch.uint8)), (
+            m.name
+        )
+        assert torch.equal(w_q.scale, want.scale), m.name
+        layout, derived = w_q._memo["cublas_scale_t"], _cublas_b_scale(want.t())
+        assert torch.equal(layout, derived) and layout.stride() == derived.stride(), m.name
+    attn = trainer.model.model.layers[0].self_attn
+    stacked = attn.q_proj.fused_train[0].fp8_weight()
+    members = torch.cat([m._w_q.data for m in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    assert stacked.data.data_ptr() == attn.q_proj._w_q.data.data_ptr()
+    assert torch.equal(stacked.data.view(torch.uint8), members.view(torch.uint8))
+    assert torch.equal(stacked._memo["cublas_scale_t"], _cublas_b_scale(stacked.t()))
+
+
 @pytest.mark.parametrize("triton", [True, False])
 def test_non_finite_tile_is_named_at_the_end_of_the_guard(triton: bool) -> None:
     from workers.fp8 import NonFiniteError, finite_guard, quant, quantize

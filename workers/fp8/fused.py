@@ -193,19 +193,21 @@ class TrainFusedGroup:
     @torch.no_grad()
     def fp8_weight(self) -> Fp8Tensor:
         """The members' FP8 weights stacked, made again when any member's master weight changed."""
-        keys = tuple(m._weight_key() for m in self.layers)
-        if self._w_q is None or keys != self._keys:
+        if self._w_q is None or self._keys != tuple(m._weight_key() for m in self.layers):
             parts = [self.config.quantize_weight(m.weight, f"{m.name}: weight") for m in self.layers]
-            self._w_q, rows, _ = _stacked(parts)
+            stacked, rows, _ = _stacked(parts)
             for m, own in zip(self.layers, rows, strict=True):  # a view of its rows, current for its key
-                m._w_q, m._w_q_key = own, m._weight_key()
-                m.fprop_gemm.release()
-                m.dgrad_gemm.release()
-                m.fp8_weight_updates += 1
-            self._keys = keys
-            self.fprop_gemm.release()
-            self.dgrad_gemm.release()
+                m.adopt_fp8_weight(own)
+            self.adopt(stacked)
+        assert self._w_q is not None
         return self._w_q
+
+    def adopt(self, stacked: Fp8Tensor) -> None:
+        """Take ``stacked`` as the group's FP8 weight: the members' current FP8 weights (each a view
+        of its rows, already adopted by the member), stacked."""
+        self._w_q, self._keys = stacked, tuple(m._weight_key() for m in self.layers)
+        self.fprop_gemm.release()
+        self.dgrad_gemm.release()
 
     def output(self, x: torch.Tensor, x2d: torch.Tensor, member: int) -> torch.Tensor:
         """Member ``member``'s ``x2d @ W.T + b``: one GEMM for the group per input (the same tensor

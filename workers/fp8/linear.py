@@ -29,6 +29,8 @@ CUDA kernel runs), wgrad ``q(dy.T) @ q(x.T).T``. Which kernel runs each GEMM on 
 Master weights stay in their own dtype (float32 or BF16); the optimizer updates them. The FP8
 copy of the weight is made the first time it is needed after an update and reused until the next
 one: it is keyed on the parameter's in-place version counter, which every optimizer step bumps.
+A trainer makes all of them at once right after its optimizer step (:mod:`workers.fp8.weights`,
+one launch on CUDA); each layer adopts its copy (:meth:`Fp8Linear.adopt_fp8_weight`).
 A generator that receives the trainer's FP8 weights loads them with :meth:`Fp8Linear.load_fp8_weight`
 and uses them as they are, bit for bit; after :meth:`Fp8Linear.drop_master_weight` it holds the FP8
 weight alone (the high-precision one becomes a shape-only placeholder on the ``meta`` device).
@@ -182,15 +184,20 @@ class Fp8Linear(nn.Module):
         if self.fp8_only:
             assert self._w_q is not None
             return self._w_q
-        key = self._weight_key()
-        if self._w_q is None or self._w_q_key != key:
-            cfg = self.config
-            self._w_q = cfg.quantize_weight(self.weight, f"{self.name}: weight").with_dequant_cache()
-            self._w_q_key = key
-            self.fprop_gemm.release()  # bound to the previous copy: let it go
-            self.dgrad_gemm.release()
-            self.fp8_weight_updates += 1
+        if self._w_q is None or self._w_q_key != self._weight_key():
+            self.adopt_fp8_weight(
+                self.config.quantize_weight(self.weight, f"{self.name}: weight").with_dequant_cache()
+            )
+        assert self._w_q is not None
         return self._w_q
+
+    def adopt_fp8_weight(self, w_q: Fp8Tensor) -> None:
+        """Take ``w_q`` as the FP8 copy of the master weight as it is now (quantized by this
+        layer's config, e.g. all of a trainer's weights at once by :mod:`workers.fp8.weights`)."""
+        self._w_q, self._w_q_key = w_q, self._weight_key()
+        self.fprop_gemm.release()  # bound to the previous copy: let it go
+        self.dgrad_gemm.release()
+        self.fp8_weight_updates += 1
 
     @torch.no_grad()
     def load_fp8_weight(self, w_q: Fp8Tensor) -> None:

@@ -250,3 +250,103 @@ def quantize_1x128_dual(
         num_warps=8,
     )  # fmt: skip
     return data, scale, data_t, scale_t
+
+
+# -- every weight of a model in 128x128 blocks, one launch (workers.fp8.weights) -----------------
+
+# The columns of the per-weight table the grouped weight kernel reads (int64, one row per weight).
+WEIGHT_FIELDS = (
+    "src",  # the master weight's address
+    "rows",  # N
+    "cols",  # K
+    "stride_r",
+    "stride_c",
+    "n_blocks_c",  # ceil(K / 128)
+    "first_block",  # the weight's first block in the launch's block numbering
+    "data_off",  # its FP8 bytes in the flat data buffer ([N, K] row-major)
+    "scale_off",  # its scales in the flat scale buffer ([ceil(N/128), ceil(K/128)] row-major)
+    "cublas_off",  # its cuBLAS scale layout in the flat cuBLAS buffer ([ceil(N/128), ld] row-major)
+    "cublas_ld",  # ceil(K / 128) rounded up to a multiple of 4
+)
+SRC_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@triton.jit
+def _quantize_128x128_many(
+    table_ptr,
+    owner_ptr,
+    data_ptr,
+    scale_ptr,
+    cublas_ptr,
+    code_ptr,
+    call_code,
+    SRC: tl.constexpr,
+    FIELDS: tl.constexpr,
+    FMT_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    POW2: tl.constexpr,
+    CHECK: tl.constexpr,
+    CUBLAS: tl.constexpr,
+    TILE: tl.constexpr,
+) -> None:
+    """One 128x128 block of one of many weights per program: the weight is ``owner[block]``, its
+    addresses and shape a row of ``table`` (:data:`WEIGHT_FIELDS`). One scale per block, as
+    :func:`workers.fp8.quant.quantize` with ``block=(128, 128)`` computes it."""
+    b = tl.program_id(0)
+    w = tl.load(owner_ptr + b).to(tl.int64)
+    row = table_ptr + w * FIELDS
+    rows, cols = tl.load(row + 1), tl.load(row + 2)
+    n_blocks_c = tl.load(row + 5)
+    local = b - tl.load(row + 6)
+    br, bc = local // n_blocks_c, local % n_blocks_c
+    r = br * TILE + tl.arange(0, TILE)
+    c = bc * TILE + tl.arange(0, TILE)
+    src = tl.load(row)
+    if SRC == 0:
+        x_ptr = src.to(tl.pointer_type(tl.float32))
+    elif SRC == 1:
+        x_ptr = src.to(tl.pointer_type(tl.bfloat16))
+    else:
+        x_ptr = src.to(tl.pointer_type(tl.float16))
+    x = _load_tile(x_ptr, r, c, rows, cols, tl.load(row + 3), tl.load(row + 4))  # zeros past the edges
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    nans = tl.sum(tl.sum((x != x).to(tl.int32), axis=1), axis=0)
+    amax = tl.where(nans > 0, float("nan"), amax)
+    scale = _scale_of(amax, FMT_MAX, POW2)
+    q8 = _to_fp8(tl.math.div_rn(x, scale), FMT_MAX, E4M3)
+    inside = (r[:, None] < rows) & (c[None, :] < cols)
+    tl.store(data_ptr + tl.load(row + 7) + r[:, None] * cols + c[None, :], q8, mask=inside)
+    tl.store(scale_ptr + tl.load(row + 8) + local, scale)
+    if CUBLAS:
+        tl.store(cublas_ptr + tl.load(row + 9) + br * tl.load(row + 10) + bc, scale)
+    if CHECK:
+        bad = (amax != amax) | (amax == float("inf"))
+        tl.atomic_min(code_ptr, call_code + w * 4294967296 + local, mask=bad)
+
+
+def quantize_128x128_many(
+    table: torch.Tensor,
+    owner: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    cublas: torch.Tensor | None,
+    src_dtype: torch.dtype,
+    fmt_name: str,
+    fmt_max: float,
+    power_of_two: bool,
+    check: tuple[torch.Tensor, int] | None,
+) -> None:
+    """Quantize every weight ``table`` names (int64 ``[n, len(WEIGHT_FIELDS)]``, all of
+    ``src_dtype``) in 128x128 blocks, in one launch of one program per block (``owner [blocks]``:
+    each block's row of the table), into the flat buffers ``data`` (FP8), ``scale`` (float32) and,
+    if given, ``cublas`` (float32, its padding left as it is). ``check``: ``(guard code buffer,
+    first call number)``; weight ``i`` is call ``first + i``, its code ``call * 2**32 + block``."""
+    blocks = owner.shape[0]
+    if blocks == 0:
+        return
+    code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
+    _quantize_128x128_many[(blocks,)](
+        table, owner, data, scale, cublas if cublas is not None else scale, code_buf, call * 2**32,
+        SRC=SRC_CODES[src_dtype], FIELDS=len(WEIGHT_FIELDS), FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3",
+        POW2=power_of_two, CHECK=check is not None, CUBLAS=cublas is not None, TILE=_TILE, num_warps=8,
+    )  # fmt: skip

@@ -27,7 +27,7 @@ def test_kernels_under_the_interpreter() -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 4
+    assert out.stdout.count("ok ") == 5
 
 
 COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}
@@ -53,6 +53,20 @@ def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> 
     dual |= {"code_ptr": "*i64", "rows_t_out": "i32", **COMMON}
     ptx = compile_sm90(tq._quantize_1x128_dual, dual, consts, num_warps=8)
     assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_grouped_weight_pass_compiles_for_sm90_without_spilling(check: bool) -> None:
+    """One program per 128x128 block of any weight: addresses read from the table (int64 to
+    pointer), the whole block in registers without spilling, the guard's atomic only when checking."""
+    sig = {"table_ptr": "*i64", "owner_ptr": "*i32", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+    sig |= {"cublas_ptr": "*fp32", "code_ptr": "*i64", "call_code": "i64"}
+    consts = {"SRC": 1, "FIELDS": len(tq.WEIGHT_FIELDS), "FMT_MAX": 448.0, "E4M3": True, "POW2": False}
+    consts |= {"CHECK": check, "CUBLAS": True, "TILE": 128}
+    ptx = compile_sm90(tq._quantize_128x128_many, sig, consts, num_warps=8)
+    assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 block spills registers"
+    assert ("atom.global" in ptx) == check
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the hardware's saturating E4M3 conversion
 
 
 def test_dual_layout_off_the_gpu_is_the_two_calls() -> None:

@@ -18,7 +18,7 @@ import torch
 from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
 from workers.fp8.quant import quantize
 from workers.fp8.triton_gemm import small_m_gemm
-from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual
+from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual, quantize_128x128_many
 
 E4M3 = ("e4m3", 448.0, torch.float8_e4m3fn)
 E5M2 = ("e5m2", 57344.0, torch.float8_e5m2)
@@ -91,6 +91,83 @@ def run(kernel: str, x: torch.Tensor, code: torch.Tensor) -> None:
         quantize_1x128_dual(x, *E4M3, False, (code, 5), 48)
 
 
+def weight_table(
+    weights: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]:
+    """The grouped weight kernel's table and block owners for ``weights`` laid out one after the
+    other, as an independent hand layout (not workers.fp8.weights'): (data, scale, cublas) offsets."""
+    rows, owner, offsets = [], [], []
+    data_off = scale_off = cublas_off = first = 0
+    for i, w in enumerate(weights):
+        n, k = w.shape
+        n_r, n_c = -(-n // 128), -(-k // 128)
+        ld = -(-n_c // 4) * 4
+        rows.append(
+            [w.data_ptr(), n, k, w.stride(0), w.stride(1), n_c, first, data_off, scale_off, cublas_off, ld]
+        )
+        offsets.append((data_off, scale_off, cublas_off, ld))
+        owner += [i] * (n_r * n_c)
+        data_off, scale_off, cublas_off, first = (
+            data_off + n * k,
+            scale_off + n_r * n_c,
+            cublas_off + n_r * ld,
+            first + n_r * n_c,
+        )
+    return torch.tensor(rows), torch.tensor(owner, dtype=torch.int32), offsets
+
+
+def block_max_in_every_row(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with the first column of every 128x128 block set to +-(the block's max |w|): each 1x128
+    tile then has its block's amax, so the one-layout kernel's scales are the block's."""
+    x = w.clone()
+    for r0 in range(0, w.shape[0], 128):
+        for c0 in range(0, w.shape[1], 128):
+            block = x[r0 : r0 + 128, c0 : c0 + 128]
+            amax = block.abs().max()
+            block[:, 0] = torch.where(torch.arange(block.shape[0]) % 2 == 0, amax, -amax)
+    return x
+
+
+def grouped_weight_pass_is_the_quantizer() -> None:
+    """Many weights in one launch (partial blocks along both dims, a transposed view, float32 and
+    BF16 masters, power-of-two scales): each weight's scales are torch's quantizer's exactly, its
+    cuBLAS layout the same scales padded, and its bytes the one-layout kernel's (made to share the
+    block's scale); a NaN is folded as the code of its weight's call and block."""
+    g = torch.Generator().manual_seed(3)
+    for dtype, pow2 in ((torch.bfloat16, False), (torch.float32, True)):
+        weights = [
+            torch.randn(300, 200, generator=g) * torch.logspace(-3, 2, 200),
+            torch.randn(128, 384, generator=g),
+            torch.randn(256, 130, generator=g).t(),  # [130, 256], column-major
+        ]
+        weights = [block_max_in_every_row(w.to(dtype)) for w in weights]
+        table, owner, offsets = weight_table(weights)
+        total = sum(w.numel() for w in weights)
+        data = torch.empty(total, dtype=torch.float8_e4m3fn)
+        scale = torch.full((int(owner.shape[0]),), -1.0)
+        cublas = torch.zeros(sum(o[3] * -(-w.shape[0] // 128) for o, w in zip(offsets, weights, strict=True)))
+        quantize_128x128_many(table, owner, data, scale, cublas, dtype, "e4m3", 448.0, pow2, None)
+        for i, (w, (d0, s0, c0, ld)) in enumerate(zip(weights, offsets, strict=True)):
+            n, k = w.shape
+            want = quantize(w, "e4m3", (128, 128), power_of_two=pow2)
+            n_r, n_c = want.scale.shape
+            case = (dtype, pow2, i)
+            assert torch.equal(scale[s0 : s0 + n_r * n_c].view(n_r, n_c), want.scale), case
+            lay = cublas[c0 : c0 + n_r * ld].view(n_r, ld)
+            assert torch.equal(lay[:, :n_c], want.scale) and bool((lay[:, n_c:] == 0).all()), case
+            one, one_scale = quantize_1x128(w, *E4M3, pow2, None, n)
+            assert torch.equal(one_scale, want.scale.repeat_interleave(128, 0)[:n]), case  # the premise
+            assert same_bytes(data[d0 : d0 + n * k].view(n, k), one), case
+    bad = [torch.randn(200, 300), torch.randn(256, 256)]
+    bad[1][130, 5] = float("nan")  # weight 1, block (1, 0): its block 2
+    table, owner, _ = weight_table(bad)
+    code = torch.full((), NONE, dtype=torch.int64)
+    data = torch.empty(sum(w.numel() for w in bad), dtype=torch.float8_e4m3fn)
+    scale = torch.empty(int(owner.shape[0]))
+    quantize_128x128_many(table, owner, data, scale, None, torch.float32, "e4m3", 448.0, False, (code, 7))
+    assert int(code) == (7 + 1) * 2**32 + 2, int(code)
+
+
 def float64_product(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """``dequant(q(x)) @ dequant(W).T`` in float64, ``q`` the one-layout quantizer kernel."""
     m, k = x.shape
@@ -148,6 +225,7 @@ def fp8_linear_takes_the_small_m_gemm_when_asked() -> None:
 
 
 CHECKS = (
+    grouped_weight_pass_is_the_quantizer,
     dual_layout_pass_writes_the_two_calls_bytes_and_scales,
     the_guard_is_touched_only_by_a_non_finite_tile,
     small_m_gemm_is_the_quantized_product,

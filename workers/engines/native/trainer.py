@@ -52,6 +52,7 @@ from workers.fp8.export import export_weights
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales
+from workers.fp8.weights import WeightBatch
 
 
 def sequence_logprobs(
@@ -100,6 +101,9 @@ class NativeTrainer:
         self.fused_groups = (
             fuse_for_training(self.model) if self.device.type == "cuda" and not is_exact(self.model) else 0
         )
+        # every FP8 weight quantized in one batched call after each optimizer step (workers/fp8/weights.py)
+        self.fp8_weights = WeightBatch(self.model)
+        self.fp8_weights.quantize()
         opt = spec.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
@@ -156,6 +160,7 @@ class NativeTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.optimizer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.fp8_weights.quantize()  # for the next forward, weight sync and export alike
         return norm.detach().to(torch.float32)
 
     def train_step(self, batch: Rollouts, rewards: torch.Tensor, temperature: float) -> TrainStats:
@@ -294,3 +299,4 @@ class NativeTrainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.fp8_weights.quantize()

@@ -1,0 +1,244 @@
+"""A trainer's FP8 weights, all quantized in one batched call after each optimizer step.
+
+Left to itself, an :class:`~workers.fp8.linear.Fp8Linear` re-quantizes its master weight the first
+time it is used after an update (:meth:`~workers.fp8.linear.Fp8Linear.fp8_weight`): one layer at
+a time, inside the next forward, about ten torch kernels each (a float32 copy, the block amax,
+the finite check, the division, the cast) and, for a fused q/k/v or gate/up group
+(:class:`~workers.fp8.fused.TrainFusedGroup`), a concatenation of its members. A 1B model has ~112
+FP8 linears: ~1000 launches per optimizer step. :class:`WeightBatch` quantizes them all at once,
+right after the optimizer step:
+
+- on CUDA, one Triton launch (per kind of master weight: dtype, FP8 format, scale rounding) with
+  one program per 128x128 block of any weight
+  (:func:`workers.fp8.triton_quant.quantize_128x128_many`), which also writes the scale layout
+  cuBLAS's blockwise forward GEMM reads; elsewhere the torch quantizer, weight by weight. The
+  bytes and scales are the quantizer's either way (tested under Triton's interpreter, and on a GPU);
+- into flat buffers made anew at each update (a payload already exported keeps its bytes): each
+  layer's FP8 weight is a view of its part; a fused group's members are adjacent, so the group's
+  stacked weight is a view as well, with no concatenation;
+- each layer takes its view as its FP8 copy of the updated master weight, so the next forward,
+  weight sync and export all read it and nothing quantizes again. A layer whose master weight
+  changes some other way (a checkpoint load) re-quantizes itself when next used, as before.
+
+Only layers with master weights in 128x128 blocks take part (a trainer's; a generator holds FP8
+weights alone and loads them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.fused import TrainFusedGroup
+from workers.fp8.guard import active_guard
+from workers.fp8.linear import Fp8Linear
+from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, _use_triton
+
+_DATA_ALIGN = 256  # bytes: where each unit's FP8 bytes start (cuBLAS wants 16)
+_SCALE_ALIGN = 4  # floats: where each unit's scales start (16 bytes)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _align(n: int, to: int) -> int:
+    return _cdiv(n, to) * to
+
+
+@dataclass
+class _Part:
+    """One weight's place in its lane's flat buffers."""
+
+    layer: Fp8Linear
+    data_off: int  # its [N, K] bytes, row-major
+    scale_off: int  # its [ceil(N/128), ceil(K/128)] scales, row-major
+    cublas_off: int  # its [ceil(N/128), ld] scales, row-major (padding zeros): cuBLAS reads the transpose
+    first_block: int  # its first 128x128 block in the lane's numbering
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        n, k = self.layer.weight.shape
+        return _cdiv(n, 128), _cdiv(k, 128)
+
+    @property
+    def ld(self) -> int:
+        return _align(self.grid[1], 4)
+
+
+@dataclass
+class _Lane:
+    """Weights quantized by one launch: the same device, master dtype, format and scale rounding."""
+
+    device: torch.device
+    src_dtype: torch.dtype
+    fmt: Fp8Format
+    power_of_two: bool
+    parts: list[_Part] = field(default_factory=list)
+    groups: list[tuple[TrainFusedGroup, int]] = field(default_factory=list)  # (group, its first part)
+    data_size: int = 0
+    scale_size: int = 0
+    cublas_size: int = 0
+    blocks: int = 0
+    _tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    _sources: tuple[Any, ...] | None = None
+
+    def add(self, layers: list[Fp8Linear]) -> None:
+        """A unit: one layer, or a fused group's members (adjacent, no padding between them)."""
+        self.data_size = _align(self.data_size, _DATA_ALIGN)
+        self.scale_size = _align(self.scale_size, _SCALE_ALIGN)
+        self.cublas_size = _align(self.cublas_size, _SCALE_ALIGN)
+        for m in layers:
+            part = _Part(m, self.data_size, self.scale_size, self.cublas_size, self.blocks)
+            n_r, n_c = part.grid
+            self.data_size += m.weight.numel()
+            self.scale_size += n_r * n_c
+            self.cublas_size += n_r * part.ld
+            self.blocks += n_r * n_c
+            self.parts.append(part)
+
+    def stale(self) -> bool:
+        return any(p.layer._w_q_key != p.layer._weight_key() for p in self.parts)
+
+    def _kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's per-weight table and per-block owner, made again only when a master weight
+        moved (the optimizer updates in place: once per trainer)."""
+        sources = tuple((p.layer.weight.data_ptr(), p.layer.weight.stride()) for p in self.parts)
+        if self._tables is None or sources != self._sources:
+            rows, owner = [], []
+            for i, p in enumerate(self.parts):
+                w = p.layer.weight
+                n_r, n_c = p.grid
+                rows.append(
+                    [w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.stride(1), n_c, p.first_block,
+                     p.data_off, p.scale_off, p.cublas_off, p.ld]
+                )  # fmt: skip
+                owner += [i] * (n_r * n_c)
+            table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            self._tables = (table, torch.tensor(owner, dtype=torch.int32).to(self.device))
+            self._sources = sources
+        return self._tables
+
+    @torch.no_grad()
+    def quantize(self) -> None:
+        fmt, dev = self.fmt, self.device
+        data = torch.empty(self.data_size, dtype=fmt.dtype, device=dev)
+        scale = torch.empty(self.scale_size, dtype=torch.float32, device=dev)
+        # cuBLAS's blockwise layout pads each weight's block columns to a multiple of 4
+        cublas = (
+            torch.zeros(self.cublas_size, dtype=torch.float32, device=dev) if dev.type == "cuda" else None
+        )
+        if dev.type == "cuda" and _use_triton():
+            from workers.fp8.triton_quant import quantize_128x128_many
+
+            guard = active_guard()
+            check = None
+            if guard is not None:  # one guard call per weight, numbered in a row: an error names the layer
+                calls = [
+                    guard.reserve(dev, tuple(p.layer.weight.shape), BLOCK_128x128, _where(p))
+                    for p in self.parts
+                ]
+                check = calls[0]
+            table, owner = self._kernel_tables()
+            quantize_128x128_many(
+                table, owner, data, scale, cublas, self.src_dtype, fmt.name, fmt.max, self.power_of_two, check
+            )
+        else:
+            for p in self.parts:
+                q = p.layer.config.quantize_weight(p.layer.weight, _where(p))
+                self._data(data, p).copy_(q.data)
+                self._scale(scale, p).copy_(q.scale)
+                if cublas is not None:
+                    self._cublas(cublas, p)[:, : p.grid[1]].copy_(q.scale)
+        for p in self.parts:
+            memo = {} if cublas is None else {"cublas_scale_t": self._cublas(cublas, p).t()}
+            p.layer.adopt_fp8_weight(
+                Fp8Tensor(self._data(data, p), self._scale(scale, p), BLOCK_128x128, fmt, True, memo)
+            )
+        for group, first in self.groups:
+            members = self.parts[first : first + len(group.layers)]
+            last = members[-1]
+            n = sum(p.layer.out_features for p in members)
+            k = last.layer.in_features
+            n_r, n_c = n // 128, last.grid[1]
+            stacked_data = data[members[0].data_off : members[0].data_off + n * k].view(n, k)
+            stacked_scale = scale[members[0].scale_off : members[0].scale_off + n_r * n_c].view(n_r, n_c)
+            memo = {}
+            if cublas is not None:
+                c0 = members[0].cublas_off
+                memo["cublas_scale_t"] = cublas[c0 : c0 + n_r * last.ld].view(n_r, last.ld).t()
+            stacked = Fp8Tensor(stacked_data, stacked_scale, BLOCK_128x128, fmt, True, memo)
+            group.adopt(stacked)
+
+    @staticmethod
+    def _data(data: torch.Tensor, p: _Part) -> torch.Tensor:
+        n, k = p.layer.weight.shape
+        return data[p.data_off : p.data_off + n * k].view(n, k)
+
+    @staticmethod
+    def _scale(scale: torch.Tensor, p: _Part) -> torch.Tensor:
+        n_r, n_c = p.grid
+        return scale[p.scale_off : p.scale_off + n_r * n_c].view(n_r, n_c)
+
+    @staticmethod
+    def _cublas(cublas: torch.Tensor, p: _Part) -> torch.Tensor:
+        n_r, _ = p.grid
+        return cublas[p.cublas_off : p.cublas_off + n_r * p.ld].view(n_r, p.ld)
+
+
+def _where(p: _Part) -> str:
+    return f"{p.layer.name}: weight"
+
+
+def _takes_part(m: Fp8Linear) -> bool:
+    w = m.weight
+    return not m.fp8_only and m.config.weight_block == BLOCK_128x128 and w.dim() == 2 and w.dtype in _DTYPES
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class WeightBatch:
+    """Every FP8 weight of ``model`` (layers with master weights in 128x128 blocks), quantized at
+    once by :meth:`quantize` (see the module docstring). The layout is fixed when it is made: make
+    it after the model is converted and fused."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.lanes: dict[tuple[Any, ...], _Lane] = {}
+        seen: set[int] = set()
+        for m in model.modules():
+            if not isinstance(m, Fp8Linear) or id(m) in seen or not _takes_part(m):
+                continue
+            group = m.fused_train[0] if m.fused_train is not None else None
+            unit = list(group.layers) if group is not None else [m]
+            if not all(_takes_part(u) for u in unit):
+                continue
+            seen.update(id(u) for u in unit)
+            cfg, w = m.config, m.weight
+            key = (w.device, w.dtype, cfg.forward_fmt, cfg.power_of_two_scales)
+            lane = self.lanes.get(key)
+            if lane is None:
+                lane = self.lanes[key] = _Lane(
+                    w.device, w.dtype, get_format(cfg.forward_fmt), cfg.power_of_two_scales
+                )
+            if group is not None:
+                lane.groups.append((group, len(lane.parts)))
+            lane.add(unit)
+
+    @property
+    def layers(self) -> int:
+        return sum(len(lane.parts) for lane in self.lanes.values())
+
+    def quantize(self) -> int:
+        """Quantize every weight of a lane whose master weights changed since their FP8 copies
+        were made; returns how many weights were quantized."""
+        done = 0
+        for lane in self.lanes.values():
+            if lane.stale():
+                lane.quantize()
+                done += len(lane.parts)
+        return done
