@@ -343,7 +343,10 @@ def data_plane_benches(quick: bool) -> dict[str, Callable[[], str]]:
 
     sections = {
         "bench-rollout": rollouts,
-        "bench-step": lambda: step.report(model, "cuda", prompts=64, group_size=8, new_tokens=32, steps=2),
+        # the RL step as the issue measures it: 1B, 32k vocabulary, 256 new tokens, graph decode
+        "bench-step": lambda: step.report(
+            model, "cuda", prompts=64, group_size=8, new_tokens=tokens, steps=2
+        ),
         "bench-sync": lambda: sync.report(model, "cuda", repeat=3),
     }
 
