@@ -55,13 +55,14 @@ def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> 
     assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
 
 
-@pytest.mark.parametrize("check", [True, False])
-def test_grouped_weight_pass_compiles_for_sm90_without_spilling(check: bool) -> None:
+@pytest.mark.parametrize(("check", "src", "pow2"), [(True, 1, False), (False, 0, True), (True, 2, False)])
+def test_grouped_weight_pass_compiles_for_sm90_without_spilling(check: bool, src: int, pow2: bool) -> None:
     """One program per 128x128 block of any weight: addresses read from the table (int64 to
-    pointer), the whole block in registers without spilling, the guard's atomic only when checking."""
+    pointer; BF16, float32 and FP16 masters), the whole block in registers without spilling, the
+    guard's atomic only when checking."""
     sig = {"table_ptr": "*i64", "owner_ptr": "*i32", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
     sig |= {"cublas_ptr": "*fp32", "code_ptr": "*i64", "call_code": "i64"}
-    consts = {"SRC": 1, "FIELDS": len(tq.WEIGHT_FIELDS), "FMT_MAX": 448.0, "E4M3": True, "POW2": False}
+    consts = {"SRC": src, "FIELDS": len(tq.WEIGHT_FIELDS), "FMT_MAX": 448.0, "E4M3": True, "POW2": pow2}
     consts |= {"CHECK": check, "CUBLAS": True, "TILE": 128}
     ptx = compile_sm90(tq._quantize_128x128_many, sig, consts, num_warps=8)
     assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 block spills registers"
