@@ -17,8 +17,9 @@ right after the optimizer step:
   layer's FP8 weight is a view of its part; a fused group's members are adjacent, so the group's
   stacked weight is a view as well, with no concatenation;
 - each layer takes its view as its FP8 copy of the updated master weight, so the next forward,
-  weight sync and export all read it and nothing quantizes again. A layer whose master weight
-  changes some other way (a checkpoint load) re-quantizes itself when next used, as before.
+  weight sync and export all read it and nothing quantizes again. (The trainer calls it after
+  each optimizer step and after a checkpoint load; a master weight changed in place anywhere else
+  is noticed by its layer's version check, which re-quantizes it when next used, as before.)
 
 Only layers with master weights in 128x128 blocks take part (a trainer's; a generator holds FP8
 weights alone and loads them).

@@ -144,3 +144,14 @@ def test_layers_without_master_weights_take_no_part() -> None:
     assert fp8_layers(gen.model) and WeightBatch(gen.model).layers == 0
     bf16 = parse_spec({"model": {"tiny": {}}, "precision": {"recipe": "bf16"}})
     assert NativeTrainer(bf16, TOK.vocab_size, "cpu").fp8_weights.layers == 0
+
+
+def test_a_checkpoint_load_quantizes_the_loaded_weights_at_once() -> None:
+    trainer = NativeTrainer(SPEC, TOK.vocab_size, "cpu")
+    state = trainer.state_dict()
+    state["model"] = {k: v * 0.5 for k, v in state["model"].items()}
+    trainer.load_state_dict(state)
+    layers = fp8_layers(trainer.model)
+    assert len({storage(m._w_q.data) for m in layers.values() if m._w_q is not None}) == 1
+    assert all(m._w_q_key == m._weight_key() for m in layers.values())
+    assert_own_bytes(trainer.model)
