@@ -202,6 +202,12 @@ class TrainFusedGroup:
         assert self._w_q is not None
         return self._w_q
 
+    def forget(self) -> None:
+        """Drop the stacked FP8 weight and its bound GEMMs (stacked again when next needed)."""
+        self._w_q = self._keys = None
+        self.fprop_gemm.release()
+        self.dgrad_gemm.release()
+
     def adopt(self, stacked: Fp8Tensor) -> None:
         """Take ``stacked`` as the group's FP8 weight: the members' current FP8 weights (each a view
         of its rows, already adopted by the member), stacked."""

@@ -191,6 +191,14 @@ class Fp8Linear(nn.Module):
         assert self._w_q is not None
         return self._w_q
 
+    def forget_fp8_weight(self) -> None:
+        """Drop the FP8 copy and what is bound to it (it is made again when next needed); a layer
+        holding its FP8 weight alone keeps it."""
+        if not self.fp8_only:
+            self._w_q = self._w_q_key = None
+            self.fprop_gemm.release()
+            self.dgrad_gemm.release()
+
     def adopt_fp8_weight(self, w_q: Fp8Tensor) -> None:
         """Take ``w_q`` as the FP8 copy of the master weight as it is now (quantized by this
         layer's config, e.g. all of a trainer's weights at once by :mod:`workers.fp8.weights`)."""

@@ -127,6 +127,13 @@ class _Lane:
     @torch.no_grad()
     def quantize(self) -> None:
         fmt, dev = self.fmt, self.device
+        # let go of the previous copies first: unless a payload still holds them, their memory
+        # serves the new ones (no second set of FP8 weights at the peak); a layer left without
+        # one (if this raises) quantizes its own at its next use
+        for p in self.parts:
+            p.layer.forget_fp8_weight()
+        for group, _ in self.groups:
+            group.forget()
         data = torch.empty(self.data_size, dtype=fmt.dtype, device=dev)
         scale = torch.empty(self.scale_size, dtype=torch.float32, device=dev)
         # cuBLAS's blockwise layout pads each weight's block columns to a multiple of 4

@@ -8,6 +8,10 @@ SM90 (test_triton_kernels.py) and on the GPU (tests/workers/test_gpu_data_plane.
 
 from __future__ import annotations
 
+import gc
+import weakref
+from typing import Any
+
 import pytest
 import torch
 
@@ -155,3 +159,59 @@ def test_a_checkpoint_load_quantizes_the_loaded_weights_at_once() -> None:
     assert len({storage(m._w_q.data) for m in layers.values() if m._w_q is not None}) == 1
     assert all(m._w_q_key == m._weight_key() for m in layers.values())
     assert_own_bytes(trainer.model)
+
+
+def test_the_previous_copies_are_let_go_before_the_new_buffers_are_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No second set of FP8 weights at the peak: when the batch allocates its buffers, the layers'
+    previous copies are gone; a payload exported before keeps its bytes."""
+    trainer = NativeTrainer(SPEC, TOK.vocab_size, "cpu")
+    layers = list(fp8_layers(trainer.model).values())
+
+    def step() -> None:  # what an optimizer step does to the master weights
+        with torch.no_grad():
+            for m in layers:
+                m.weight.mul_(2.0)
+
+    previous = [weakref.ref(m._w_q.data) for m in layers if m._w_q is not None]
+    gone_at_allocation: list[bool] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        gc.collect()
+        gone_at_allocation.append(all(ref() is None for ref in previous))
+        return real_empty(*args, **kwargs)
+
+    step()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", empty)
+        trainer.fp8_weights.quantize()
+    assert len(previous) == len(layers) and gone_at_allocation and gone_at_allocation[0]
+
+    names = fp8_weight_names(trainer.model)
+    payload = trainer.export_weights(names)
+    sent = {name: payload[name].scale.clone() for name in names}
+    step()  # doubles every weight: every block's scale doubles
+    trainer.fp8_weights.quantize()
+    layer_of = dict(fp8_layers(trainer.model))
+    for name in names:
+        assert torch.equal(payload[name].scale, sent[name]), name  # the payload is not overwritten
+        now = layer_of[name.removesuffix(".weight")]._w_q
+        assert now is not None and torch.equal(now.scale, 2 * sent[name]), name
+    assert_own_bytes(trainer.model)
+
+
+def test_a_failed_batch_leaves_each_layer_to_quantize_its_own() -> None:
+    trainer = NativeTrainer(SPEC, TOK.vocab_size, "cpu")
+    up = trainer.model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        up.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match="up_proj: weight"):
+        trainer.fp8_weights.quantize()  # outside a guard the CPU checks at once
+    with torch.no_grad():
+        up.weight[0, 0] = 0.0
+    for m in fp8_layers(trainer.model).values():
+        w_q = m.fp8_weight()
+        data, scale = own_bytes(m)
+        assert torch.equal(w_q.data.view(torch.uint8), data) and torch.equal(w_q.scale, scale), m.name
