@@ -140,6 +140,7 @@ class _Lane:
         cublas = (
             torch.zeros(self.cublas_size, dtype=torch.float32, device=dev) if dev.type == "cuda" else None
         )
+        weights = [self._tensor(data, scale, cublas, p, p.layer.out_features) for p in self.parts]
         if dev.type == "cuda" and _use_triton():
             from workers.fp8.triton_quant import quantize_128x128_many
 
@@ -156,46 +157,34 @@ class _Lane:
                 table, owner, data, scale, cublas, self.src_dtype, fmt.name, fmt.max, self.power_of_two, check
             )
         else:
-            for p in self.parts:
+            for p, w in zip(self.parts, weights, strict=True):
                 q = p.layer.config.quantize_weight(p.layer.weight, _where(p))
-                self._data(data, p).copy_(q.data)
-                self._scale(scale, p).copy_(q.scale)
-                if cublas is not None:
-                    self._cublas(cublas, p)[:, : p.grid[1]].copy_(q.scale)
-        for p in self.parts:
-            memo = {} if cublas is None else {"cublas_scale_t": self._cublas(cublas, p).t()}
-            p.layer.adopt_fp8_weight(
-                Fp8Tensor(self._data(data, p), self._scale(scale, p), BLOCK_128x128, fmt, True, memo)
-            )
-        for group, first in self.groups:
-            members = self.parts[first : first + len(group.layers)]
-            last = members[-1]
-            n = sum(p.layer.out_features for p in members)
-            k = last.layer.in_features
-            n_r, n_c = n // 128, last.grid[1]
-            stacked_data = data[members[0].data_off : members[0].data_off + n * k].view(n, k)
-            stacked_scale = scale[members[0].scale_off : members[0].scale_off + n_r * n_c].view(n_r, n_c)
-            memo = {}
-            if cublas is not None:
-                c0 = members[0].cublas_off
-                memo["cublas_scale_t"] = cublas[c0 : c0 + n_r * last.ld].view(n_r, last.ld).t()
-            stacked = Fp8Tensor(stacked_data, stacked_scale, BLOCK_128x128, fmt, True, memo)
-            group.adopt(stacked)
+                w.data.copy_(q.data)
+                w.scale.copy_(q.scale)
+                if cublas is not None:  # [ld, N/128]: the rows past K/128 stay zero
+                    w._memo["cublas_scale_t"][: p.grid[1]].copy_(q.scale.t())
+        for p, w in zip(self.parts, weights, strict=True):
+            p.layer.adopt_fp8_weight(w)
+        for group, first in self.groups:  # the members' rows are adjacent: the group's weight is a view
+            rows = sum(m.out_features for m in group.layers)
+            group.adopt(self._tensor(data, scale, cublas, self.parts[first], rows))
 
-    @staticmethod
-    def _data(data: torch.Tensor, p: _Part) -> torch.Tensor:
-        n, k = p.layer.weight.shape
-        return data[p.data_off : p.data_off + n * k].view(n, k)
+    def _tensor(
+        self, data: torch.Tensor, scale: torch.Tensor, cublas: torch.Tensor | None, first: _Part, rows: int
+    ) -> Fp8Tensor:
+        """The FP8 weight of ``rows`` rows starting at part ``first`` (one part, or a fused group's
+        adjacent parts, which share K), as views of the flat buffers."""
+        k, (_, n_c) = first.layer.in_features, first.grid
+        n_r = _cdiv(rows, 128)
+        memo = (
+            {} if cublas is None else {"cublas_scale_t": _view(cublas, first.cublas_off, n_r, first.ld).t()}
+        )
+        w_data, w_scale = _view(data, first.data_off, rows, k), _view(scale, first.scale_off, n_r, n_c)
+        return Fp8Tensor(w_data, w_scale, BLOCK_128x128, self.fmt, True, memo)
 
-    @staticmethod
-    def _scale(scale: torch.Tensor, p: _Part) -> torch.Tensor:
-        n_r, n_c = p.grid
-        return scale[p.scale_off : p.scale_off + n_r * n_c].view(n_r, n_c)
 
-    @staticmethod
-    def _cublas(cublas: torch.Tensor, p: _Part) -> torch.Tensor:
-        n_r, _ = p.grid
-        return cublas[p.cublas_off : p.cublas_off + n_r * p.ld].view(n_r, p.ld)
+def _view(flat: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
+    return flat[offset : offset + rows * cols].view(rows, cols)
 
 
 def _where(p: _Part) -> str:
