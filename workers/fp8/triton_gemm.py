@@ -24,12 +24,13 @@ by the programs of column block 0.
 Which GEMM runs: :mod:`workers.fp8.linear_gemm` binds this kernel for the forward GEMM on CUDA when
 ``FP8RL_SMALL_M_GEMM=triton`` (read when the weight is bound) and the call has at most
 ``MAX_M`` tokens; off by default until ``make gpu-check``'s kernel microbenchmark
-(``triton_small_m`` rows) has measured it. Imported only where it runs (Triton on CUDA, or its
+(``small_m`` rows) has measured it. Imported only where it runs (Triton on CUDA, or its
 interpreter in the CPU tests).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -94,10 +95,18 @@ def _small_m_kernel(
     tl.store(part_ptr + pid_s * m_rows * n_cols + m[:, None] * n_cols + n[None, :], acc, mask=out)
 
 
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """The GPU's SM count, asked once (the forward GEMM of every decoded token plans its splits)."""
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 def splits_for(n_cols: int, n_kblocks: int, device: torch.device) -> int:
     """K-ranges per column block: about two programs per multiprocessor in all, each range at
     least two K-blocks. Depends on shapes only (a captured graph keeps it)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = 8  # the interpreter's (CPU tests)
+    if device.type == "cuda":
+        sms = _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
     col_blocks = -(-n_cols // _BLOCK)
     wanted = -(-2 * sms // col_blocks)
     return max(1, min(wanted, n_kblocks // 2))
