@@ -132,11 +132,17 @@ def test_a_weight_changed_in_place_makes_its_lane_quantize_again() -> None:
     assert_own_bytes(trainer.model)
 
 
+def set_up_proj_weight(trainer: NativeTrainer, layer: int, at: tuple[int, int], value: float) -> Fp8Linear:
+    """Write ``value`` into decoder layer ``layer``'s up_proj master weight (in place); the layer."""
+    up: Fp8Linear = trainer.model.model.layers[layer].mlp.up_proj
+    with torch.no_grad():
+        up.weight[at] = value
+    return up
+
+
 def test_a_non_finite_master_weight_is_named() -> None:
     trainer = NativeTrainer(SPEC, TOK.vocab_size, "cpu")
-    up = trainer.model.model.layers[1].mlp.up_proj
-    with torch.no_grad():
-        up.weight[200, 5] = float("nan")
+    set_up_proj_weight(trainer, 1, (200, 5), float("nan"))
     match = r"model\.layers\.1\.mlp\.up_proj: weight.*block \(1, 0\)"
     with pytest.raises(NonFiniteError, match=match), finite_guard():
         trainer.fp8_weights.quantize()
@@ -204,14 +210,10 @@ def test_the_previous_copies_are_let_go_before_the_new_buffers_are_made(
 
 def test_a_failed_batch_leaves_each_layer_to_quantize_its_own() -> None:
     trainer = NativeTrainer(SPEC, TOK.vocab_size, "cpu")
-    up = trainer.model.model.layers[0].mlp.up_proj
-    with torch.no_grad():
-        up.weight[0, 0] = float("inf")
+    set_up_proj_weight(trainer, 0, (0, 0), float("inf"))
     with pytest.raises(NonFiniteError, match="up_proj: weight"):
         trainer.fp8_weights.quantize()  # outside a guard the CPU checks at once
-    with torch.no_grad():
-        up.weight[0, 0] = 0.0
+    set_up_proj_weight(trainer, 0, (0, 0), 0.0)
     for m in fp8_layers(trainer.model).values():
-        w_q = m.fp8_weight()
-        data, scale = own_bytes(m)
-        assert torch.equal(w_q.data.view(torch.uint8), data) and torch.equal(w_q.scale, scale), m.name
+        m.fp8_weight()  # each layer on its own
+    assert_own_bytes(trainer.model)
