@@ -244,9 +244,10 @@ def rl_batch(
 ) -> tuple[Rollouts, torch.Tensor]:
     """``batches`` RL steps' prompts, sampled by a BF16 generator holding the weights, and scored:
     ``(rollouts [B, ...], rewards [B])``, groups of ``group_size`` consecutive, on the host."""
-    tok, task, r = build_tokenizer(spec), Task.for_job(spec), spec.rollout
+    tok, r = build_tokenizer(spec), spec.rollout
+    task = Task.for_job(spec, tok)
     s = variant_spec(spec, "bf16", (0, 0))
-    _, gen = native_pair(s, tok.vocab_size, tok.eos_id, tok.pad_id, state, device)
+    _, gen = native_pair(s, tok.vocab_size, tok.eos_ids, tok.pad_id, state, device)
     problems = [p for b in range(batches) for p in task.sample(b, r.prompts_per_step, r.seed)]
     expanded = [p for p in problems for _ in range(r.group_size)]
     batch = gen.generate(

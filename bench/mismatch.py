@@ -24,14 +24,15 @@ from workers.tokenizer import build_tokenizer
 def probe(spec: JobSpec, checkpoint: Path | None, batches: int = 5) -> dict[str, list[float]]:
     """``token_mult_prob_error`` per recipe, one value per rollout batch of the spec (batch ``b``
     samples step ``b``'s prompts with seed ``b``: the same for every recipe)."""
-    tok, task = build_tokenizer(spec), Task(spec.task)
+    tok = build_tokenizer(spec)
+    task = Task(spec.task, tok=tok)
     state = None if checkpoint is None else load_master_weights(checkpoint)
     r = spec.rollout
     out: dict[str, list[float]] = {}
     for recipe in RECIPES:
         s = spec.model_copy(deep=True)
         s.precision.recipe = recipe
-        trainer, gen = native_pair(s, tok.vocab_size, tok.eos_id, tok.pad_id, state)
+        trainer, gen = native_pair(s, tok.vocab_size, tok.eos_ids, tok.pad_id, state)
         values = []
         for b in range(batches):
             problems = [p for p in task.sample(b, r.prompts_per_step, r.seed) for _ in range(r.group_size)]

@@ -85,7 +85,7 @@ def _recipe(
 ) -> StepRow:
     tok = ByteTokenizer()
     trainer = build_trainer(spec, vocab, str(dev))
-    gen = build_generator(spec, vocab, tok.eos_id, tok.pad_id, str(dev))
+    gen = build_generator(spec, vocab, tok.eos_ids, tok.pad_id, str(dev))
     names = gen.fp8_weight_names()
     gen.load_weights(trainer.export_weights(names))
     new_tokens = spec.rollout.max_new_tokens

@@ -175,6 +175,24 @@ def bench_host(
     _echo_report(report)
 
 
+@bench_app.command("logprobs")
+def bench_logprobs(
+    batch: Annotated[int, typer.Option(help="sequences")] = 8,
+    length: Annotated[int, typer.Option(help="response tokens per sequence")] = 512,
+    vocab: Annotated[int, typer.Option(help="vocabulary size (SmolLM2: 49152)")] = 49152,
+) -> None:
+    """Peak memory and time of the trainer's log-probs (forward + backward) at a real vocabulary:
+    the chunked log-softmax against the one-piece form, each in a fresh process (CPU)."""
+    from bench import logprobs
+
+    def report() -> str:
+        if min(batch, length, vocab) <= 0:
+            raise ValueError(f"--batch {batch} / --length {length} / --vocab {vocab}: positive numbers")
+        return logprobs.report(batch, length, vocab)
+
+    _echo_report(report)
+
+
 @bench_app.command("step")
 def bench_step(
     model: ModelOpt = "tiny",

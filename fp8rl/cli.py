@@ -11,6 +11,7 @@ import typer
 
 from fp8rl import __version__
 from fp8rl.bench_cli import bench_app
+from fp8rl.model_cli import model_app
 from fp8rl.specs import load_spec_or_exit
 
 app = typer.Typer(
@@ -19,6 +20,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(bench_app, name="bench")
+app.add_typer(model_app, name="model")
 
 
 def _version(value: bool) -> None:

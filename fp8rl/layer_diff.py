@@ -22,9 +22,10 @@ from workers.tokenizer import build_tokenizer
 
 def report(spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed: int = 0) -> str:
     """The comparison as text: the batch's differing tokens, then one line per module."""
-    tok, task, r = build_tokenizer(spec), Task.for_job(spec), spec.rollout
+    tok, r = build_tokenizer(spec), spec.rollout
+    task = Task.for_job(spec, tok)
     state = None if checkpoint is None else load_master_weights(checkpoint)
-    trainer, gen = native_pair(spec, tok.vocab_size, tok.eos_id, tok.pad_id, state)
+    trainer, gen = native_pair(spec, tok.vocab_size, tok.eos_ids, tok.pad_id, state)
     texts = [tok.encode(task.prompt(p)) for p in task.sample(1, prompts, r.seed)]
     batch = gen.generate(texts, r.max_new_tokens, r.temperature, r.top_p, seed)
     logp = trainer.logprobs(batch, r.temperature)  # [B, L]

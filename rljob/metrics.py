@@ -31,6 +31,11 @@ TIME: Final = "time"  # wall clock (Unix seconds) when the step ended
 REWARD_MEAN: Final = "reward/mean"
 REWARD_STD: Final = "reward/std"
 RESPONSE_LENGTH_MEAN: Final = "response_length/mean"
+# fractions of the step's responses that hit rollout.max_new_tokens without a stop id (scored as
+# cut) and from which no answer could be read in task.answer_format (scored 0; workers.answers): a
+# high one means the reward measures the length limit or the format rather than the task
+RESPONSE_TRUNCATED_FRACTION: Final = "response/truncated_fraction"
+RESPONSE_UNREADABLE_FRACTION: Final = "response/unreadable_fraction"
 # train/generation mismatch (NeMo RL's definitions: workers.algo.mismatch)
 TOKEN_MULT_PROB_ERROR: Final = "mismatch/token_mult_prob_error"
 GEN_KL_ERROR: Final = "mismatch/gen_kl_error"
@@ -85,6 +90,8 @@ FAULT_KEYS: Final = (FAULTS_GENERATOR_RESTARTS, FAULTS_TRAINER_RESTARTS, FAULTS_
 # validation (every ``validation.interval`` steps)
 VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
+VAL_TRUNCATED_FRACTION: Final = "val/truncated_fraction"
+VAL_UNREADABLE_FRACTION: Final = "val/unreadable_fraction"
 
 
 def lag0_key(key: str) -> str:
@@ -151,13 +158,26 @@ FaultMetrics = TypedDict(
 )
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
-    {"val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
+    {
+        "val/accuracy": float,
+        "val/reward_mean": float,
+        "val/truncated_fraction": float,
+        "val/unreadable_fraction": float,
+        "timing/validation_s": float,
+    },
     total=False,  # only on the steps that validate
 )
 # The policy RL starts from (after the warm-up), validated before step 1: a line of its own
 InitialValidation = TypedDict(
     "InitialValidation",
-    {"step": int, "val/accuracy": float, "val/reward_mean": float, "timing/validation_s": float},
+    {
+        "step": int,
+        "val/accuracy": float,
+        "val/reward_mean": float,
+        "val/truncated_fraction": float,
+        "val/unreadable_fraction": float,
+        "timing/validation_s": float,
+    },
 )
 _StepCore = TypedDict(
     "_StepCore",
@@ -167,6 +187,8 @@ _StepCore = TypedDict(
         "reward/mean": float,
         "reward/std": float,
         "response_length/mean": float,
+        "response/truncated_fraction": float,
+        "response/unreadable_fraction": float,
         "tokens/generated": float,
         "tokens/trained": float,
         "throughput/generation_tokens_per_s": float,
@@ -257,11 +279,21 @@ PROMETHEUS: tuple[PromMetric, ...] = (
     PromMetric(TRAIN_LOSS, "fp8rl_train_loss", "gauge", "Policy loss"),
     PromMetric(TRAIN_GRAD_NORM, "fp8rl_grad_norm", "gauge", "Gradient norm before clipping"),
     PromMetric(RESPONSE_LENGTH_MEAN, "fp8rl_response_length_mean", "gauge", "Mean response tokens"),
+    PromMetric(RESPONSE_TRUNCATED_FRACTION, "fp8rl_response_truncated_fraction", "gauge",
+               "Fraction of the last step's responses cut at rollout.max_new_tokens without a stop id"),
+    PromMetric(RESPONSE_UNREADABLE_FRACTION, "fp8rl_response_unreadable_fraction", "gauge",
+               "Fraction of the last step's responses with no answer readable in task.answer_format"),
     PromMetric(VAL_ACCURACY, "fp8rl_val_accuracy", "gauge",
                "Fraction of held-out problems answered fully correctly (reward 1) at the last validation",
                every_step=False),
     PromMetric(VAL_REWARD_MEAN, "fp8rl_val_reward_mean", "gauge",
                "Mean reward on the held-out problems at the last validation", every_step=False),
+    PromMetric(VAL_TRUNCATED_FRACTION, "fp8rl_val_truncated_fraction", "gauge",
+               "Fraction of the held-out responses cut at rollout.max_new_tokens without a stop id, "
+               "at the last validation", every_step=False),
+    PromMetric(VAL_UNREADABLE_FRACTION, "fp8rl_val_unreadable_fraction", "gauge",
+               "Fraction of the held-out responses with no answer readable in task.answer_format, "
+               "at the last validation", every_step=False),
 )  # fmt: skip
 
 # fp8rl_actor_restarts_total{role}: the faults/<role>_restarts keys of RESTART_ROLES, one counter

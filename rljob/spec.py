@@ -9,6 +9,7 @@ typo never silently falls back to a default. :func:`load_spec` turns validation 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,16 @@ from rljob.spec_base import StrictModel
 Recipe = Literal["bf16", "fp8-gen", "fp8-e2e"]
 IsMode = Literal["none", "tis", "icepop", "seq-tis", "seq-mask-tis", "geo-mask"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+AnswerFormat = Literal["auto", "last-number", "first-line", "answer-tag", "boxed"]
+
+
+def expand_home(path: str | None) -> str | None:
+    """A local path written from the user's home (``~/.cache/fp8rl/models/...``, where ``fp8rl model
+    fetch`` puts models) made absolute; anything else (a Hugging Face id, a path) unchanged. Expanded
+    where the spec is read, so a service confines the expanded path, never the ``~``."""
+    if path is None or not (path == "~" or path.startswith("~/")):
+        return path
+    return os.path.expanduser(path)
 
 
 class TinyModel(StrictModel):
@@ -63,6 +74,11 @@ class ModelSpec(StrictModel):
     )
     init_seed: int = Field(0, ge=0, description="Seed of the random initialisation (tiny or not pretrained).")
 
+    @field_validator("name")
+    @classmethod
+    def _home(cls, v: str | None) -> str | None:
+        return expand_home(v)
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         if (self.name is None) == (self.tiny is None):
@@ -77,6 +93,11 @@ class TokenizerSpec(StrictModel):
         "bytes", description="`bytes`: one token per UTF-8 byte (vocab 259, no download); `huggingface`."
     )
     name: str | None = Field(None, description="Hugging Face tokenizer id/path; default: model.name.")
+
+    @field_validator("name")
+    @classmethod
+    def _home(cls, v: str | None) -> str | None:
+        return expand_home(v)
 
 
 class TaskSpec(StrictModel):
@@ -107,6 +128,33 @@ class TaskSpec(StrictModel):
     prompt_template: str = Field(
         "{question}\nAnswer: ", description="Prompt text; `{question}` is replaced by the problem."
     )
+    chat_template: bool = Field(
+        False,
+        description="Format each prompt with the tokenizer's chat template: the rendered `prompt_template` "
+        "becomes the user message, followed by the template's generation prompt (the assistant's turn). "
+        "Needs tokenizer.kind huggingface and a tokenizer that has a chat template; false: the rendered "
+        "`prompt_template` is the whole prompt.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="With `chat_template`: a system message before the user message. Unset: none, or the "
+        "template's own default if it writes one (SmolLM2's does).",
+    )
+    answer_format: AnswerFormat = Field(
+        "auto",
+        description="How the answer is read out of a response: `last-number` (the last number, e.g. 71 in "
+        "'23 + 48 = 71.'), `first-line` (the first non-blank line), `answer-tag` (the text inside the last "
+        "<answer>...</answer>), `boxed` (the content of the last \\boxed{...}); `auto`: last-number when "
+        "the problem's reference answer is a number, first-line otherwise (docs/job-spec.md: answers).",
+    )
+    format_reward: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Added to the reward of a response whose answer could be read in `answer_format` "
+        "(the tag or box is there; a number is there): reward = correctness + format_reward x readable, "
+        "in [0, 1 + format_reward].",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
@@ -124,6 +172,12 @@ class TaskSpec(StrictModel):
             raise ValueError("set task.reasoning_gym (a generator name) or task.dataset (a JSONL path)")
         if "{question}" not in self.prompt_template:
             raise ValueError("task.prompt_template must contain {question}")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError(
+                "task.system_prompt is a chat message, but task.chat_template is false; set "
+                "task.chat_template: true, or remove task.system_prompt (and write any instructions "
+                "into task.prompt_template)"
+            )
         return self
 
 
@@ -302,6 +356,11 @@ class JobSpec(StrictModel):
             raise ValueError("tokenizer.name is required with tokenizer.kind=huggingface and model.tiny")
         if self.tokenizer.kind == "bytes" and self.model.name is not None and self.model.pretrained:
             raise ValueError("a pretrained model needs its own tokenizer: set tokenizer.kind=huggingface")
+        if self.task.chat_template and self.tokenizer.kind == "bytes":
+            raise ValueError(
+                "task.chat_template needs a Hugging Face tokenizer with a chat template, but tokenizer.kind "
+                "is bytes (no template); set tokenizer.kind: huggingface, or task.chat_template: false"
+            )
         res = self.resources
         if res.trainer_engine == "megatron" and self.algorithm.kl.coef > 0:
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,3 +28,16 @@ def seed(request: pytest.FixtureRequest) -> Iterator[int]:
     random.seed(value)
     print(f"\n[seed] FP8RL_TEST_SEED={value} reproduces {request.node.nodeid}")
     yield value
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory, fetched once per machine into the real
+    cache ($FP8RL_HOME, else ~/.cache/fp8rl; docs/models.md) and reused by every test and run.
+    A fetch that fails fails the tests with its message (no skip: offline machines must know)."""
+    from workers.model_store import ModelStoreError, fetch
+
+    try:
+        return fetch("smollm2-135m-instruct")
+    except ModelStoreError as err:
+        pytest.fail(f"fetching smollm2-135m-instruct: {err}", pytrace=False)

@@ -148,19 +148,19 @@ class GeneratorWorker(_Member):
         rank: int,
         world_size: int,
         vocab_size: int,
-        eos_id: int,
+        eos_ids: list[int],
         pad_id: int,
         max_prompt_tokens: int | None = None,
     ) -> None:
         super().__init__(spec_json, rank, world_size)
-        self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
+        self.vocab_size, self.eos_ids, self.pad_id = vocab_size, eos_ids, pad_id
         self.max_prompt_tokens = max_prompt_tokens
 
     def setup(self, init_method: str, backend: str) -> dict[str, Any]:
         device = _device(self.spec.resources.gpus_per_generator)
         self._join(init_method, backend, self.spec.resources.trainers)
         self.engine: Generator = build_generator(
-            self.spec, self.vocab_size, self.eos_id, self.pad_id, device, self.max_prompt_tokens
+            self.spec, self.vocab_size, self.eos_ids, self.pad_id, device, self.max_prompt_tokens
         )
         return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
 

@@ -5,7 +5,9 @@ steps (``workers.rl_step``). Every
 ``validation.interval`` steps (and at the last) the generators then answer the task's held-out
 problems, and the step's line gets ``val/accuracy`` and ``val/reward_mean``; the policy RL starts
 from is validated too, before step 1, in a line of its own (``step`` 0, the validation keys only).
-Metrics go to ``metrics.jsonl`` (one line per step), Prometheus and the progress bar.
+Metrics go to ``metrics.jsonl`` (one line per step), Prometheus and the progress bar; a line whose
+responses are mostly truncated or unreadable is also said in the log, once per run
+(``workers.job_run.response_warnings``).
 
 Nothing is lost on a stop or crash: checkpoints are atomic (``workers.checkpoint``), and
 ``resume=True`` restarts from the newest one, dropping metric lines of steps after it, so every
@@ -70,7 +72,8 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     out = Path(output_dir or spec.output_dir)
     check_engines(spec)  # an engine that is not installed fails here, before Ray does any work
     # a bad task, held-out split (validation.size) or tokenizer fails here, before Ray starts
-    task, tok = Task.for_job(spec), build_tokenizer(spec)
+    tok = build_tokenizer(spec)
+    task = Task.for_job(spec, tok)
     for drill in opts.drills:
         actors = spec.resources.generators if drill.role == "generator" else spec.resources.trainers
         if drill.step > spec.steps or drill.index >= actors:

@@ -81,7 +81,9 @@ class JobActors:
         gen_cls: Any = ray.remote(**actor_options(spec, "generation"))(GeneratorWorker)
         self._trainers: list[Any] = [trainer_cls.remote(spec_json, r, world, vocab_size) for r in range(t)]
         self._generators: list[Any] = [
-            gen_cls.remote(spec_json, t + i, world, vocab_size, tok.eos_id, tok.pad_id, max_prompt_tokens)
+            gen_cls.remote(
+                spec_json, t + i, world, vocab_size, list(tok.eos_ids), tok.pad_id, max_prompt_tokens
+            )
             for i in range(g)
         ]
         backend = collective_backend(spec)

@@ -70,6 +70,47 @@ def restore_line(log: MetricsLog, rows: list[Mapping[str, Any]], ckpt: Path) -> 
     return dict(row)
 
 
+RESPONSE_WARNING_FRACTION = 0.5  # a truncated or unreadable fraction above it is said in the log
+
+# the fractions the log watches: key -> (which responses, what went wrong)
+_WATCHED = {
+    m.RESPONSE_TRUNCATED_FRACTION: ("training", "truncated"),
+    m.RESPONSE_UNREADABLE_FRACTION: ("training", "unreadable"),
+    m.VAL_TRUNCATED_FRACTION: ("held-out", "truncated"),
+    m.VAL_UNREADABLE_FRACTION: ("held-out", "unreadable"),
+}
+
+
+def response_warnings(spec: JobSpec, row: Mapping[str, Any], warned: set[str]) -> list[str]:
+    """The log's warnings for a metrics line: one for each of ``_WATCHED``'s fractions above
+    :data:`RESPONSE_WARNING_FRACTION` that ``warned`` does not hold yet (its key is added, so a run
+    says each once). Such a step's reward mostly measures the length limit or the answer format."""
+    out = []
+    for key, (which, problem) in _WATCHED.items():
+        value = row.get(key)
+        if value is None or value <= RESPONSE_WARNING_FRACTION or key in warned:
+            continue
+        warned.add(key)
+        where = f"warning: step {row[m.STEP]}: {value:.0%} of the {which} responses"
+        if problem == "truncated":
+            out.append(
+                f"{where} hit rollout.max_new_tokens ({spec.rollout.max_new_tokens}) without a stop id "
+                f"({key} {value:.2f}) and are scored as cut off. Raise rollout.max_new_tokens, or check "
+                "that the model can stop: the tokenizer's stop ids (its EOS and the eos_token_id of "
+                "generation_config.json) and task.chat_template (a chat model ends its turn with a token "
+                "of its own). Said once per run."
+            )
+        else:
+            out.append(
+                f"{where} gave no answer readable as task.answer_format {spec.task.answer_format} "
+                f"({key} {value:.2f}) and score 0. Choose the task.answer_format that matches how the "
+                "model answers (last-number, first-line, answer-tag, boxed), ask for that form in "
+                "task.prompt_template or task.system_prompt, or raise rollout.max_new_tokens if the "
+                "answers are cut off. Said once per run."
+            )
+    return out
+
+
 def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
@@ -106,6 +147,7 @@ class JobRun:
         res = spec.resources  # the bounds of the actors' calls, their history kept across restarts
         self.timeouts = CallTimeouts(res.hang_timeout_s, res.startup_timeout_s)
         self.longest_prompt = max(len(tok.encode(task.prompt(p))) for p in task.problems())
+        self.warned: set[str] = set()  # the fractions the log has warned about (response_warnings)
 
     # -- the steps ---------------------------------------------------------------------------------
     def begin(self, first_step: int, ckpt: Path | None) -> int:
@@ -152,12 +194,17 @@ class JobRun:
         self.rows.append(line)
         self.counts = dict.fromkeys(m.FAULT_KEYS, 0.0)
         self.prom.observe(line)
+        self._warn(line)
         if self.opts.on_step is not None:
             self.opts.on_step(line)
         if self.opts.stop.is_set():  # (the progress display may have set it)
             if not due:
                 save(self.actors, self.out, step, line)
             self.opts.log(f"stopped after step {step}; continue with --resume")
+
+    def _warn(self, row: Mapping[str, Any]) -> None:
+        for warning in response_warnings(self.spec, row, self.warned):
+            self.opts.log(warning)
 
     def shutdown(self) -> None:
         if self.actors is not None:
@@ -301,6 +348,7 @@ class JobRun:
             self.log.append(row0)
             rows.append(row0)
             self.prom.observe(row0)
+            self._warn(row0)
             if self.opts.on_step is not None:
                 self.opts.on_step(row0)
         self._restart_loop(first_step)

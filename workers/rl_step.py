@@ -32,17 +32,21 @@ from workers.engines.native.layer_diff import ExactMismatchError, compare_traces
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault
 from workers.step_actors import Generated, PendingRollouts, StepActors
-from workers.tasks import Problem, Task
+from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import Tokenizer
 from workers.weight_contract import compare
 
 
 def sft_batch(task: Task, tok: Tokenizer, problems: list[Problem]) -> Rollouts:
-    prompts = [tok.encode(task.prompt(p)) for p in problems]
+    """The warm-up's batch: each prompt, and as its response the reference answer written as the
+    task reads it (``Task.target``: in its tag or box for those formats), then ``tok.eos_id``
+    (a chat model's end of turn). With a chat template the answer follows the generation prompt."""
+    texts = [task.prompt(p) for p in problems]
+    prompts = [tok.encode(t) for t in texts]
     # the answer's tokens as they continue the prompt (no BOS, merges at the seam as in generation)
     answers = [
-        [*tok.encode(task.prompt(p) + p.answer)[len(q) :], tok.eos_id]
-        for p, q in zip(problems, prompts, strict=True)
+        [*tok.encode(t + task.target(p))[len(q) :], tok.eos_id]
+        for p, t, q in zip(problems, texts, prompts, strict=True)
     ]
     prompt_ids, prompt_mask = left_pad(prompts, tok.pad_id)
     width = max(len(a) for a in answers)
@@ -87,13 +91,25 @@ def generate(
     return actors.generate(chunked(prompts, sizes), seeds, temperature)
 
 
-def scores(task: Task, tok: Tokenizer, batch: Rollouts, problems: list[Problem]) -> list[float]:
-    """The task's reward of each decoded response (up to and including its EOS)."""
+def scores(task: Task, tok: Tokenizer, batch: Rollouts, problems: list[Problem]) -> list[Grade]:
+    """The task's grade of each decoded response (up to and including its stop id)."""
     texts = [
         tok.decode(row[: int(mask.sum())].tolist())
         for row, mask in zip(batch.response_ids, batch.response_mask, strict=True)
     ]
-    return [task.score(t, p) for t, p in zip(texts, problems, strict=True)]
+    return [task.grade(t, p) for t, p in zip(texts, problems, strict=True)]
+
+
+def truncated_fraction(batch: Rollouts, eos_ids: tuple[int, ...]) -> float:
+    """Fraction of the responses that hit ``max_new_tokens`` without a stop id: none of their valid
+    tokens (``response_mask`` 1) is one of ``eos_ids``."""
+    stops = torch.isin(batch.response_ids, torch.tensor(eos_ids)) & (batch.response_mask != 0)  # [B, L]
+    return float((~stops.any(dim=1)).float().mean())  # mean over [B]
+
+
+def unreadable_fraction(grades: list[Grade]) -> float:
+    """Fraction of the responses from which no answer could be read (``task.answer_format``)."""
+    return sum(not g.readable for g in grades) / max(len(grades), 1)
 
 
 def validate(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> ValidationMetrics:
@@ -106,10 +122,12 @@ def validate(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step
     # negative steps: seeds no rollout uses
     outs = generate(spec, actors, prompts, sizes, -step, spec.validation.temperature)
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
-    rewards = scores(task, tok, batch, problems)
+    grades = scores(task, tok, batch, problems)
     return {
-        m.VAL_ACCURACY: sum(r >= 1.0 for r in rewards) / len(rewards),
-        m.VAL_REWARD_MEAN: sum(rewards) / len(rewards),
+        m.VAL_ACCURACY: sum(g.correct for g in grades) / len(grades),
+        m.VAL_REWARD_MEAN: sum(g.reward for g in grades) / len(grades),
+        m.VAL_TRUNCATED_FRACTION: truncated_fraction(batch, tok.eos_ids),
+        m.VAL_UNREADABLE_FRACTION: unreadable_fraction(grades),
         m.TIMING_VALIDATION_S: time.perf_counter() - t0,
     }
 
@@ -152,12 +170,12 @@ WARMUP_CHECK_STEP = -(10**9)  # the step whose sample (and seeds) the warm-up's 
 def greedy_accuracy(
     spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, problems: list[Problem], step: int
 ) -> float:
-    """Fraction of ``problems`` the generators answer fully correctly at temperature 0."""
+    """Fraction of ``problems`` the generators answer fully correctly (``Grade.correct``) at
+    temperature 0."""
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     outs = generate(spec, actors, prompts, even_split(len(prompts), 1, actors.num_generators), step, 0.0)
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
-    rewards = scores(task, tok, batch, problems)
-    return sum(r >= 1.0 for r in rewards) / len(rewards)
+    return sum(g.correct for g in scores(task, tok, batch, problems)) / len(problems)
 
 
 def sync_weights(actors: StepActors) -> SyncMetrics:
@@ -255,7 +273,8 @@ def train_and_sync(
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
     t1 = time.perf_counter()
 
-    rewards = torch.tensor(scores(task, tok, batch, problems))  # [B]
+    grades = scores(task, tok, batch, problems)
+    rewards = torch.tensor([g.reward for g in grades])  # [B]
     t2 = time.perf_counter()
 
     tsizes = even_split(r.prompts_per_step, r.group_size, actors.num_trainers)
@@ -276,6 +295,8 @@ def train_and_sync(
         m.REWARD_MEAN: float(rewards.mean()),
         m.REWARD_STD: float(rewards.std()) if rewards.numel() > 1 else 0.0,
         m.RESPONSE_LENGTH_MEAN: gen_tokens / max(len(problems), 1),
+        m.RESPONSE_TRUNCATED_FRACTION: truncated_fraction(batch, tok.eos_ids),
+        m.RESPONSE_UNREADABLE_FRACTION: unreadable_fraction(grades),
         **mismatch,
         **stats,
         m.TOKENS_GENERATED: gen_tokens,

@@ -1,5 +1,13 @@
 """Prompts and rewards: reasoning-gym generators or a JSONL file of ``{question, answer}``.
 
+A prompt is ``task.prompt_template`` with the question in it; with ``task.chat_template`` that text
+is the user message of the tokenizer's chat template (after ``task.system_prompt``, if set), which
+ends with the assistant's generation prompt. A response is graded (:class:`Grade`) by reading its
+answer in ``task.answer_format`` (:mod:`workers.answers`) and comparing it with the reference: the
+reasoning-gym generator's ``score_answer`` (partial credit where it gives it), or for a dataset
+file :func:`~workers.answers.same_answer`. reward = correctness + ``task.format_reward`` x
+readable, in [0, 1 + format_reward]; an unreadable response scores 0.
+
 The problems of step ``s`` are a pure function of (task seed, rollout seed, step), so a resumed
 run sees exactly the prompts the interrupted one would have seen.
 
@@ -23,9 +31,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from rljob.spec import JobSpec, TaskSpec
+from rljob.spec import AnswerFormat, JobSpec, TaskSpec
+from workers.answers import first_line, read_answer, resolve_format, same_answer
+from workers.tokenizer import Tokenizer
 
 # How far past the training set the held-out search looks: at least this many items, or this many
 # per held-out problem asked (generation is cheap: ~20 us an item for basic_arithmetic).
@@ -44,25 +54,40 @@ class Problem:
 
 
 def extract_answer(response: str) -> str:
-    """The answer a response gives: its first line, stripped (responses end with EOS)."""
-    return response.strip().split("\n", 1)[0].strip()
+    """The first line of ``response``, stripped ("" when there is none): ``task.answer_format``
+    ``first-line``'s reading, for callers that compare texts themselves (bench/step.py)."""
+    return first_line(response) or ""
+
+
+class Grade(NamedTuple):
+    """How a response did: ``reward`` = correctness + format_reward x ``readable``, in
+    [0, 1 + format_reward]; ``correct``: full credit (correctness 1); ``readable``: an answer could
+    be read in the task's ``answer_format`` at all."""
+
+    reward: float
+    correct: bool
+    readable: bool
 
 
 class Task:
-    """A finite set of problems, a prompt template and a scoring rule (reward in [0, 1]).
+    """A finite set of problems, a prompt template and a grading rule (module docstring).
 
     ``validation_size`` problems (0: none) are held out of training: :meth:`validation_problems`.
+    ``tok``: the job's tokenizer, whose chat template formats the prompts (needed with
+    ``task.chat_template`` only; one prompt is rendered here, so a tokenizer without a template
+    fails now rather than in the first step).
     """
 
-    def __init__(self, spec: TaskSpec, validation_size: int = 0) -> None:
+    def __init__(self, spec: TaskSpec, validation_size: int = 0, tok: Tokenizer | None = None) -> None:
         self.spec = spec
+        self.tok = tok
         self._problems: list[Problem]
         self._validation: list[Problem] = []
-        self._score: Callable[[str, Problem], float]
+        self._correctness: Callable[[str, Problem], float]  # (the answer read, its problem)
         if spec.dataset is not None:
             path = Path(spec.dataset)
             self._problems, self._validation = _hold_out_rows(_read_jsonl(path), validation_size, path)
-            self._score = lambda text, p: float(extract_answer(text) == p.answer.strip())
+            self._correctness = lambda answer, p: float(same_answer(answer, p.answer))
         else:
             assert spec.reasoning_gym is not None
             dataset = _reasoning_gym(spec.reasoning_gym, spec.size, spec.seed, spec.params)
@@ -70,15 +95,20 @@ class Task:
                 Problem(i, str(e["question"]), str(e["answer"]), e) for i, e in enumerate(dataset)
             ]
             # held-out entries are scored by the training dataset: the same generator and config
-            self._score = lambda text, p: float(dataset.score_answer(extract_answer(text), p.entry) or 0.0)
+            self._correctness = lambda answer, p: float(dataset.score_answer(answer, p.entry) or 0.0)
             if validation_size:
                 self._validation = _held_out_items(spec, self._problems, validation_size)
+        if spec.chat_template:
+            if tok is None:
+                raise ValueError("task.chat_template needs the job's tokenizer: Task.for_job(spec, tok)")
+            self.prompt(self._problems[0])
 
     @classmethod
-    def for_job(cls, spec: JobSpec) -> Task:
-        """The job's task, with ``validation.size`` problems held out when validation is on."""
+    def for_job(cls, spec: JobSpec, tok: Tokenizer | None = None) -> Task:
+        """The job's task, with ``validation.size`` problems held out when validation is on;
+        ``tok`` is the job's tokenizer (needed with ``task.chat_template``)."""
         v = spec.validation
-        return cls(spec.task, v.size if v.interval > 0 else 0)
+        return cls(spec.task, v.size if v.interval > 0 else 0, tok)
 
     def __len__(self) -> int:
         """Training problems."""
@@ -100,11 +130,41 @@ class Task:
         return [rng.choice(self._problems) for _ in range(n)]
 
     def prompt(self, problem: Problem) -> str:
-        return self.spec.prompt_template.replace("{question}", problem.question)
+        """The whole prompt text: the template with the question in it, or with
+        ``task.chat_template`` the chat it makes the user message of, up to the assistant's turn."""
+        text = self.spec.prompt_template.replace("{question}", problem.question)
+        if not self.spec.chat_template:
+            return text
+        assert self.tok is not None  # __init__ checks it
+        system = self.spec.system_prompt
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return self.tok.apply_chat_template([*messages, {"role": "user", "content": text}])
+
+    def answer_format(self, problem: Problem) -> AnswerFormat:
+        """The format ``problem``'s responses are read in (``auto`` decided by its reference answer)."""
+        return resolve_format(self.spec.answer_format, problem.answer)
+
+    def target(self, problem: Problem) -> str:
+        """The reference answer written as a response the task reads (the warm-up's target)."""
+        fmt = self.answer_format(problem)
+        if fmt == "answer-tag":
+            return f"<answer>{problem.answer}</answer>"
+        if fmt == "boxed":
+            return f"\\boxed{{{problem.answer}}}"
+        return problem.answer
+
+    def grade(self, response: str, problem: Problem) -> Grade:
+        """The response's answer, read in ``task.answer_format`` and compared with the reference
+        (correctness clamped to [0, 1]), plus ``task.format_reward`` if an answer could be read."""
+        answer = read_answer(response, self.spec.answer_format, problem.answer)
+        if answer is None:
+            return Grade(0.0, False, False)
+        correctness = max(0.0, min(1.0, self._correctness(answer, problem)))
+        return Grade(correctness + self.spec.format_reward, correctness >= 1.0, True)
 
     def score(self, response: str, problem: Problem) -> float:
-        """1.0 for a correct answer, 0.0 otherwise (partial credit where the generator gives it)."""
-        return max(0.0, min(1.0, self._score(response, problem)))
+        """The reward of ``response`` (:meth:`grade`)."""
+        return self.grade(response, problem).reward
 
 
 def _reasoning_gym(name: str, size: int, seed: int, params: dict[str, Any]) -> Any:

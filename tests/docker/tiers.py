@@ -44,7 +44,9 @@ ALSO_RUNS: dict[str, list[str]] = {
     "operator": [],
     "worker": ["workers.driver", "bench.gpu_check", "service.main"],
 }
-DISPATCH = {"fp8rl.cli": "app", "fp8rl.bench_cli": "bench_app"}  # module: its Typer object
+# module: its Typer object; and the command group it holds ("bench fp8" is fp8 in fp8rl.bench_cli)
+DISPATCH = {"fp8rl.cli": "app", "fp8rl.bench_cli": "bench_app", "fp8rl.model_cli": "model_app"}
+GROUP = {"fp8rl.cli": "", "fp8rl.bench_cli": "bench", "fp8rl.model_cli": "model"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def imports_of(module: str, commands: Iterable[str] = (), root: Path = REPO) -> 
     found = _imports_in(tree.body, module, top_level_only=True)
     for command in commands:
         group, _, name = command.rpartition(" ")
-        if (group == "bench") == (module == "fp8rl.bench_cli"):
+        if group == GROUP[module]:
             body = _command_function(tree, DISPATCH[module], name).body
             found += _imports_in(body, module, top_level_only=False)
     return found

@@ -58,6 +58,15 @@ def test_every_problem_is_listed_at_once() -> None:
         ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
         ({"task": {"prompt_template": "no placeholder"}}, "task", "{question}"),
         ({"task": {"reasoning_gym": "chain_sum", "dataset": "a.jsonl"}}, "task", "only one"),
+        ({"task": {"system_prompt": "Be brief."}}, "task", "task.system_prompt is a chat message"),
+        (
+            {"task": {"chat_template": True}},  # the default tokenizer: bytes
+            "(spec)",
+            "task.chat_template needs a Hugging Face tokenizer with a chat template, but tokenizer.kind",
+        ),
+        ({"task": {"answer_format": "json"}}, "task.answer_format", "'last-number'"),
+        ({"task": {"format_reward": 1.5}}, "task.format_reward", "less than or equal to 1"),
+        ({"task": {"format_reward": -0.1}}, "task.format_reward", "greater than or equal to 0"),
         ({"resources": {"engine": "vllm"}}, "resources", "split in two: set resources.generator_engine"),
         (
             {"resources": {"generator_engine": "vllm", "generator_tensor_parallel_size": 2}},
@@ -154,6 +163,27 @@ def test_validation_is_off_by_default_and_greedy_when_on() -> None:
     props = JobSpec.model_json_schema()["$defs"]["ValidationSpec"]["properties"]
     assert set(props) == {"interval", "size", "temperature"}
     assert all(len(p.get("description", "")) > 20 for p in props.values()), props
+
+
+def test_the_answer_and_chat_fields_default_to_plain_prompts_and_the_auto_format() -> None:
+    task = JobSpec().task
+    assert (task.chat_template, task.system_prompt, task.answer_format, task.format_reward) == (
+        False,
+        None,
+        "auto",
+        0.0,
+    )
+    chat = parse_spec(
+        {
+            "model": {"name": "/models/smol", "pretrained": False},
+            "tokenizer": {"kind": "huggingface"},
+            "task": {"chat_template": True, "system_prompt": "Be brief.", "answer_format": "boxed"},
+        }
+    ).task
+    assert (chat.chat_template, chat.system_prompt, chat.answer_format) == (True, "Be brief.", "boxed")
+    props = JobSpec.model_json_schema()["$defs"]["TaskSpec"]["properties"]
+    for field in ("chat_template", "system_prompt", "answer_format", "format_reward"):
+        assert len(props[field].get("description", "")) > 40, field
 
 
 def test_dataset_replaces_the_default_generator() -> None:

@@ -49,7 +49,7 @@ class InProcessActors:
         self.spec, self.bucket_bytes = spec, bucket_bytes
         self.trainer = NativeTrainer(spec, tok.vocab_size, "cpu")
         self.generators = [
-            NativeGenerator(spec, tok.vocab_size, tok.eos_id, tok.pad_id, "cpu")
+            NativeGenerator(spec, tok.vocab_size, tok.eos_ids, tok.pad_id, "cpu")
             for _ in range(res.generators)
         ]
         self.fp8_names = self.generators[0].fp8_weight_names()

@@ -26,13 +26,15 @@ def test_validation_gauges_follow_the_rows_that_have_them() -> None:
     assert {m.key: (m.name, m.kind) for m in PROMETHEUS if m.key.startswith("val/")} == {
         "val/accuracy": ("fp8rl_val_accuracy", "gauge"),
         "val/reward_mean": ("fp8rl_val_reward_mean", "gauge"),
+        "val/truncated_fraction": ("fp8rl_val_truncated_fraction", "gauge"),
+        "val/unreadable_fraction": ("fp8rl_val_unreadable_fraction", "gauge"),
     }
     exp = PromExporter(**LABELS)
     exp.observe({"step": 1, "reward/mean": 0.25, "timing/generation_s": 2.0})
     first = samples(exp)
     assert first[("fp8rl_step", "")] == 1 and first[("fp8rl_reward_mean", "")] == 0.25
     # no validation yet: no series at all (a 0 would read as "0% accurate")
-    assert not {name for name, _ in first} & {"fp8rl_val_accuracy", "fp8rl_val_reward_mean"}
+    assert not {name for name, _ in first} & {m.name for m in PROMETHEUS if m.key.startswith("val/")}
     assert ("fp8rl_step_duration_seconds", "validation") not in first
 
     exp.observe({"step": 2, "val/accuracy": 0.75, "val/reward_mean": 0.8, "timing/validation_s": 3.5})

@@ -27,10 +27,19 @@ from tests.workers.inprocess_actors import Done, InProcessActors
 from workers import checkpoint
 from workers.engines.batching import concat_rollouts
 from workers.engines.protocols import Rollouts
-from workers.rl_step import rl_step, save, sync_weights, validate, warmup
+from workers.rl_step import (
+    rl_step,
+    save,
+    sft_batch,
+    sync_weights,
+    truncated_fraction,
+    unreadable_fraction,
+    validate,
+    warmup,
+)
 from workers.step_actors import Generated
-from workers.tasks import Problem, Task
-from workers.tokenizer import Tokenizer, build_tokenizer
+from workers.tasks import Grade, Problem, Task
+from workers.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 
 
 def byte_sum_score(response: str) -> float:
@@ -40,11 +49,12 @@ def byte_sum_score(response: str) -> float:
 
 class ByteSumTask(Task):
     """The job's task (its prompts, its held-out problems) with :func:`byte_sum_score` for a
-    reward: an untrained model never answers a sum, so every reward would be 0, every GRPO
-    advantage 0, and no update would move a weight."""
+    reward (every response readable; correct at reward 1): an untrained model never answers a sum,
+    so every reward would be 0, every GRPO advantage 0, and no update would move a weight."""
 
-    def score(self, response: str, problem: Problem) -> float:
-        return byte_sum_score(response)
+    def grade(self, response: str, problem: Problem) -> Grade:
+        reward = byte_sum_score(response)
+        return Grade(reward, reward >= 1.0, True)
 
 
 class RecordingActors(InProcessActors):
@@ -79,6 +89,12 @@ def step_spec(recipe: str) -> JobSpec:
 def decoded_scores(tok: Tokenizer, batch: Rollouts) -> list[float]:
     rows = zip(batch.response_ids, batch.response_mask, strict=True)
     return [byte_sum_score(tok.decode(ids[: int(mask.sum())].tolist())) for ids, mask in rows]
+
+
+def stopped(tok: Tokenizer, batch: Rollouts) -> list[bool]:
+    """Whether each response holds a stop id among its valid tokens (the test's own reading)."""
+    rows = zip(batch.response_ids, batch.response_mask, strict=True)
+    return [any(t in tok.eos_ids for t in ids[: int(mask.sum())].tolist()) for ids, mask in rows]
 
 
 def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -143,6 +159,8 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     assert row["reward/mean"] == pytest.approx(statistics.mean(rewards), abs=1e-6)
     assert row["reward/std"] == pytest.approx(statistics.stdev(rewards), abs=1e-6)
     assert row["reward/std"] > 0 and row["train/grad_norm"] > 0  # rewards differ: a real update
+    assert row["response/truncated_fraction"] == sum(not s for s in stopped(tok, batch)) / 8
+    assert row["response/unreadable_fraction"] == 0.0  # ByteSumTask reads every response
     assert row["tokens/generated"] == float(batch.response_mask.sum())
     assert row["tokens/trained"] == float(batch.response_mask.sum() + batch.prompt_mask.sum())
     assert row["kv_cache/bytes"] == sum(g.kv_cache_bytes for g in actors.generators) > 0
@@ -161,6 +179,9 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     vrewards = decoded_scores(tok, concat_rollouts([o.rollouts for o in vouts], tok.pad_id))
     assert val["val/reward_mean"] == pytest.approx(statistics.mean(vrewards), abs=1e-6)
     assert val["val/accuracy"] == sum(r >= 1.0 for r in vrewards) / 4
+    vbatch = concat_rollouts([o.rollouts for o in vouts], tok.pad_id)
+    assert val["val/truncated_fraction"] == sum(not s for s in stopped(tok, vbatch)) / 4
+    assert val["val/unreadable_fraction"] == 0.0
 
     # a checkpoint another pair of actors loads back exactly
     save(actors, tmp_path, 1)
@@ -185,7 +206,8 @@ from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 
 spec = parse_spec(helpers.tiny_spec(validation={"interval": 1, "size": 2}))
-task, tok = Task.for_job(spec), build_tokenizer(spec)
+tok = build_tokenizer(spec)
+task = Task.for_job(spec, tok)
 actors = InProcessActors(spec, tok)
 sync_weights(actors)
 row = rl_step(spec, task, tok, actors, 1)
@@ -196,3 +218,57 @@ print(row["step"], "ray" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["1", "False"]
+
+
+def test_a_response_is_truncated_when_no_valid_token_is_a_stop_id() -> None:
+    """Stop ids 2 and 5, pad 0. Row 0 stops at 2; row 1 stops at 5 (a second stop id); row 2 ran
+    to the limit; row 3 has a 2 only past its mask (padding): truncated. 2 of 4."""
+    ids = torch.tensor([[7, 2, 0], [7, 8, 5], [7, 8, 9], [7, 0, 2]])  # [B=4, L=3]
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]])  # [B, L]
+    batch = Rollouts(torch.ones(4, 1, dtype=torch.long), torch.ones(4, 1), ids, mask, torch.zeros(4, 3))
+    assert truncated_fraction(batch, (2, 5)) == 0.5
+    assert truncated_fraction(batch, (2,)) == 0.75  # 5 no longer stops row 1
+
+
+def test_the_unreadable_fraction_counts_grades_without_an_answer() -> None:
+    grades = [
+        Grade(1.0, True, True),
+        Grade(0.0, False, False),
+        Grade(0.0, False, True),
+        Grade(0, False, False),
+    ]
+    assert unreadable_fraction(grades) == 0.5
+
+
+def test_the_warm_up_answers_a_chat_prompt_and_ends_the_turn(tmp_path: Path) -> None:
+    """The chat tokenizer of tests/workers/test_tokenizer.py: the prompt "a b ?" as a chat is
+    <s> <|user|> a b ? <|end|> <|assistant|> = [1, 3, 7, 8, 9, 2, 4]; the answer "7" (id 10)
+    follows the generation prompt, then the end of turn <|end|> (2, the tokenizer's EOS)."""
+    from tests.workers.test_tokenizer import chat_tokenizer_dir
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "a b", "answer": 7}) + "\n")
+    spec = parse_spec(
+        {
+            "tokenizer": {"kind": "huggingface", "name": chat_tokenizer_dir(tmp_path / "tok")},
+            "task": {"dataset": str(data), "prompt_template": "{question} ?", "chat_template": True},
+        }
+    )
+    tok = build_tokenizer(spec)
+    task = Task.for_job(spec, tok)
+    batch = sft_batch(task, tok, task.sample(0, 1, 0))
+    assert batch.prompt_ids.tolist() == [[1, 3, 7, 8, 9, 2, 4]]
+    assert batch.response_ids.tolist() == [[10, 2]] and batch.response_mask.tolist() == [[1.0, 1.0]]
+
+
+def test_the_warm_up_writes_the_answer_in_the_tag_asked_for(tmp_path: Path) -> None:
+    """Bytes: the prompt "q\nAnswer: " is BOS + its bytes; the response is the bytes of
+    "<answer>7</answer>" and EOS (257)."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "7"}) + "\n")
+    spec = parse_spec({"task": {"dataset": str(data), "answer_format": "answer-tag"}})
+    tok = ByteTokenizer()
+    task = Task.for_job(spec, tok)
+    batch = sft_batch(task, tok, task.sample(0, 1, 0))
+    assert batch.prompt_ids.tolist() == [[256, *b"q\nAnswer: "]]
+    assert batch.response_ids.tolist() == [[*b"<answer>7</answer>", 257]]

@@ -1,5 +1,6 @@
-"""Tasks: answers are read from a response's first line and scored; a JSONL dataset is read
-row by row and refused with the line that is wrong; sampling is a pure function of the step;
+"""Tasks: answers are read from a response in the task's answer format and graded (hand-written
+responses, rewards worked out by hand); a chat template formats the prompts; a JSONL dataset is
+read row by row and refused with the line that is wrong; sampling is a pure function of the step;
 the held-out validation split never meets the training set, is deterministic, has the size
 asked, leaves training as it was, and is scored by the same rule.
 
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from rljob import parse_spec
-from workers.tasks import Problem, Task, extract_answer
+from tests.workers.test_tokenizer import CHAT_TEMPLATE, chat_tokenizer_dir
+from workers.tasks import Grade, Problem, Task, extract_answer
+from workers.tokenizer import build_tokenizer
 
 ADDITION = {
     "reasoning_gym": "basic_arithmetic",
@@ -97,8 +100,10 @@ def write_jsonl(path: Path, questions: list[str]) -> Path:
     return path
 
 
-def dataset_task(path: Path, size: int, interval: int = 5) -> Task:
-    spec = parse_spec({"task": {"dataset": str(path)}, "validation": {"interval": interval, "size": size}})
+def dataset_task(path: Path, size: int, interval: int = 5, **task: object) -> Task:
+    spec = parse_spec(
+        {"task": {"dataset": str(path), **task}, "validation": {"interval": interval, "size": size}}
+    )
     return Task.for_job(spec)
 
 
@@ -135,38 +140,135 @@ def test_a_dataset_too_small_to_hold_out_is_refused(tmp_path: Path) -> None:
 # --- answers and scores --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("response", "answer"),
-    [
-        ("7", "7"),
-        ("  7  ", "7"),
-        ("7\nbecause 3 + 4", "7"),  # the first line only
-        ("\n\n 7 \n8", "7"),  # leading blank lines do not count as the first line
-        ("7\r\n8", "7"),
-        ("3 + 4 = 7", "3 + 4 = 7"),  # the whole line: no number is picked out of it
-        ("", ""),
-        (" \n ", ""),
-    ],
-)
-def test_extract_answer_is_the_first_line_stripped(response: str, answer: str) -> None:
-    assert extract_answer(response) == answer
+def test_extract_answer_is_the_first_line_stripped() -> None:
+    """The first-line rule for callers that compare texts themselves (bench/step.py): "" for none."""
+    assert [
+        extract_answer(r) for r in ("7", "  7  ", "7\nbecause 3 + 4", "\n\n 7 \n8", "3 + 4 = 7", " \n ")
+    ] == [
+        "7",
+        "7",
+        "7",
+        "7",
+        "3 + 4 = 7",
+        "",
+    ]
 
 
-def test_a_dataset_answer_scores_by_exact_match_of_the_first_line(tmp_path: Path) -> None:
+RESPONSES = ("4", " 4\n", "4\n5", "04", "4.0", "", "5\n4")
+
+
+def test_a_dataset_answer_scores_by_the_first_line_or_the_last_number(tmp_path: Path) -> None:
     path = tmp_path / "qa.jsonl"
     path.write_text(json.dumps({"question": "2+2", "answer": " 4 "}) + "\n")
-    task = dataset_task(path, 1, interval=0)
-    [p] = training(task)
-    assert p.answer == " 4 "  # kept as written; compared stripped
-    assert [task.score(r, p) for r in ("4", " 4\n", "4\n5", "04", "4.0", "", "5\n4")] == [
-        1.0,
-        1.0,
-        1.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-    ]
+    [p] = training(dataset_task(path, 1, interval=0, answer_format="first-line"))
+    assert p.answer == " 4 "  # kept as written; compared stripped, and by value as a number
+    first = dataset_task(path, 1, interval=0, answer_format="first-line")
+    # first lines: 4, 4, 4, 04, 4.0, none, 5
+    assert [first.score(r, p) for r in RESPONSES] == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    # auto: the reference is a number, so the last number: 4, 4, 5, 04, 4.0, none, 4
+    auto = dataset_task(path, 1, interval=0)
+    assert [auto.score(r, p) for r in RESPONSES] == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+
+
+GRADED = [
+    {"question": "23 + 48", "answer": 71},
+    {"question": "capital of France", "answer": "Paris"},
+    {"question": "2 + 2", "answer": "4"},
+    {"question": "half", "answer": "\\frac{1}{2}"},
+]
+
+
+def graded_task(tmp_path: Path, **task: object) -> tuple[Task, dict[str, Problem]]:
+    path = tmp_path / "graded.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in GRADED))
+    t = dataset_task(path, 1, interval=0, **task)
+    return t, {p.answer: p for p in training(t)}
+
+
+@pytest.mark.parametrize(
+    ("answer", "response", "grade"),
+    [
+        # a number reference (auto: the last number), format reward 0.25
+        ("71", "71", Grade(1.25, True, True)),
+        ("71", "23 + 48 = 71", Grade(1.25, True, True)),
+        ("71", "The answer is 71.", Grade(1.25, True, True)),
+        ("71", "The answer is 71.0", Grade(1.25, True, True)),  # the same value
+        ("71", "The answer is 72.", Grade(0.25, False, True)),  # read, and wrong
+        ("71", "71, no: 17", Grade(0.25, False, True)),  # the last number is 17
+        ("71", "I cannot tell", Grade(0.0, False, False)),  # no number: no format reward either
+        ("71", "", Grade(0.0, False, False)),
+        # a text reference (auto: the first line)
+        ("Paris", "Paris\nIt is on the Seine.", Grade(1.25, True, True)),
+        ("Paris", "The capital is Paris.", Grade(0.25, False, True)),
+        ("Paris", "", Grade(0.0, False, False)),
+    ],
+)
+def test_grades_with_a_format_reward(tmp_path: Path, answer: str, response: str, grade: Grade) -> None:
+    task, problems = graded_task(tmp_path, format_reward=0.25)
+    assert task.grade(response, problems[answer]) == grade
+    assert task.score(response, problems[answer]) == grade.reward
+
+
+def test_without_a_format_reward_the_reward_is_the_correctness(tmp_path: Path) -> None:
+    task, problems = graded_task(tmp_path)
+    p = problems["71"]
+    assert task.grade("23 + 48 = 71", p) == Grade(1.0, True, True)
+    assert task.grade("72", p) == Grade(0.0, False, True)
+    assert task.grade("no idea", p) == Grade(0.0, False, False)
+
+
+@pytest.mark.parametrize(
+    ("answer", "response", "grade"),
+    [
+        ("4", "<answer>4</answer>", Grade(1.5, True, True)),
+        ("4", "<answer> 4 </answer> then 5", Grade(1.5, True, True)),
+        ("4", "<answer>5</answer>", Grade(0.5, False, True)),
+        ("4", "4", Grade(0.0, False, False)),  # right, but not in the tag asked for
+        ("71", "<answer>71.0</answer>", Grade(1.5, True, True)),
+    ],
+)
+def test_answer_tag_grades(tmp_path: Path, answer: str, response: str, grade: Grade) -> None:
+    task, problems = graded_task(tmp_path, answer_format="answer-tag", format_reward=0.5)
+    assert task.grade(response, problems[answer]) == grade
+
+
+@pytest.mark.parametrize(
+    ("answer", "response", "grade"),
+    [
+        ("\\frac{1}{2}", "So \\boxed{\\frac{1}{2}}.", Grade(1.5, True, True)),
+        ("\\frac{1}{2}", "\\boxed{0.5}", Grade(0.5, False, True)),  # no algebra: compared as text
+        ("71", "\\boxed{12}", Grade(0.5, False, True)),
+        ("71", "\\boxed{71", Grade(0.0, False, False)),  # cut off before the closing brace
+    ],
+)
+def test_boxed_grades(tmp_path: Path, answer: str, response: str, grade: Grade) -> None:
+    task, problems = graded_task(tmp_path, answer_format="boxed", format_reward=0.5)
+    assert task.grade(response, problems[answer]) == grade
+
+
+def test_the_warm_up_target_is_the_answer_as_the_format_reads_it(tmp_path: Path) -> None:
+    for fmt, target in (
+        ("auto", "71"),
+        ("last-number", "71"),
+        ("first-line", "71"),
+        ("answer-tag", "<answer>71</answer>"),
+        ("boxed", "\\boxed{71}"),
+    ):
+        task, problems = graded_task(tmp_path, answer_format=fmt)
+        assert task.target(problems["71"]) == target, fmt
+
+
+def test_a_reasoning_gym_answer_is_read_and_scored_by_the_generator() -> None:
+    """basic_arithmetic's score_answer: 1 for the oracle's text, len(oracle) / len(answer) for an
+    answer that contains it, else 0."""
+    task = addition_task(1, interval=0, format_reward=0.5)
+    for p in training(task)[:5]:
+        s = p.answer
+        assert task.grade(f"{p.question[len('Calculate ') : -1]} = {s}.", p) == Grade(1.5, True, True)
+        assert task.grade(f"The answer is {s}", p) == Grade(1.5, True, True)
+        # "7.0" holds "7": partial credit 1/3 (1 / 3 characters), not correct
+        assert task.grade(f"{s}.0", p) == Grade(len(s) / (len(s) + 2) + 0.5, False, True)
+        assert task.grade("I do not know", p) == Grade(0.0, False, False)
 
 
 def test_a_reasoning_gym_score_stays_in_0_1() -> None:
@@ -258,6 +360,41 @@ def test_the_prompt_template_replaces_only_the_question(tmp_path: Path) -> None:
     spec = parse_spec({"task": {"dataset": str(path), "prompt_template": "Q: {question}\n{answer}? A:"}})
     task = Task(spec.task)
     assert task.prompt(training(task)[0]) == "Q: a {b}\n{answer}? A:"
+
+
+def chat_spec(tmp_path: Path, template: str | None = CHAT_TEMPLATE, **task: object) -> dict[str, object]:
+    path = write_jsonl(tmp_path / "qa.jsonl", ["a b"])  # its answer: "A B"
+    tok = chat_tokenizer_dir(tmp_path / "tok", template)
+    return {
+        "tokenizer": {"kind": "huggingface", "name": tok},
+        "task": {"dataset": str(path), "prompt_template": "{question} ?", "chat_template": True, **task},
+    }
+
+
+def test_a_chat_prompt_is_the_user_message_of_the_chat_template(tmp_path: Path) -> None:
+    """The template (tests/workers/test_tokenizer.py): "<|role|> content <|end|> " per message, then
+    "<|assistant|> "; it writes the BOS itself."""
+    spec = parse_spec(chat_spec(tmp_path))
+    tok = build_tokenizer(spec)
+    task = Task.for_job(spec, tok)
+    [p] = training(task)
+    assert task.prompt(p) == "<s><|user|> a b ? <|end|> <|assistant|> "
+    assert tok.encode(task.prompt(p)) == [1, 3, 7, 8, 9, 2, 4]
+    system = parse_spec(chat_spec(tmp_path, system_prompt="b"))
+    assert (
+        Task.for_job(system, tok).prompt(p) == "<s><|system|> b <|end|> <|user|> a b ? <|end|> <|assistant|> "
+    )
+    # without chat_template the same spec prompts with the template's text alone
+    plain = parse_spec(chat_spec(tmp_path, chat_template=False))
+    assert Task.for_job(plain, tok).prompt(p) == "a b ?"
+
+
+def test_a_chat_task_without_a_chat_template_is_refused_when_built(tmp_path: Path) -> None:
+    spec = parse_spec(chat_spec(tmp_path, template=None))
+    with pytest.raises(ValueError, match=r"^task\.chat_template: tokenizer .* has no chat template"):
+        Task.for_job(spec, build_tokenizer(spec))
+    with pytest.raises(ValueError, match=r"^task\.chat_template needs the job's tokenizer"):
+        Task.for_job(spec)
 
 
 def test_the_two_digit_example_trains_and_validates_on_disjoint_problems() -> None:

@@ -83,6 +83,19 @@ def test_hf_tokenizer_ids_and_decode(tmp_path: Path) -> None:
     assert tok.decode([4, 1, 2, 3, 1]) == "a b"  # padding skipped, cut at EOS
 
 
+def test_hf_tokenizer_stops_at_every_eos_of_its_generation_config(tmp_path: Path) -> None:
+    """A chat model ends its turn with one id and its generation config may list more: every one
+    of them is a stop id, the tokenizer's EOS first; decoding cuts at the first of any."""
+    path = hf_tokenizer_dir(tmp_path / "tok")
+    assert HfTokenizer(path).eos_ids == (3,)  # no generation config: the tokenizer's EOS alone
+    (tmp_path / "tok" / "generation_config.json").write_text('{"eos_token_id": [2, 3]}')
+    tok = HfTokenizer(path)
+    assert (tok.eos_id, tok.eos_ids) == (3, (3, 2))
+    assert tok.decode([1, 2, 1, 3]) == "a"  # cut at "b" (id 2), a stop id of the generation config
+    (tmp_path / "tok" / "generation_config.json").write_text('{"eos_token_id": 1}')
+    assert HfTokenizer(path).eos_ids == (3, 1)
+
+
 def test_hf_tokenizer_pads_with_eos_when_it_has_no_pad(tmp_path: Path) -> None:
     tok = HfTokenizer(hf_tokenizer_dir(tmp_path / "tok", pad=False))
     assert tok.pad_id == tok.eos_id == 3
@@ -103,3 +116,70 @@ def test_build_tokenizer_follows_the_spec(tmp_path: Path) -> None:
     spec = parse_spec({"model": {"name": path, "pretrained": False}, "tokenizer": {"kind": "huggingface"}})
     from_model = build_tokenizer(spec)
     assert isinstance(from_model, HfTokenizer) and from_model.encode("b") == [2]
+
+
+# --- chat templates --------------------------------------------------------------------------------
+
+# A hand-written template in the ChatML manner: each message is "<|role|> content <|end|>", then the
+# assistant's turn is opened; it writes the BOS itself, as Llama 3's does.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+CHAT_VOCAB = {
+    "[UNK]": 0, "<s>": 1, "<|end|>": 2, "<|user|>": 3, "<|assistant|>": 4, "<|system|>": 5,
+    "<pad>": 6, "a": 7, "b": 8, "?": 9, "7": 10,
+}  # fmt: skip
+CHAT_SPECIAL = ["<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>", "<pad>"]
+
+
+def chat_tokenizer_dir(path: Path, template: str | None = CHAT_TEMPLATE, adds_bos: bool = False) -> str:
+    """A word-level chat tokenizer over :data:`CHAT_VOCAB`, its end of turn ``<|end|>`` (2) the EOS,
+    saved as a model dir; ``adds_bos``: ``encode`` puts ``<s>`` (1) before every text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(CHAT_VOCAB, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.add_special_tokens(CHAT_SPECIAL)  # read as one id wherever they stand in a text
+    if adds_bos:
+        words.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="[UNK]", bos_token="<s>", eos_token="<|end|>", pad_token="<pad>"
+    )
+    if template is not None:
+        tok.chat_template = template
+    tok.save_pretrained(path)
+    return str(path)
+
+
+USER = [{"role": "user", "content": "a b ?"}]
+
+
+def test_the_chat_template_renders_up_to_the_assistants_turn(tmp_path: Path) -> None:
+    tok = HfTokenizer(chat_tokenizer_dir(tmp_path / "tok"))
+    assert (tok.eos_id, tok.eos_ids, tok.pad_id) == (2, (2,), 6)
+    text = tok.apply_chat_template(USER)
+    assert text == "<s><|user|> a b ? <|end|> <|assistant|> "
+    # every special token in the text is its one id (not "<", "|", "user", ...); one BOS
+    assert tok.encode(text) == [1, 3, 7, 8, 9, 2, 4]
+    system = [{"role": "system", "content": "b"}, *USER]
+    assert tok.apply_chat_template(system) == "<s><|system|> b <|end|> <|user|> a b ? <|end|> <|assistant|> "
+
+
+def test_a_bos_written_by_the_template_and_added_by_encode_appears_once(tmp_path: Path) -> None:
+    tok = HfTokenizer(chat_tokenizer_dir(tmp_path / "tok", adds_bos=True))
+    assert tok.encode("a") == [1, 7]  # encode adds the BOS itself
+    text = tok.apply_chat_template(USER)
+    assert text == "<|user|> a b ? <|end|> <|assistant|> "  # so the rendered text leaves it out
+    assert tok.encode(text) == [1, 3, 7, 8, 9, 2, 4]
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    tok = HfTokenizer(chat_tokenizer_dir(tmp_path / "tok", template=None))
+    with pytest.raises(
+        ValueError, match=r"^task\.chat_template: tokenizer '.*tok' has no chat template; set"
+    ):
+        tok.apply_chat_template(USER)
+    with pytest.raises(ValueError, match=r"^task\.chat_template: the byte tokenizer .* has no chat template"):
+        TOK.apply_chat_template(USER)

@@ -4,9 +4,22 @@ position ids counting real tokens only)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from workers.engines.protocols import Rollouts
+
+StopIds = int | Sequence[int]
+
+
+def stop_ids(eos: StopIds) -> tuple[int, ...]:
+    """Every id that ends a response, from one id or several (a chat model's end of turn and its
+    generation config's EOS ids: :attr:`workers.tokenizer.Tokenizer.eos_ids`)."""
+    ids = (eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)
+    if not ids:
+        raise ValueError("at least one end-of-sequence id is needed: generation could never stop")
+    return ids
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

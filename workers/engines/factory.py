@@ -21,6 +21,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from rljob.spec import JobSpec
+from workers.engines.batching import StopIds
 from workers.engines.protocols import Generator, Trainer
 
 if TYPE_CHECKING:
@@ -122,21 +123,22 @@ def _installed(module: str) -> bool:
 def build_generator(
     spec: JobSpec,
     vocab_size: int,
-    eos_id: int,
+    eos: StopIds,
     pad_id: int,
     device: str = "cpu",
     max_prompt_tokens: int | None = None,
 ) -> Generator:
     """The generator the spec asks for, on ``device``. ``max_prompt_tokens`` (the job's longest
-    prompt) sizes vLLM's sequences and KV cache; None: as long as the model allows."""
+    prompt) sizes vLLM's sequences and KV cache; None: as long as the model allows. ``eos``: the
+    id, or every id, that ends a response (the tokenizer's ``eos_ids``)."""
     if engine_for(spec, "generator") == "vllm":
         check_engines(spec)
         from workers.engines.vllm.generator import VllmGenerator
 
-        return VllmGenerator(spec, vocab_size, eos_id, pad_id, device, max_prompt_tokens)
+        return VllmGenerator(spec, vocab_size, eos, pad_id, device, max_prompt_tokens)
     from workers.engines.native.generator import NativeGenerator
 
-    return NativeGenerator(spec, vocab_size, eos_id, pad_id, device)
+    return NativeGenerator(spec, vocab_size, eos, pad_id, device)
 
 
 def build_trainer(
@@ -172,7 +174,7 @@ def native_trainer(
 def native_pair(
     spec: JobSpec,
     vocab_size: int,
-    eos_id: int,
+    eos: StopIds,
     pad_id: int,
     state: dict[str, torch.Tensor] | None = None,
     device: str = "cpu",
@@ -183,6 +185,6 @@ def native_pair(
     from workers.fp8.export import fp8_weight_names
 
     trainer = native_trainer(spec, vocab_size, state, device)
-    gen = NativeGenerator(spec, vocab_size, eos_id, pad_id, device)
+    gen = NativeGenerator(spec, vocab_size, eos, pad_id, device)
     gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
     return trainer, gen

@@ -29,12 +29,12 @@ import torch
 from transformers import DynamicCache
 
 from rljob.spec import JobSpec
-from workers.engines.batching import left_pad, positions
+from workers.engines.batching import StopIds, left_pad, positions, stop_ids
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
 from workers.engines.native.exact import is_exact
 from workers.engines.native.exact import log_softmax as exact_log_softmax
 from workers.engines.native.layer_diff import Trace, trace_generation
-from workers.engines.native.sampling import AllFinished, next_token
+from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Payload, Rollouts
@@ -50,8 +50,13 @@ from workers.weight_sync import CollectiveWeightSync, SyncResult
 class NativeGenerator:
     """Generator protocol on a torch model (CPU or one GPU)."""
 
-    def __init__(self, spec: JobSpec, vocab_size: int, eos_id: int, pad_id: int, device: str = "cpu") -> None:
-        self.spec, self.eos_id, self.pad_id, self.device = spec, eos_id, pad_id, torch.device(device)
+    def __init__(
+        self, spec: JobSpec, vocab_size: int, eos: StopIds, pad_id: int, device: str = "cpu"
+    ) -> None:
+        self.spec, self.pad_id, self.device = spec, pad_id, torch.device(device)
+        self.eos_ids = stop_ids(eos)  # a response ends at any of them
+        # on the device once: the decode loop compares each token with them without a copy
+        self.stop = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.model = build_policy(spec, vocab_size, torch.bfloat16, self.device)
         self.model.requires_grad_(False)
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "generator")
@@ -167,7 +172,7 @@ class NativeGenerator:
         """
         if self.static is not None:
             out = self.static.generate(
-                ids, attn, max_new_tokens, temperature, top_p, seed, self.eos_id, self.pad_id
+                ids, attn, max_new_tokens, temperature, top_p, seed, self.eos_ids, self.pad_id
             )
             self.kv_cache_bytes = self.static.kv_cache_bytes
             return out
@@ -189,6 +194,7 @@ class NativeGenerator:
                 position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # only the last position samples: no [B, P, V] logits
             )
             next_pos = pos[:, -1] + 1  # [B]
             tokens, logps, valid = [], [], []
@@ -201,7 +207,7 @@ class NativeGenerator:
                 valid.append(~finished)
                 logps.append(logp)
                 tokens.append(tok)
-                finished = finished | (tok == self.eos_id)
+                finished = finished | stops(tok, self.stop)
                 all_finished.post(finished)
                 if len(tokens) == max_new_tokens or all_finished:
                     break

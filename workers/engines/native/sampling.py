@@ -32,6 +32,11 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def stops(tok: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: whether each token of ``tok [B]`` is one of the ids in ``stop [S]``."""
+    return (tok[:, None] == stop[None, :]).any(-1)
+
+
 def next_token(
     logits: torch.Tensor,
     temperature: float,

@@ -38,10 +38,10 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from workers.engines.batching import positions
+from workers.engines.batching import StopIds, positions, stop_ids
 from workers.engines.models import BOOL_MASKS, attention_mask_4d
 from workers.engines.native import decode_attention
-from workers.engines.native.sampling import AllFinished, next_token
+from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.fp8.formats import to_float32
 from workers.fp8.guard import FiniteGuard, finite_guard, use_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
@@ -149,7 +149,7 @@ class DecodeShape:
     new_tokens: int
     temperature: float
     top_p: float
-    eos_id: int
+    eos_ids: tuple[int, ...]
     pad_id: int
 
 
@@ -167,6 +167,7 @@ class _Session:
         self.tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         self.logps = torch.zeros(b, n, dtype=torch.float32, device=device)
         self.valid = torch.zeros(b, n, dtype=torch.bool, device=device)
+        self.stop = torch.tensor(shape.eos_ids, dtype=torch.long, device=device)  # [S], made once
         no_rng = device.type == "meta"  # a shape-only dry run has no generator
         self.gen = None if no_rng else torch.Generator(device=device)
         self.guard = FiniteGuard()  # the graph's own NaN/inf codes (see the module docstring)
@@ -229,7 +230,7 @@ class StaticDecoder:
         temperature: float,
         top_p: float,
         seed: int,
-        eos_id: int,
+        eos: StopIds,
         pad_id: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What :meth:`NativeGenerator.generate_on_device` returns, for left-padded ``ids``/``attn``."""
@@ -239,7 +240,9 @@ class StaticDecoder:
         ids = torch.nn.functional.pad(ids, (extra, 0), value=pad_id)
         attn = torch.nn.functional.pad(attn, (extra, 0), value=0)
         b, p = ids.shape
-        s = self._session(DecodeShape(b, p, max_new_tokens, float(temperature), float(top_p), eos_id, pad_id))
+        s = self._session(
+            DecodeShape(b, p, max_new_tokens, float(temperature), float(top_p), stop_ids(eos), pad_id)
+        )
         if s.gen is not None:
             s.gen.manual_seed(seed)
         cache = s.cache
@@ -252,6 +255,7 @@ class StaticDecoder:
                 position_ids=pos,
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # only the last position samples: no [B, P, V] logits
             )
             s.seen.zero_()
             s.seen[:, :p].copy_(attn.bool())
@@ -323,7 +327,7 @@ class StaticDecoder:
         s.valid.index_copy_(1, s.step, (~s.finished)[:, None])
         s.logps.index_copy_(1, s.step, logp[:, None])
         s.tokens.index_copy_(1, s.step, tok[:, None])
-        s.finished.logical_or_(tok == s.shape.eos_id)
+        s.finished.logical_or_(stops(tok, s.stop))
         s.tok.copy_(tok)
         s.step.add_(1)
 

@@ -31,6 +31,7 @@ from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.batching import positions
 from workers.engines.factory import calibrates_kv
+from workers.engines.logprobs import token_logprobs
 from workers.engines.models import (
     COMPUTE_DTYPE,
     DTYPES,
@@ -79,9 +80,12 @@ def sequence_logprobs(
     # BF16 parameters for this pass (tied weights stay tied); the master ones get the gradients
     params = compute_params(model, compute_dtype)
     out = torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
-    logits = out.logits[:, :-1].float() / temperature  # [B, L, V]: position t predicts token t
-    logp_all = exact_log_softmax(logits) if is_exact(model) else torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
+    logits = out.logits[:, :-1]  # [B, L, V]: position t predicts token t
+    if is_exact(model):  # the row-exact log-softmax the exact generator takes, in one piece
+        logp_all = exact_log_softmax(logits.float() / temperature)
+        logp = logp_all.gather(-1, response_ids[..., None]).squeeze(-1)
+    else:  # no [B, L, V] float32 copy kept (workers/engines/logprobs.py)
+        logp = token_logprobs(logits, response_ids, temperature)
     return logp * response_mask  # [B, L]
 
 

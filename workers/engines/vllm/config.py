@@ -275,9 +275,10 @@ def engine_kwargs(
 
 
 def sampling_kwargs(
-    max_new_tokens: int, temperature: float, top_p: float, seed: int, eos_id: int
+    max_new_tokens: int, temperature: float, top_p: float, seed: int, eos: int | Sequence[int]
 ) -> dict[str, Any]:
-    """``vllm.SamplingParams(**kwargs)`` of one request: the sampled token's log-prob, our EOS."""
+    """``vllm.SamplingParams(**kwargs)`` of one request: the sampled token's log-prob, our stop
+    ids (``eos``: one id or every id that ends a response)."""
     return {
         "n": 1,
         "temperature": temperature,  # 0: greedy (vLLM then forces top_p 1)
@@ -286,7 +287,7 @@ def sampling_kwargs(
         "max_tokens": max_new_tokens,
         "seed": seed,
         "logprobs": 0,  # the sampled token only
-        "stop_token_ids": [eos_id],
+        "stop_token_ids": [eos] if isinstance(eos, int) else [int(i) for i in eos],
         "ignore_eos": False,
         "detokenize": False,
     }

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.batching import left_pad
+from workers.engines.batching import StopIds, left_pad, stop_ids
 from workers.engines.models import model_config
 from workers.engines.protocols import Payload, Rollouts
 from workers.engines.vllm.config import VLLM_VERSION as VLLM_VERSION  # where bench and tests read it
@@ -75,22 +75,24 @@ CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def rollouts_from_outputs(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[Any], pad_id: int, eos_id: int
+    prompts: Sequence[Sequence[int]], outputs: Sequence[Any], pad_id: int, eos: StopIds
 ) -> Rollouts:
     """Our :class:`Rollouts` from vLLM ``RequestOutput`` objects, one per prompt in order.
 
     Reads only documented fields: ``outputs[0].token_ids`` (EOS included when it stopped on it)
     and ``outputs[0].logprobs`` (per position ``{token id: Logprob(logprob=...)}``). Tokens after
-    an EOS, if any, are dropped.
+    the first stop id (any of ``eos``), if any, are dropped.
     """
+    stop = set(stop_ids(eos))
     if len(outputs) != len(prompts):
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
     rows: list[tuple[list[int], list[float]]] = []
     for out in outputs:
         completion = out.outputs[0]
         ids = [int(t) for t in completion.token_ids]
-        if eos_id in ids:
-            ids = ids[: ids.index(eos_id) + 1]
+        end = next((i for i, t in enumerate(ids) if t in stop), None)
+        if end is not None:
+            ids = ids[: end + 1]
         if completion.logprobs is None or len(completion.logprobs) < len(ids):
             raise ValueError(
                 "vLLM returned no log-prob per sampled token: SamplingParams(logprobs=0) is required"
@@ -110,8 +112,9 @@ def rollouts_from_outputs(
     return Rollouts(prompt_ids, prompt_mask, response_ids, response_mask, logprobs)
 
 
-def write_generation_config(directory: str, eos_id: int) -> None:
-    """A ``generation_config.json`` whose only stop token is ours, for ``LLM(generation_config=...)``.
+def write_generation_config(directory: str, eos: StopIds) -> None:
+    """A ``generation_config.json`` whose stop tokens are exactly ours (the tokenizer's
+    ``eos_ids``), for ``LLM(generation_config=...)``.
 
     vLLM adds every ``eos_token_id`` of the model's generation config (or of its ``config.json``:
     2 for a Llama config) to each request's stop tokens. A sequence would then end on a token the
@@ -120,7 +123,9 @@ def write_generation_config(directory: str, eos_id: int) -> None:
     """
     from transformers import GenerationConfig
 
-    GenerationConfig(eos_token_id=eos_id).save_pretrained(directory)  # type: ignore[no-untyped-call]
+    ids = list(stop_ids(eos))
+    config = GenerationConfig(eos_token_id=ids[0] if len(ids) == 1 else ids)  # type: ignore[no-untyped-call]
+    config.save_pretrained(directory)
 
 
 @contextmanager
@@ -151,12 +156,12 @@ class VllmGenerator:
         self,
         spec: JobSpec,
         vocab_size: int,
-        eos_id: int,
+        eos: StopIds,
         pad_id: int,
         device: str = "cuda",
         max_prompt_tokens: int | None = None,
     ) -> None:
-        self.spec, self.eos_id, self.pad_id = spec, eos_id, pad_id
+        self.spec, self.eos_ids, self.pad_id = spec, stop_ids(eos), pad_id
         self.device = torch.device(device).type
         self.hf_config = model_config(spec, vocab_size)
         check_vllm(self.hf_config, spec, CpuFeatures.detect() if self.device == "cpu" else None)
@@ -173,7 +178,7 @@ class VllmGenerator:
                 self.hf_config.architectures = [CAUSAL_LM[self.hf_config.model_type]]
             self.hf_config.save_pretrained(directory)
             model = directory
-        write_generation_config(directory, eos_id)
+        write_generation_config(directory, self.eos_ids)
         self.max_model_len = max_model_len(self.hf_config, spec, max_prompt_tokens)
         ignored = sorted(m for m in bf16 if m != "lm_head")
         kwargs = engine_kwargs(
@@ -299,13 +304,13 @@ class VllmGenerator:
         from vllm import SamplingParams, TokensPrompt
 
         params = [
-            SamplingParams(**sampling_kwargs(max_new_tokens, temperature, top_p, seed + i, self.eos_id))
+            SamplingParams(**sampling_kwargs(max_new_tokens, temperature, top_p, seed + i, self.eos_ids))
             for i in range(len(prompts))
         ]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         with self._engine_death_named():
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        rollouts = rollouts_from_outputs(prompts, outputs, self.pad_id, self.eos_id)
+        rollouts = rollouts_from_outputs(prompts, outputs, self.pad_id, self.eos_ids)
         tokens = int(rollouts.prompt_mask.sum()) + int(rollouts.response_mask.sum())
         self.kv_cache_bytes = tokens * self._per_token  # what the batch's sequences held at the end
         return rollouts

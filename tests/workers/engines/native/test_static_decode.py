@@ -62,14 +62,19 @@ def test_static_decode_samples_what_eager_decode_samples(
 
 
 def test_static_decode_stops_where_eager_decode_stops() -> None:
-    """With an EOS that some rows sample: the same finished rows, padding and early stop."""
+    """With two stop ids that rows sample (a chat model's end of turn beside its EOS): the same
+    finished rows, padding and early stop in both loops, each row cut at its first stop id."""
     gen = NativeGenerator(spec("bf16"), TOK.vocab_size, -1, TOK.pad_id, "cpu")
     ids, mask = left_pad(PROMPTS, TOK.pad_id)
-    first = gen.generate_on_device(ids, mask, 6, 0.0, 1.0, 0)[0]
-    gen.eos_id = eos = int(first[0, 2])  # row 0 stops at its third token (others maybe later)
+    first = gen.generate_on_device(ids, mask, 12, 0.0, 1.0, 0)[0]  # greedy, never stopping
+    stop = (int(first[0, 2]), int(first[1, 3]))  # row 0 stops by its third token, row 1 by its fourth
+    # where each row must end, read off the unstopped tokens (greedy: the same prefix)
+    ends = [next((t + 1 for t, tok in enumerate(row.tolist()) if tok in stop), 12) for row in first]
+    assert ends[0] <= 3 and ends[1] <= 4
+    gen = NativeGenerator(spec("bf16"), TOK.vocab_size, stop, TOK.pad_id, "cpu")  # same init seed
     want = gen.generate_on_device(ids, mask, 12, 0.0, 1.0, 0)
-    got = static_of(gen, False).generate(ids, mask, 12, 0.0, 1.0, 0, eos, TOK.pad_id)
-    assert float(want[1][0].sum()) == 3.0  # row 0: three valid tokens, then padding
+    got = static_of(gen, False).generate(ids, mask, 12, 0.0, 1.0, 0, stop, TOK.pad_id)
+    assert [int(n) for n in want[1].sum(1)] == ends  # valid tokens per row, then padding
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-5)
 

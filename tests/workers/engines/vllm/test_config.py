@@ -200,7 +200,7 @@ def test_resources_from_the_spec() -> None:
 
 
 def test_sampling_arguments() -> None:
-    s = vg.sampling_kwargs(32, 0.7, 0.9, 5, eos_id=2)
+    s = vg.sampling_kwargs(32, 0.7, 0.9, 5, eos=2)
     assert (s["temperature"], s["top_p"], s["max_tokens"], s["seed"]) == (0.7, 0.9, 32, 5)
     assert s["logprobs"] == 0 and s["stop_token_ids"] == [2] and not s["detokenize"] and s["n"] == 1
     assert vg.sampling_kwargs(8, 0.0, 0.9, 1, 2)["top_p"] == 1.0  # greedy
@@ -228,6 +228,10 @@ def test_rollouts_from_vllm_outputs() -> None:
     assert r.logprobs.tolist() == [[-0.5, -1.0, -0.25], [-2.0, -3.0, 0.0]]
     after_eos = rollouts_from_outputs([[1]], [_output([4, eos, 4], [-1.0, -1.0, -1.0])], pad, eos)
     assert after_eos.response_ids.tolist() == [[4, eos]]
+    # several stop ids (a chat model's end of turn beside its EOS): cut after the first of them
+    two = rollouts_from_outputs([[1]], [_output([4, 7, eos, 4], [-1.0] * 4)], pad, (eos, 7))
+    assert two.response_ids.tolist() == [[4, 7]]
+    assert vg.sampling_kwargs(8, 1.0, 1.0, 1, (eos, 7))["stop_token_ids"] == [eos, 7]
     missing = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1], logprobs=None)])
     with pytest.raises(ValueError, match="logprobs=0"):
         rollouts_from_outputs([[1]], [missing], pad, eos)
@@ -322,7 +326,7 @@ def test_a_request_lost_to_a_dead_engine_core_is_an_engine_failure(dead: bool) -
             raise SocketClosed("Socket operation on non-socket")
 
     gen: Any = VllmGenerator.__new__(VllmGenerator)  # no engine: only the failure's naming
-    gen.llm, gen.eos_id = Llm(), 2
+    gen.llm, gen.eos_ids = Llm(), (2,)
     with pytest.raises(EngineDeadError if dead else SocketClosed) as caught:
         gen.generate([[1, 2, 3]], 4, 1.0, 1.0, 0)
     assert is_engine_failure(caught.value) is dead
