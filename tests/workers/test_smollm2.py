@@ -96,9 +96,7 @@ def test_step0_validation_reproduces_transformers_generate(
         theirs_ok.append(task.grade(tok.decode(out[0, len(ids) :].tolist()), p).correct)
 
     differ = sum(a != b for a, b in zip(ours_ok, theirs_ok, strict=True))
-    print(
-        f"native {sum(ours_ok)}/{len(problems)} right, transformers {sum(theirs_ok)}, differ {differ}"
-    )
+    print(f"native {sum(ours_ok)}/{len(problems)} right, transformers {sum(theirs_ok)}, differ {differ}")
     assert differ <= 3 and abs(sum(ours_ok) - sum(theirs_ok)) <= 2
     # the prior skill the example starts from: some sums right, most responses cut by the budget
     assert 2 <= sum(theirs_ok) <= 24
@@ -147,3 +145,38 @@ def test_chunked_logprobs_of_the_real_model_match_a_float64_forward(
             want[i, :n] = torch.log_softmax(logits, -1).gather(-1, r.response_ids[i, :n, None])[:, 0]
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-3)
     assert isinstance(r, Rollouts)
+
+
+def test_a_two_step_fp8_e2e_run_of_the_example(smollm2_dir: Path, tmp_path: Path) -> None:
+    """``fp8rl run`` of the example as a user runs it (a smaller batch and validation set), in
+    fp8-e2e: exit 0, two steps and the validations logged, every decoder linear in FP8."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    sets = {
+        "model.name": str(smollm2_dir),
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "validation.size": 8,
+        "validation.interval": 2,
+    }
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    cli = [str(Path(sys.executable).parent / "fp8rl")]  # the console script of this environment
+    proc = subprocess.run(
+        [*cli, "run", str(EXAMPLE), "--recipe", "fp8-e2e", "--steps", "2", "--output", str(out),
+         "--no-progress", *args],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 2]
+    for r in steps:
+        assert 0.0 <= r["response/truncated_fraction"] <= 1.0 and 0.0 <= r["reward/mean"] <= 1.0
+        assert r["response_length/mean"] <= 12
+    audit = json.loads((out / "quantization_audit.json").read_text())
+    # 30 layers x (q, k, v, o, gate, up, down): every decoder linear in FP8, the lm_head in BF16
+    assert audit["trainer"]["summary"]["fp8_layers"] == audit["generator"]["summary"]["fp8_layers"] == 210
