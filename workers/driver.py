@@ -66,11 +66,25 @@ def _prepare_output(spec: JobSpec, out: Path, resume: bool) -> tuple[int, Path |
     return last[0] + 1, last[1]
 
 
+def check_local_models(spec: JobSpec) -> None:
+    """A ``model.name`` / ``tokenizer.name`` written as a local path (absolute, ``./``, ``../``)
+    that is not a directory fails here with the field, before Ray starts (transformers would take
+    it for a Hub id and say so in a traceback)."""
+    for field, name in (("model.name", spec.model.name), ("tokenizer.name", spec.tokenizer.name)):
+        if name and name.startswith(("/", "./", "../")) and not Path(name).is_dir():
+            raise ValueError(
+                f"{field}: {name} is not a directory. A pretrained model is a Hugging Face directory: "
+                "`fp8rl model fetch smollm2-135m-instruct` (or `fp8rl model import FILE.gguf`) prints one "
+                f"to use here (docs/models.md)"
+            )
+
+
 def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | None = None) -> RunResult:
     """Run ``spec`` to its last step (or until ``opts.stop`` is set); see the module docstring."""
     opts = opts or RunOptions()
     out = Path(output_dir or spec.output_dir)
     check_engines(spec)  # an engine that is not installed fails here, before Ray does any work
+    check_local_models(spec)
     # a bad task, held-out split (validation.size) or tokenizer fails here, before Ray starts
     tok = build_tokenizer(spec)
     task = Task.for_job(spec, tok)

@@ -38,3 +38,16 @@ def test_import_of_a_file_that_is_not_gguf_exits_2(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stderr == f"error: {text} is not a GGUF file (it starts with b'hell', not b'GGUF')\n"
     assert not (tmp_path / "home").exists()
+
+
+def test_a_run_naming_a_model_directory_that_is_not_there_fails_with_the_field(tmp_path: Path) -> None:
+    """Before Ray starts, in one line: not transformers' Hub-id traceback."""
+    example = Path(__file__).parents[2] / "examples" / "smollm2-addition.yaml"
+    missing = tmp_path / "models" / "smollm2-135m-instruct"
+    result = runner.invoke(
+        app, ["run", str(example), "--set", f"model.name={missing}", "--output", str(tmp_path / "run")]
+    )
+    assert result.exit_code != 0
+    assert f"model.name: {missing} is not a directory" in result.output
+    assert "fp8rl model fetch smollm2-135m-instruct" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
