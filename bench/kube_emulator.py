@@ -1,12 +1,12 @@
 """An in-memory Kubernetes API over real HTTP (kmock), for tests and ``fp8rl bench operator``.
 
 ``KubeEmulator`` runs kmock's ``KubernetesEmulator`` on a random local port in a background thread
-with its own event loop, declares the resources fp8rl touches (namespaces, ConfigMaps, Events,
-RLJobs, RayJobs) and writes a kubeconfig pointing at it, so the real ``kubernetes`` client, kopf
-and kubectl all talk to it as to a cluster. ``requests(...)`` lists the API calls it served (kmock
-records every request), e.g. to count status writes. kmock is a development dependency, used
-through its public API only: this module lives in the tooling tier (``bench``), never imported by
-the runtime packages.
+with its own event loop, declares the resources fp8rl touches (namespaces, ConfigMaps, Secrets,
+Events, NetworkPolicies, RLJobs, RayJobs) and writes a kubeconfig pointing at it, so the real
+``kubernetes`` client, kopf and kubectl all talk to it as to a cluster. ``requests(...)`` lists
+the API calls it served (kmock records every request), e.g. to count status writes. kmock is a
+development dependency, used through its public API only: this module lives in the tooling tier
+(``bench``), never imported by the runtime packages.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ RESOURCES: tuple[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]], ...] =
     ("v1/pods", "Pod", True, ("po",), ("status",)),
     ("v1/events", "Event", True, ("ev",), ()),
     ("v1/secrets", "Secret", True, (), ()),
+    ("networking.k8s.io/v1/networkpolicies", "NetworkPolicy", True, ("netpol",), ()),
     ("events.k8s.io/v1/events", "Event", True, ("ev",), ()),
     ("coordination.k8s.io/v1/leases", "Lease", True, (), ()),
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, (), ()),

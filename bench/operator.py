@@ -2,7 +2,8 @@
 
 One run measures, each against a fresh in-memory API server:
 - baseline: the bare API work the operator cannot avoid, done by one client directly (per job:
-  read the RLJob, create a ConfigMap and a RayJob from the builders, write the status);
+  read the RLJob, create a NetworkPolicy, a ConfigMap and a RayJob from the builders, write the
+  status);
 - operator: the same N RLJobs created at once, then the time until every one has its RayJob
   (each job's latency from its create to its RayJob first being seen, polled every 250 ms).
 
@@ -59,6 +60,7 @@ def _baseline(kube: Any, n: int) -> float:
     api = api_client(str(kube.kubeconfig))
     objects: Any = client.CustomObjectsApi(api)
     core: Any = client.CoreV1Api(api)
+    networking: Any = client.NetworkingV1Api(api)
     store, settings = KubernetesJobStore(api), OperatorSettings()
     bodies = [rl.manifest(f"base-{i}", BASE_NS, JobSpec()) for i in range(n)]
     for body in bodies:
@@ -68,6 +70,7 @@ def _baseline(kube: Any, n: int) -> float:
         name = body["metadata"]["name"]
         obj: Any = objects.get_namespaced_custom_object(rl.GROUP, rl.VERSION, BASE_NS, rl.PLURAL, name)
         job = rl.RLJob.of(obj)
+        networking.create_namespaced_network_policy(BASE_NS, builders.network_policy(job, settings))
         core.create_namespaced_config_map(BASE_NS, builders.spec_configmap(job))
         objects.create_namespaced_custom_object(
             "ray.io", "v1", BASE_NS, "rayjobs", builders.rayjob(job, settings)

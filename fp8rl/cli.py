@@ -102,6 +102,9 @@ def layer_diff_cmd(
 def serve_cmd(
     host: Annotated[str | None, typer.Option(help="Address to listen on (FP8RL_HOST).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (FP8RL_PORT).")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Port of the Prometheus series, fp8rl_jobs (FP8RL_METRICS_PORT).")
+    ] = None,
     data_dir: Annotated[
         Path | None, typer.Option(help="SQLite and run directories (FP8RL_DATA_DIR).")
     ] = None,
@@ -126,6 +129,7 @@ def serve_cmd(
     given = {
         "host": host,
         "port": port,
+        "metrics_port": metrics_port,
         "data_dir": data_dir,
         "tokens_file": tokens_file,
         "store": store,

@@ -6,6 +6,11 @@ defaults in, Kubernetes objects out. No builder changes its arguments.
   driver), a generation group and a training group. Each actor gets its own pod with its GPUs
   (requests = limits), ``num-gpus`` and a custom Ray resource (``fp8rl_generation`` /
   ``fp8rl_training``) that pins the driver's actors to their group.
+- ``network_policy``: the job's pods admit traffic only from each other, from the metrics scrapers
+  (Prometheus, this operator) on the driver's metrics port, and from the KubeRay operator on the
+  Ray dashboard port; everything else is denied.
+- ``ray_token_secret`` (``ray_auth: secret`` only): the token every Ray process and client of the
+  job must present; with ``ray_auth: kuberay`` the RayJob asks KubeRay for one (``authOptions``).
 - ``owner_reference``: set on everything built, so Kubernetes garbage-collects it with the RLJob
   (the operator also deletes it explicitly, behind a finalizer).
 
@@ -21,7 +26,7 @@ import shlex
 from typing import Any
 
 from operators.settings import OperatorSettings
-from rljob import paths
+from rljob import images, paths
 from rljob import resource as rl
 from rljob.paths import POD_HOME
 from rljob.resource import Pool, RLJob, RLJobSpec
@@ -32,6 +37,8 @@ RLJOB_LABEL = "fp8rl.io/rljob"
 SPEC_HASH = "fp8rl.io/spec-hash"
 SPEC_DIR = "/etc/fp8rl"
 RUNS_DIR = "/runs"
+DASHBOARD_PORT = 8265  # Ray's dashboard: the Jobs API KubeRay submits HTTP-mode jobs to
+RAY_TOKEN_KEY = "auth_token"  # the Secret's key (the name KubeRay uses for the Secrets it makes)
 
 # scheduler -> labels on the RayJob for its queue (KubeRay's batch-scheduler integrations)
 QUEUE_LABELS = {
@@ -43,6 +50,10 @@ QUEUE_LABELS = {
 
 def configmap_name(name: str) -> str:
     return f"{name}-spec"
+
+
+def ray_token_secret_name(name: str) -> str:
+    return f"{name}-ray-token"
 
 
 def owner_reference(job: RLJob) -> dict[str, Any]:
@@ -79,6 +90,46 @@ def spec_configmap(job: RLJob) -> dict[str, Any]:
         "metadata": _meta(job, configmap_name(job.metadata.name)),
         "data": {JOB_SPEC: job.spec.job.model_dump_json(indent=2)},
     }
+
+
+def ray_token_secret(job: RLJob, token: str) -> dict[str, Any]:
+    """The job's Ray token (``ray_auth: secret``): ``token`` comes from the caller, so that this
+    builder stays a function of its arguments."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(job, ray_token_secret_name(job.metadata.name)),
+        "type": "Opaque",
+        "stringData": {RAY_TOKEN_KEY: token},
+    }
+
+
+def network_policy(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
+    """Ingress to the job's pods (head, workers, submitter: all carry ``RLJOB_LABEL``) only from
+    the job's own pods (any port: Ray's GCS, object manager, workers and NCCL all connect between
+    them), from ``s.metrics_from`` on the driver's metrics port, and from ``s.dashboard_from`` on
+    the Ray dashboard port. Other traffic to these pods is denied once a policy selects them;
+    egress is left open (models and datasets are downloaded)."""
+    own = {"podSelector": {"matchLabels": {RLJOB_LABEL: job.metadata.name}}}
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
+    if s.metrics_from:
+        ingress.append({"from": [p.manifest() for p in s.metrics_from], "ports": _tcp(s.metrics_port)})
+    if s.dashboard_from:
+        ingress.append({"from": [p.manifest() for p in s.dashboard_from], "ports": _tcp(DASHBOARD_PORT)})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(job, job.metadata.name),
+        "spec": {
+            "podSelector": {"matchLabels": {RLJOB_LABEL: job.metadata.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def _tcp(port: int) -> list[dict[str, Any]]:
+    return [{"port": port, "protocol": "TCP"}]
 
 
 def _pool(own: Pool, default: Pool) -> dict[str, Any]:
@@ -136,8 +187,17 @@ def _pod(
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
-def _env(values: dict[str, str]) -> list[dict[str, str]]:
-    return [{"name": k, "value": v} for k, v in sorted(values.items())]
+def _env(job: RLJob, s: OperatorSettings, values: dict[str, str]) -> list[dict[str, Any]]:
+    """``values`` as container env, and with ``ray_auth: secret`` the job's Ray token (KubeRay sets
+    both itself with ``ray_auth: kuberay``)."""
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(values.items())]
+    if s.ray_auth == "secret":
+        ref = {"name": ray_token_secret_name(job.metadata.name), "key": RAY_TOKEN_KEY}
+        env += [
+            {"name": rl.RAY_AUTH_MODE_ENV, "value": "token"},
+            {"name": rl.RAY_AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}},
+        ]
+    return env
 
 
 def entrypoint(job: RLJob, s: OperatorSettings) -> str:
@@ -169,7 +229,7 @@ def _group(job: RLJob, s: OperatorSettings, group: str, actors: int, gpus: int) 
         limits["nvidia.com/gpu"] = str(gpus)
     container = {
         "name": "ray-worker",
-        "env": _env(s.nccl_env),
+        "env": _env(job, s, s.nccl_env),
         "resources": {"requests": dict(limits), "limits": dict(limits)},
     }
     return {
@@ -194,11 +254,11 @@ def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
     spec_volume = {"name": "job-spec", "configMap": {"name": configmap_name(name)}}
     head_container = {
         "name": "ray-head",
-        "env": _env({**s.nccl_env, rl.RAY_GROUPS_ENV: "1"}),
+        "env": _env(job, s, {**s.nccl_env, rl.RAY_GROUPS_ENV: "1"}),
         "resources": {"requests": dict(head_resources), "limits": dict(head_resources)},
         "ports": [
             {"name": "gcs", "containerPort": 6379},
-            {"name": "dashboard", "containerPort": 8265},
+            {"name": "dashboard", "containerPort": DASHBOARD_PORT},
             {"name": "client", "containerPort": 10001},
             {"name": "fp8rl-metrics", "containerPort": s.metrics_port},
         ],
@@ -210,7 +270,9 @@ def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
         "kind": "RayJob",
         "metadata": {**_meta(job, name, labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
         "spec": {
-            "submissionMode": "HTTPMode",
+            # KubeRay (>= 1.5.1, with authOptions) submits with the token itself; a KubeRay that
+            # cannot does not know the token, so a submitter pod that has it submits (ray_auth: secret)
+            "submissionMode": "HTTPMode" if s.ray_auth == "kuberay" else "K8sJobMode",
             "entrypoint": entrypoint(job, s),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": _pick(
@@ -233,7 +295,50 @@ def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
             },
         },
     }
+    if s.ray_auth == "kuberay":
+        body["spec"]["rayClusterSpec"]["authOptions"] = {"mode": "token"}
+    else:
+        body["spec"]["submitterPodTemplate"] = _submitter(job, s)
     return body
+
+
+def kuberay_knows_auth_options(crd: dict[str, Any]) -> bool:
+    """Whether KubeRay's RayJob CRD (``rayjobs.ray.io`` as read from the API server) has
+    ``spec.rayClusterSpec.authOptions`` in its ``v1`` schema (KubeRay >= 1.5.1). An older CRD
+    prunes the field without an error, and the job's Ray cluster would start without a token."""
+    for version in (crd.get("spec") or {}).get("versions") or []:
+        if version.get("name") != "v1":
+            continue
+        node: Any = ((version.get("schema") or {}).get("openAPIV3Schema")) or {}
+        for key in ("spec", "rayClusterSpec", "authOptions"):
+            node = (node.get("properties") or {}).get(key) if isinstance(node, dict) else None
+            if node is None:
+                return False
+        return True
+    return False
+
+
+def _submitter(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
+    """The pod that runs ``ray job submit`` (``ray_auth: secret``): KubeRay fills in its command
+    and the dashboard's address; it brings the token, the image and the job's pod rules."""
+    resources = {"cpu": "500m", "memory": "512Mi"}
+    container = {
+        "name": "ray-job-submitter",
+        "image": job.spec.cluster.image or s.image,
+        "imagePullPolicy": s.image_pull_policy,
+        "env": _env(job, s, {}),
+        "securityContext": _security(),
+        "resources": {"requests": dict(resources), "limits": dict(resources)},
+    }
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
+    }
+    if s.service_account:
+        spec["serviceAccountName"] = s.service_account
+    labels = {RLJOB_LABEL: job.metadata.name, "fp8rl.io/group": "submitter"}
+    return {"metadata": {"labels": labels}, "spec": spec}
 
 
 def placement_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
@@ -265,6 +370,17 @@ def path_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
     the same rule the service applies at POST, here for RLJobs created with kubectl."""
     found = paths.path_problems(spec.job, POD_HOME, s.model_roots, resolve=False)
     return [f"spec.job.{p.field}: {p.message}" for p in found]
+
+
+def image_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
+    """``spec.cluster.image`` outside the operator's allow-list (:mod:`rljob.images`). The
+    operator's own default image is not checked: the chart set it."""
+    image = spec.cluster.image
+    if image is None:
+        return []
+    found = images.image_problems(image, s.image_prefixes())
+    hint = "the cluster's admin allows more with the chart's jobDefaults.allowedImages"
+    return [f"spec.cluster.image: {problem}; {hint}" for problem in found]
 
 
 def _pick(own: int | None, default: int) -> int:

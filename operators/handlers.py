@@ -74,7 +74,11 @@ def registry(operator: OperatorSettings, kubeconfig: str | None = None) -> kopf.
         # a delete waits for the RLJob's timer to stop; kopf re-checks a timer caught mid-tick only
         # after this many seconds (default 60: a deletion would hang a minute)
         settings.background.cancellation_polling = 1
-        memo["reconciler"] = Reconciler(api_client(kubeconfig), operator)
+        reconciler = Reconciler(api_client(kubeconfig), operator)
+        problem = reconciler.kuberay_problem()
+        if problem:  # no job may start on a Ray cluster that would not require its token
+            raise kopf.PermanentError(problem)
+        memo["reconciler"] = reconciler
 
     for on in (kopf.on.update, kopf.on.create, kopf.on.resume):
         on(*RLJOB, id="on_rljob", registry=reg)(on_rljob)

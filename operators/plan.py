@@ -10,9 +10,13 @@ The decisions, in order:
 
 1. A deleted (finalizing) or finished (Succeeded, Cancelled) RLJob: nothing.
 2. A spec that does not validate, or that no default node can host, or naming files outside the
-   pods' /data: Failed with reason InvalidSpec and the fields (one Warning event).
-3. No RayJob: create it (and its ConfigMap); ``RayJobRecreated`` when the job was Starting or
-   Running (someone deleted it), else ``RayJobCreated``.
+   pods' /data, or an image outside the allow-list: Failed with reason InvalidSpec and the fields
+   (one Warning event).
+3. No RayJob: create it; ``RayJobRecreated`` when the job was Starting or Running (someone
+   deleted it), else ``RayJobCreated``. Whenever a RayJob is (re)built, the job's other objects
+   come first, so that no pod of it runs unprotected: its NetworkPolicy (created, or its spec
+   replaced), its Ray token Secret (``ray_auth: secret``; one that exists is kept: a running
+   cluster holds its token) and its ConfigMap.
 4. A RayJob built from another spec (``spec.job``/``spec.cluster`` changed): while the job is
    Starting or Running the change is refused (condition ``SpecChangeRefused``, one Warning event);
    otherwise the RayJob is rebuilt from the new spec.
@@ -81,6 +85,21 @@ class ReplaceConfigMap:
 
 
 @dataclass(frozen=True)
+class ApplyNetworkPolicy:
+    """Create the job's NetworkPolicy, or replace the spec of the one that exists."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CreateRayTokenSecret:
+    """Create the job's Ray token Secret with a new random token (one that exists is kept). The
+    token is drawn when the action runs, so that the plan stays a function of what was read."""
+
+    job: rl.RLJob
+
+
+@dataclass(frozen=True)
 class CreateRayJob:
     """Create the RayJob; ``event`` is posted only if this call created it (not on 409: another
     operator run was first)."""
@@ -109,7 +128,9 @@ class WriteStatus:
 
 
 Action = (
-    CreateConfigMap
+    ApplyNetworkPolicy
+    | CreateRayTokenSecret
+    | CreateConfigMap
     | ReplaceConfigMap
     | CreateRayJob
     | DeleteRayJob
@@ -161,7 +182,11 @@ def plan(
     except ValidationError as err:
         return _fail_invalid(status, "; ".join(describe_errors(err)), now)
     spec = job.spec
-    refused = builders.placement_problems(spec, settings) + builders.path_problems(spec, settings)
+    refused = (
+        builders.placement_problems(spec, settings)
+        + builders.path_problems(spec, settings)
+        + builders.image_problems(spec, settings)
+    )
     if refused:
         return _fail_invalid(status, "; ".join(refused), now)
 
@@ -169,7 +194,8 @@ def plan(
     after: list[Event] = []  # events that describe the status write: posted once it landed
     new, observed = status, rayjob
     ns, name = job.metadata.namespace, job.metadata.name
-    configmap_actions = _configmap(configmap, builders.spec_configmap(job))
+    # what a RayJob's pods need before they start (see 3. above)
+    before_rayjob = _guards(job, settings) + _configmap(configmap, builders.spec_configmap(job))
 
     def create(reason: Reason) -> CreateRayJob:
         nonlocal observed
@@ -179,7 +205,7 @@ def plan(
 
     if rayjob is None:
         why = Reason.RAYJOB_RECREATED if status.phase in RUNNING else Reason.RAYJOB_CREATED
-        actions += [*configmap_actions, create(why)]
+        actions += [*before_rayjob, create(why)]
     elif _annotation(rayjob, builders.SPEC_HASH) != builders.spec_hash(spec):
         if status.phase in RUNNING:
             if not any(c.type == Reason.SPEC_CHANGE_REFUSED and c.status for c in status.conditions):
@@ -188,7 +214,7 @@ def plan(
         else:  # not running: rebuild it from the new spec
             new = _condition(new, Reason.SPEC_CHANGE_REFUSED, False, Reason.APPLIED, "spec applied")
             applied = Event("Normal", Reason.SPEC_APPLIED, "RayJob rebuilt from the changed spec")
-            actions += [DeleteRayJob(), *configmap_actions, applied, create(Reason.RAYJOB_CREATED)]
+            actions += [DeleteRayJob(), *before_rayjob, applied, create(Reason.RAYJOB_CREATED)]
     elif (
         status.phase is Phase.PENDING
         and status.reason == Reason.USER_RESUMED
@@ -196,7 +222,7 @@ def plan(
         and not spec.suspend
     ):
         # resumed after a failure: a finished RayJob does not run again, a new one does
-        actions += [DeleteRayJob(), *configmap_actions, create(Reason.RAYJOB_RESTARTED)]
+        actions += [DeleteRayJob(), *before_rayjob, create(Reason.RAYJOB_RESTARTED)]
     else:
         suspended = bool((rayjob.get("spec") or {}).get("suspend"))
         kueue = bool(spec.cluster.queue and spec.cluster.queue.scheduler == "kueue")
@@ -281,6 +307,16 @@ def _deployment(rayjob: dict[str, Any]) -> str:
 def _annotation(obj: dict[str, Any], key: str) -> str | None:
     found = ((obj.get("metadata") or {}).get("annotations") or {}).get(key)
     return None if found is None else str(found)
+
+
+def _guards(job: rl.RLJob, settings: OperatorSettings) -> list[Action]:
+    """The job's NetworkPolicy and Ray token Secret, as the settings ask for them."""
+    out: list[Action] = []
+    if settings.network_policy:
+        out.append(ApplyNetworkPolicy(builders.network_policy(job, settings)))
+    if settings.ray_auth == "secret":
+        out.append(CreateRayTokenSecret(job))
+    return out
 
 
 def _configmap(current: dict[str, Any] | None, wanted: dict[str, Any]) -> list[Action]:

@@ -1,12 +1,14 @@
 """What the operator does for one RLJob, through the Kubernetes API: read the RLJob, its RayJob
 and its ConfigMap (and the driver's metrics while it trains), ask ``operators.plan`` what to do,
-and do it in order. The decisions are all in the plan; this module only executes its actions,
-each idempotent, so a restarted operator creates no duplicates. The kopf handlers
-(``handlers.py``) only call into this."""
+and do it in order (the job's NetworkPolicy and Ray token Secret are written, never read: the
+operator has no right to read Secrets). The decisions are all in the plan; this module only
+executes its actions, each idempotent, so a restarted operator creates no duplicates. The kopf
+handlers (``handlers.py``) only call into this."""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -18,8 +20,10 @@ import httpx
 from operators import builders
 from operators.plan import (
     Action,
+    ApplyNetworkPolicy,
     CreateConfigMap,
     CreateRayJob,
+    CreateRayTokenSecret,
     DeleteRayJob,
     Event,
     PatchRayJobSuspend,
@@ -62,6 +66,7 @@ class Reconciler:
         self.settings = settings
         # typed as Any: the client accepts plain dicts as bodies and returns dicts for custom objects
         self.core: Any = client.CoreV1Api(api)
+        self.networking: Any = client.NetworkingV1Api(api)
         self.objects: Any = client.CustomObjectsApi(api)
         self.http = httpx.Client(timeout=3.0)
         # kopf runs handlers of an RLJob and of its RayJob concurrently (they are two objects): one
@@ -71,6 +76,31 @@ class Reconciler:
         self._locks_guard = threading.Lock()
 
     # -- reads ----------------------------------------------------------------------------------
+
+    def kuberay_problem(self) -> str | None:
+        """Why jobs must not start with these settings, or None. With ``ray_auth: kuberay`` the
+        RayJob CRD must know ``authOptions``: an older KubeRay drops it unnoticed and every job's
+        Ray cluster would accept anyone. No RayJob CRD at all: nothing to check (RayJobs cannot
+        be created until KubeRay is installed, and each such failure is reported then)."""
+        if self.settings.ray_auth != "kuberay":
+            return None
+        from kubernetes import client
+
+        found = client.ApiextensionsV1Api(self.core.api_client).list_custom_resource_definition(
+            field_selector="metadata.name=rayjobs.ray.io"
+        )
+        crds = [self.core.api_client.sanitize_for_serialization(c) for c in found.items]
+        crds = [c for c in crds if c.get("metadata", {}).get("name") == "rayjobs.ray.io"]
+        if not crds:
+            log.warning("no RayJob CRD (rayjobs.ray.io): is KubeRay installed?")
+            return None
+        if builders.kuberay_knows_auth_options(crds[0]):
+            return None
+        return (
+            "KubeRay's RayJob CRD has no rayClusterSpec.authOptions (KubeRay older than 1.5.1): every "
+            "job's Ray cluster would start without a token. Upgrade KubeRay to 1.5.1 or later, or set "
+            "the chart's jobDefaults.rayAuth=secret (FP8RL_OPERATOR_RAY_AUTH=secret)"
+        )
 
     def read_rayjob(self, ns: str, name: str) -> dict[str, Any] | None:
         rayjob: dict[str, Any] | None = unless_missing(
@@ -146,8 +176,13 @@ class Reconciler:
         ns, name = meta.namespace, meta.name
         for action in actions:
             match action:
+                case ApplyNetworkPolicy(body):
+                    self._apply_network_policy(ns, body)
+                case CreateRayTokenSecret(job):
+                    body = builders.ray_token_secret(job, secrets.token_urlsafe(32))
+                    _created(self.core.create_namespaced_secret, ns, body)
                 case CreateConfigMap(body):
-                    self._create_configmap(ns, body)
+                    _created(self.core.create_namespaced_config_map, ns, body)
                 case ReplaceConfigMap(body):
                     self.core.patch_namespaced_config_map(
                         body["metadata"]["name"], ns, {"data": body["data"]}
@@ -196,14 +231,12 @@ class Reconciler:
             log.warning("could not post event %s on %s: %s", event.reason, meta.name, err)
         log.info("%s/%s %s: %s", meta.namespace, meta.name, event.reason, event.message)
 
-    def _create_configmap(self, ns: str, body: dict[str, Any]) -> None:
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self.core.create_namespaced_config_map(ns, body)
-        except ApiException as err:
-            if err.status != 409:  # 409: it exists (made by a previous operator run)
-                raise
+    def _apply_network_policy(self, ns: str, body: dict[str, Any]) -> None:
+        """Create the policy; one that exists (a previous operator run, or a RayJob being rebuilt)
+        gets the spec the current settings give."""
+        if not _created(self.networking.create_namespaced_network_policy, ns, body):
+            name = body["metadata"]["name"]
+            self.networking.patch_namespaced_network_policy(name, ns, {"spec": body["spec"]})
 
     def _create_rayjob(self, ns: str, body: dict[str, Any]) -> bool:
         """Whether this call created it (False: someone, a previous operator run, was first)."""
@@ -242,9 +275,27 @@ class Reconciler:
             return self._locks.setdefault((ns, name), threading.Lock())
 
     def cleanup(self, meta: rl.ObjectMeta) -> None:
-        """On delete (behind the finalizer): remove the RayJob and the ConfigMap."""
+        """On delete (behind the finalizer): remove the RayJob, then the ConfigMap, the token
+        Secret and the NetworkPolicy (the pods they serve go with the RayJob)."""
         ns, name = meta.namespace, meta.name
         with self._lock(ns, name):
             unless_missing(self.objects.delete_namespaced_custom_object, *RAY, ns, "rayjobs", name)
             unless_missing(self.core.delete_namespaced_config_map, builders.configmap_name(name), ns)
-        log.info("%s/%s deleted with its RayJob and ConfigMap", ns, name)
+            if self.settings.ray_auth == "secret":
+                unless_missing(self.core.delete_namespaced_secret, builders.ray_token_secret_name(name), ns)
+            if self.settings.network_policy:
+                unless_missing(self.networking.delete_namespaced_network_policy, name, ns)
+        log.info("%s/%s deleted with its RayJob, ConfigMap and guards", ns, name)
+
+
+def _created(create: Callable[[str, dict[str, Any]], Any], ns: str, body: dict[str, Any]) -> bool:
+    """``create(ns, body)``; False where it exists already (409: made by a previous operator run)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        create(ns, body)
+    except ApiException as err:
+        if err.status != 409:
+            raise
+        return False
+    return True

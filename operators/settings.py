@@ -6,14 +6,88 @@ renders from its values."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rljob.images import repository_of
 from rljob.resource import Pool, Toleration
 
 GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
+
+
+class LabelSelectorRequirement(BaseModel):
+    """One ``matchExpressions`` entry of a Kubernetes label selector."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(min_length=1)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] | None = None
+
+
+class LabelSelector(BaseModel):
+    """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    match_labels: dict[str, str] = Field(default_factory=dict, alias="matchLabels")
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list, alias="matchExpressions")
+
+    def manifest(self) -> dict[str, Any]:
+        """As a Kubernetes object field (empty parts left out)."""
+        out: dict[str, Any] = {}
+        if self.match_labels:
+            out["matchLabels"] = dict(self.match_labels)
+        if self.match_expressions:
+            out["matchExpressions"] = [e.model_dump(exclude_none=True) for e in self.match_expressions]
+        return out
+
+
+class Peer(BaseModel):
+    """Pods outside a job that may reach it: those matching ``podSelector`` in the namespaces
+    matching ``namespaceSelector``. The namespace selector must select something specific: an
+    empty one matches every namespace, where any tenant could start a pod with the right labels."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    namespace_selector: LabelSelector = Field(alias="namespaceSelector")
+    pod_selector: LabelSelector = Field(default_factory=LabelSelector, alias="podSelector")
+
+    @field_validator("namespace_selector")
+    @classmethod
+    def _specific(cls, value: LabelSelector) -> LabelSelector:
+        if not value.manifest():
+            raise ValueError(
+                "an empty namespaceSelector admits pods of every namespace (any tenant's); name the "
+                "namespace, e.g. {matchLabels: {kubernetes.io/metadata.name: monitoring}}"
+            )
+        return value
+
+    def manifest(self) -> dict[str, Any]:
+        """As a NetworkPolicy ``from`` entry (both selectors in one entry: pods of those
+        namespaces that match, not the union)."""
+        return {
+            "namespaceSelector": self.namespace_selector.manifest(),
+            "podSelector": self.pod_selector.manifest(),
+        }
+
+
+def _peer(namespace: str, **pod_labels: str) -> Peer:
+    return Peer(
+        namespace_selector=LabelSelector(match_labels={"kubernetes.io/metadata.name": namespace}),
+        pod_selector=LabelSelector(match_labels=pod_labels),
+    )
+
+
+# the chart renders all three from its values and release; these defaults serve a bare `fp8rl operator`
+PROMETHEUS_PEER = _peer("monitoring", **{"app.kubernetes.io/name": "prometheus"})
+OPERATOR_PEER = _peer(
+    "fp8rl-system", **{"app.kubernetes.io/name": "fp8rl", "app.kubernetes.io/component": "operator"}
+)
+KUBERAY_PEER = _peer("kuberay-system", **{"app.kubernetes.io/name": "kuberay-operator"})
 
 
 class OperatorSettings(BaseSettings):
@@ -61,10 +135,49 @@ class OperatorSettings(BaseSettings):
     active_deadline_seconds: int = Field(7 * 24 * 3600, ge=1, description="Fail a job running longer.")
     backoff_limit: int = Field(0, ge=0, le=100, description="Driver retries (resume from the checkpoint).")
     poll_seconds: float = Field(10.0, gt=0, description="How often each job's RayJob and progress are read.")
+    allowed_images: list[str] = Field(
+        default_factory=list,
+        description="Prefixes of the images an RLJob may name in spec.cluster.image (rljob.images: the "
+        "prefix itself, or it followed by ':tag', '@digest' or '/path'); empty: the repository of `image`.",
+    )
+    ray_auth: Literal["kuberay", "secret"] = Field(
+        "kuberay",
+        description="How each job's Ray cluster requires a token: 'kuberay' (KubeRay >= 1.5.1: "
+        "rayClusterSpec.authOptions, KubeRay makes the Secret and sends the token itself) or 'secret' "
+        "(older KubeRay: the operator makes a Secret per job and sets RAY_AUTH_MODE/RAY_AUTH_TOKEN on "
+        "every container, and a submitter pod with the token submits the driver).",
+    )
+    network_policy: bool = Field(
+        True,
+        description="Create a NetworkPolicy per job admitting only the peers below and the job's own pods.",
+    )
+    metrics_from: list[Peer] = Field(
+        default_factory=lambda: [PROMETHEUS_PEER, OPERATOR_PEER],
+        description="Who may reach the driver's metrics port on the head pod (Prometheus; this operator, "
+        "which reads progress there).",
+    )
+    dashboard_from: list[Peer] = Field(
+        default_factory=lambda: [KUBERAY_PEER],
+        description="Who may reach the Ray dashboard (8265: the Jobs API) of the head pod: the KubeRay "
+        "operator, which submits and watches HTTP-mode jobs there.",
+    )
     progress_url: str = Field(
         "http://{pod_ip}:{port}/metrics",
         description="Where the driver's metrics are scraped ({pod_ip} of the head pod, {port}).",
     )
+
+    @field_validator("allowed_images")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        bad = [p for p in value if not p.strip() or p != p.strip()]
+        if bad:
+            raise ValueError(f"image prefixes must be non-empty, without surrounding spaces: {bad}")
+        return value
+
+    def image_prefixes(self) -> list[str]:
+        """The allow-list of ``spec.cluster.image`` (``allowed_images``, else the repository of
+        the default ``image``)."""
+        return list(self.allowed_images) or [repository_of(self.image)]
 
     @classmethod
     def load(cls, path: Path | None = None) -> OperatorSettings:

@@ -37,6 +37,10 @@ TENANT_LABEL = "fp8rl.io/tenant"
 # it, so generators land on the generation pool and trainers on the training pool.
 RAY_GROUP_RESOURCES = {"generation": "fp8rl_generation", "training": "fp8rl_training"}
 RAY_GROUPS_ENV = "FP8RL_RAY_GROUPS"  # "1" in the RayJob's head container
+# Ray's token authentication (Ray >= 2.52): every Ray process and client reads these. The operator
+# sets them on a job's containers (or KubeRay does); `fp8rl run` sets the mode for its local Ray.
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 
 
 class _Strict(BaseModel):
@@ -76,7 +80,11 @@ class Queue(_Strict):
 class ClusterSpec(_Strict):
     """Where and how the job runs on Kubernetes; every field has an operator-wide default."""
 
-    image: str | None = Field(None, description="GPU worker image; default: the operator's.")
+    image: str | None = Field(
+        None,
+        description="GPU worker image; default: the operator's. Must be on the operator's allow-list "
+        "(rljob.images: an allowed prefix, or it followed by ':tag', '@digest' or '/path').",
+    )
     generation: Pool = Field(default_factory=Pool, description="Node pool of the generation group.")
     training: Pool = Field(default_factory=Pool, description="Node pool of the training group.")
     queue: Queue | None = Field(None, description="Kueue, Volcano or KAI queue.")

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import yaml
 
+# The 401 of every route (service.deps.get_tenant) and of service.middleware.TokenFirst
+UNAUTHORIZED = "missing or unknown bearer token: send 'Authorization: Bearer <token>'"
+UNAUTHORIZED_HEADERS = {"WWW-Authenticate": "Bearer"}
+
 
 class TokenFileError(ValueError):
     pass

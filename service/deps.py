@@ -9,7 +9,7 @@ from fastapi import Depends, HTTPException, Request, status
 from starlette.convertors import Convertor, register_url_convertor
 
 from rljob.jobs import JobStore
-from service.auth import TokenAuth
+from service.auth import UNAUTHORIZED, UNAUTHORIZED_HEADERS, TokenAuth
 from service.executor import Executor
 from service.settings import Settings
 
@@ -52,11 +52,7 @@ async def get_tenant(request: Request) -> str:
     auth: TokenAuth = request.app.state.auth
     tenant = auth.tenant(request.headers.get("authorization"))
     if tenant is None:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "missing or unknown bearer token: send 'Authorization: Bearer <token>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED, headers=UNAUTHORIZED_HEADERS)
     return tenant
 
 

@@ -3,6 +3,10 @@
 Drivers run in their own session, so they outlive a restart of the service. Each run directory
 holds ``driver.pid`` (the pid and the process's start time, which tells a live driver from a
 reused pid), so a restarted service can watch a driver it did not start.
+
+A driver gets a minimal environment (:func:`driver_environment`), not the service's: the service
+holds secrets in its environment (where its tokens file is, the Kubernetes and cloud credentials
+of its host), and a driver runs a tenant's job.
 """
 
 from __future__ import annotations
@@ -10,14 +14,61 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
 import zlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 UNKNOWN_EXIT = -1000  # a re-attached driver is not our child: its exit code cannot be read
+
+# What a driver (and the local Ray processes it starts) is given of the service's environment,
+# where set. Everything else stays with the service: its own FP8RL_* settings (the tokens file,
+# the tenants' limits, the kubeconfig), AWS_*/GOOGLE_*/AZURE_* credentials, KUBECONFIG,
+# proxies (which may carry a password), and whatever an operator set for the service alone.
+DRIVER_ENV_NAMES = frozenset(
+    {
+        # the process: programs, user, home (caches: ~/.cache/fp8rl models, Hugging Face, Triton),
+        # locale, temporary files, time zone
+        *("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TMP", "TEMP"),
+        # the interpreter and the libraries it loads (CUDA images set LD_LIBRARY_PATH)
+        *("VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
+        "XDG_CACHE_HOME",
+        # the driver's own switches (workers/: model_store, fp8/dispatch, fp8/quant, job_actors,
+        # engines/native/decode_attention, fp8/linear_gemm), held to this list by a test
+        *("FP8RL_HOME", "FP8RL_CUBLAS_BLOCKWISE", "FP8RL_DECODE_ATTENTION", "FP8RL_SMALL_M_GEMM"),
+        *("FP8RL_TRITON", "FP8RL_RAY_GROUPS"),
+        # Hugging Face: where models are and whether to go online (never HF_TOKEN: see below)
+        *("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"),
+    }
+)
+# Families of settings of the runtimes a driver uses: locale categories, Python, Ray, CUDA, NCCL,
+# PyTorch, Triton, vLLM, Transformer Engine, OpenMP/BLAS threads, transformers, tokenizers
+DRIVER_ENV_PREFIXES = (
+    *("LC_", "PYTHON", "RAY_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH", "TRITON_", "VLLM_", "NVTE_"),
+    *("OMP_", "KMP_", "MKL_", "OPENBLAS_", "TRANSFORMERS_", "TOKENIZERS_"),
+)
+# Never passed by the lists above, whatever the prefix (HF_TOKEN, RAY_AUTH_TOKEN, ..._API_KEY):
+# a site that means its drivers to have one names it in driver_env
+SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASS|PASSWORD|PASSWD|CREDENTIALS?|KEY|AUTH)(_|$)")
+
+
+def driver_environment(environ: Mapping[str, str], extra: Iterable[str] = ()) -> dict[str, str]:
+    """The environment of a driver: the variables of ``environ`` that ``DRIVER_ENV_NAMES`` or
+    ``DRIVER_ENV_PREFIXES`` name and whose names do not look like secrets (``SECRET_NAME``), and
+    those ``extra`` names (the ``driver_env`` setting) as they are."""
+    wanted = set(extra)
+
+    def passed(name: str) -> bool:
+        if name in wanted:
+            return True
+        known = name in DRIVER_ENV_NAMES or name.startswith(DRIVER_ENV_PREFIXES)
+        return known and SECRET_NAME.search(name) is None
+
+    return {k: v for k, v in environ.items() if passed(k)}
 
 
 def _start_time(pid: int) -> str | None:
@@ -41,11 +92,12 @@ class DriverProcess:
         self.started = started or (_start_time(pid) or "")
 
     @classmethod
-    def start(cls, argv: list[str], log: Path, cwd: Path) -> DriverProcess:
-        """Start ``argv`` in ``cwd`` in a session of its own, its output appended to ``log``."""
+    def start(cls, argv: list[str], log: Path, cwd: Path, env: Mapping[str, str]) -> DriverProcess:
+        """Start ``argv`` in ``cwd`` with exactly ``env`` (:func:`driver_environment`) in a session
+        of its own, its output appended to ``log``."""
         with log.open("ab") as f:
             popen = subprocess.Popen(
-                argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+                argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, env=env
             )
         return cls(popen.pid, popen)
 

@@ -13,6 +13,9 @@ checkpoint). Each fault the driver recovered from in place (``faults.jsonl``) se
 Suspend sends SIGINT, which the driver answers by checkpointing after the current step; resume
 starts the driver again with ``--resume``.
 
+Drivers get a minimal environment, not the service's (``service.driver_process.driver_environment``:
+what the driver and its runtimes read, never the service's secrets; ``driver_env`` adds names).
+
 Drivers outlive a restart of the service (``service.driver_process``). On start, a job left
 Starting/Running by a previous service process is re-attached if its driver still runs: it is
 watched as before, and when it exits the outcome is read from what it wrote (its last step
@@ -25,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +53,13 @@ from rljob.status import (
     Progress,
     Reason,
 )
-from service.driver_process import UNKNOWN_EXIT, DriverLimits, DriverProcess, confine
+from service.driver_process import (
+    UNKNOWN_EXIT,
+    DriverLimits,
+    DriverProcess,
+    confine,
+    driver_environment,
+)
 
 # a resume waits this long for the suspended driver to save its step and exit, then kills it
 RESUME_WAIT_S = 120.0
@@ -125,8 +135,10 @@ class LocalExecutor:
         read_only: list[Path] | None = None,
         limits: Callable[[str], DriverLimits] = lambda tenant: DriverLimits(),
         driver_retries: int = 2,
+        driver_env: Sequence[str] = (),
     ) -> None:
         self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
+        self.driver_env = tuple(driver_env)  # names passed to drivers beyond driver_environment's own
         self.driver_retries = driver_retries  # a failed driver is started again this often (--resume)
         self.read_only = read_only or []  # the service's read-only roots (FP8RL_MODEL_ROOTS)
         self.limits = limits  # what a tenant's drivers may take of this machine
@@ -187,7 +199,8 @@ class LocalExecutor:
         run.job_spec.write_text(job.spec.model_dump_json())
         resume = run.checkpoints.exists() or run.metrics.exists()
         # in the tenant's directory: the job's relative paths resolve there (rljob.paths)
-        proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home)
+        env = driver_environment(os.environ, self.driver_env)  # read now: a setting may change
+        proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home, env=env)
         confine(proc.pid, job.tenant, self.limits(job.tenant))
         proc.save(run.driver_pid)
         running = _Running(

@@ -5,6 +5,10 @@ auth, body limits, error bodies as RFC 9457 problem details, :mod:`service.probl
 ``--store sql`` (the embedded default): ``SqlJobStore`` + ``LocalExecutor`` (a driver process per
 job on this machine). ``--store kubernetes``: ``KubernetesJobStore`` (RLJobs) + ``OperatorHandoff``
 (the operator runs them).
+
+The API port answers callers without a token only with what holds no tenant data (``/healthz``,
+``/readyz``, ``/docs``, ``/openapi.json``). The Prometheus series, which name every tenant, are on
+the metrics port (:mod:`service.metrics`), which ``fp8rl serve`` opens beside it.
 """
 
 from __future__ import annotations
@@ -13,14 +17,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
 from rljob.jobs import InvalidRecord, JobStore
-from rljob.status import Phase
 from rljob.version import __version__
-from service import middleware, problems
+from service import metrics, middleware, problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
 from service.local_executor import LocalExecutor
@@ -68,7 +71,6 @@ SUCCESS: dict[tuple[str, str], dict[int, dict[str, Any]]] = {
         }
     },
     ("GET", "/v1/jobs/{name}/logs"): {200: {"description": "The driver's log, streamed.", **_TEXT}},
-    ("GET", "/metrics"): {200: {"description": "Prometheus text exposition.", **_TEXT}},
 }
 
 
@@ -95,6 +97,7 @@ def build_executor(settings: Settings, store: JobStore) -> Executor:
         read_only=settings.read_only_roots,
         limits=settings.driver_limits,
         driver_retries=settings.driver_retries,
+        driver_env=settings.driver_env_names,
     )
 
 
@@ -111,7 +114,9 @@ def create_app(
     ``executor`` runs the jobs the routes record; its ``start`` and ``shutdown`` are the caller's.
     Without one (and without ``run_jobs``) jobs are recorded and stay Pending. ``run_jobs``
     (``fp8rl serve``): the executor of the store instead (``build_executor``), started before the
-    app serves and shut down after it stopped (the app's lifespan).
+    app serves and shut down after it stopped (the app's lifespan), and the metrics port
+    (``settings.metrics_port``) open as long. Either way ``app.state.metrics`` is the registry of
+    the control plane's series.
     """
     if tokens is None:
         if settings.tokens_file is None:
@@ -119,16 +124,26 @@ def create_app(
         tokens = load_tokens(settings.tokens_file)
     store = store if store is not None else build_store(settings)
     owned = build_executor(settings, store) if run_jobs and executor is None else None
+    auth = TokenAuth(tokens)
+    registry = metrics.registry(store, lambda: auth.tenants)
+    exporter = metrics.MetricsServer(registry, settings.host, settings.metrics_port) if run_jobs else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if owned is not None:
-            owned.start()  # re-attach drivers a previous process left, start pending jobs
+        if exporter is not None:
+            exporter.start()  # first: a port in use stops the service before any driver starts
+            app.state.metrics_port = exporter.port
         try:
-            yield
-        finally:
             if owned is not None:
-                owned.shutdown()
+                owned.start()  # re-attach drivers a previous process left, start pending jobs
+            try:
+                yield
+            finally:
+                if owned is not None:
+                    owned.shutdown()
+        finally:
+            if exporter is not None:
+                exporter.stop()
 
     app = FastAPI(
         title="fp8rl control plane",
@@ -138,9 +153,12 @@ def create_app(
     )
     app.state.settings = settings
     app.state.store = store
-    app.state.auth = TokenAuth(tokens)
+    app.state.auth = auth
     app.state.executor = owned or executor
+    app.state.metrics = registry
+    # outermost last: a body without a token is refused before the body limit counts a byte of it
     app.add_middleware(middleware.BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(middleware.TokenFirst, auth=auth)
     app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":
         from kubernetes.client.exceptions import ApiException
@@ -155,22 +173,14 @@ def create_app(
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse)
-    def metrics() -> str:
-        """Prometheus exposition: jobs per tenant and phase."""
-        from prometheus_client import CollectorRegistry, Gauge, generate_latest
-
-        registry = CollectorRegistry()
-        gauge = Gauge("fp8rl_jobs", "Jobs by tenant and phase", ("namespace", "phase"), registry=registry)
-        jobs_, _ = app.state.store.query(None, None, limit=1_000_000)
-        # every tenant and phase from the start: "Jobs by phase" shows 0, not "no data"
-        counts = {(t, p.value): 0 for t in app.state.auth.tenants for p in Phase}
-        for j in jobs_:
-            key = (j.tenant, j.status.phase.value)
-            counts[key] = counts.get(key, 0) + 1
-        for (tenant, phase), n in counts.items():
-            gauge.labels(namespace=tenant, phase=phase).set(n)
-        return generate_latest(registry).decode()
+    @app.get("/metrics", include_in_schema=False)
+    def metrics_moved() -> None:
+        """Not here: the series name every tenant, and this port answers callers without a token."""
+        raise HTTPException(
+            404,
+            "the control plane's Prometheus series are on its metrics port (fp8rl serve "
+            "--metrics-port), not on the API port",
+        )
 
     @app.get("/readyz", tags=["health"])
     def readyz() -> dict[str, str]:

@@ -35,6 +35,13 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    metrics_port: int = Field(
+        9401,
+        ge=0,
+        le=65535,
+        description="Port of the control plane's Prometheus series (fp8rl_jobs), on the same address; "
+        "0 = any free port. Not the API port: the series name every tenant.",
+    )
     data_dir: Path = Field(Path("fp8rl-data"), description="SQLite database and job run directories.")
     tokens_file: Path | None = Field(None, description="YAML/JSON {token: tenant}; required to serve.")
     store: Literal["sql", "kubernetes"] = Field("sql", description="Where jobs are recorded.")
@@ -77,6 +84,12 @@ class Settings(BaseSettings):
         "Failed: the last line behind the driver's own recovery from actor faults (as a RayJob's "
         "backoffLimit). Not after a bad spec, out of memory, or more faults than the job allows.",
     )
+    driver_env: str = Field(
+        "",
+        description="Environment variables (names, separated by ',') that local drivers get from the "
+        "service's environment beyond their own minimal list (service.driver_process."
+        "driver_environment), e.g. HF_TOKEN,HTTPS_PROXY. Everything else the service holds stays out.",
+    )
     model_roots: str = Field(
         "",
         description="Read-only directories every tenant's jobs may name by absolute path (shared "
@@ -97,6 +110,10 @@ class Settings(BaseSettings):
         """Absolute from the start: drivers run in the tenant's directory, so a path relative to
         the service's working directory would name another place there."""
         return value.absolute()
+
+    @property
+    def driver_env_names(self) -> list[str]:
+        return [n.strip() for n in self.driver_env.split(",") if n.strip()]
 
     @property
     def read_only_roots(self) -> list[Path]:

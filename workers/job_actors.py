@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rljob.resource import RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
+from rljob.resource import RAY_AUTH_MODE_ENV, RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers.engines.factory import uses_weight_channel, weight_receivers
 from workers.engines.native.layer_diff import ExactMismatchError, Trace
@@ -370,7 +370,13 @@ def _exact_errors(refs: list[Any]) -> list[ExactMismatchError | None]:
 
 
 def ray_init(spec: JobSpec, address: str | None = None) -> bool:
-    """Start a local Ray (or join ``address``, else ``RAY_ADDRESS``); True when this call started it."""
+    """Start a local Ray (or join ``address``, else ``RAY_ADDRESS``); True when this call started it.
+
+    A local Ray requires Ray's auth token (``RAY_AUTH_MODE=token``) unless the user's environment
+    says otherwise: the token is ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or Ray's own
+    ``~/.ray/auth_token`` (made on first use). Ray 2.60 turns this on for local clusters by
+    itself but warns on every start when the mode is left unset; setting it says it is meant. A
+    cluster that is joined brings its own mode and token (a RayJob's pods have both)."""
     import ray
 
     if ray.is_initialized():
@@ -379,6 +385,7 @@ def ray_init(spec: JobSpec, address: str | None = None) -> bool:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
+        _token_auth_unless_set()
         res = spec.resources
         need = (res.trainers + res.generators) * res.cpus_per_actor
         ray.init(
@@ -387,6 +394,18 @@ def ray_init(spec: JobSpec, address: str | None = None) -> bool:
             logging_level=logging.WARNING,
         )
     return True
+
+
+def _token_auth_unless_set() -> None:
+    """``RAY_AUTH_MODE=token`` for a local Ray when the environment does not choose a mode. Ray
+    reads the mode into its config when it is imported, so the config is read again (as Ray's own
+    default does when it turns token auth on); its processes inherit the variable."""
+    if RAY_AUTH_MODE_ENV in os.environ:
+        return
+    from ray._raylet import Config  # type: ignore[attr-defined]  # compiled; not in its stub
+
+    os.environ[RAY_AUTH_MODE_ENV] = "token"
+    Config.initialize("")
 
 
 def ray_shutdown() -> None:

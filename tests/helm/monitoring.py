@@ -36,10 +36,10 @@ import httpx
 import yaml
 
 from tests.helm.tools import by_kind, render, tool
-from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL
+from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL, wait_for
 from tests.service.servers import free_port, serve
 
-__all__ = ["Prometheus", "QueryError", "Sample", "metric_names", "monitored"]
+__all__ = ["Prometheus", "QueryError", "Sample", "metric_names", "monitored", "pod_monitor", "scraping"]
 
 SCRAPE_S = 1  # scrape and rule-evaluation interval, s
 DRIVER_JOB, DRIVER_NAMESPACE, RECIPE = "dash", "default", "fp8-e2e"
@@ -135,6 +135,16 @@ def _ready(prom: Prometheus) -> list[str]:
     return [what for what, expr in wanted.items() if not prom.query(expr)]
 
 
+def _scrape_config(name: str, endpoint: dict[str, Any], target: str) -> dict[str, Any]:
+    """A scrape config of ``target`` (host:port) with a monitor endpoint's settings."""
+    return {
+        "job_name": name,
+        "honor_labels": endpoint["honorLabels"],
+        "metrics_path": endpoint["path"],
+        "static_configs": [{"targets": [target]}],
+    }
+
+
 def prometheus_config(driver: str, api: str, rule_file: Path) -> dict[str, Any]:
     """Scrape configs with the chart's monitor settings for the run (``driver``) and the control
     plane (``api``), and the chart's rules."""
@@ -143,14 +153,7 @@ def prometheus_config(driver: str, api: str, rule_file: Path) -> dict[str, Any]:
     [rule] = objects["PrometheusRule"]
     rule_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
 
-    def scrape(name: str, endpoint: dict[str, Any], target: str) -> dict[str, Any]:
-        return {
-            "job_name": name,
-            "honor_labels": endpoint["honorLabels"],
-            "metrics_path": endpoint["path"],
-            "static_configs": [{"targets": [target]}],
-        }
-
+    scrape = _scrape_config
     interval = f"{SCRAPE_S}s"
     return {
         "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
@@ -218,7 +221,8 @@ def monitored(workdir: Path) -> Iterator[Prometheus]:
             api_url = stack.enter_context(serve(workdir / "api", TOKENS, "--store", "sql", env=limits))
             _fail_job_at_once(api_url)
             run = stack.enter_context(_process(run_cmd, logs[0], signal.SIGINT, 60, group=True))
-            driver, api = f"127.0.0.1:{run_port}", api_url.removeprefix("http://")
+            # the control plane's series are on its metrics port (as the chart's ServiceMonitor scrapes)
+            driver, api = f"127.0.0.1:{run_port}", api_url.metrics.removeprefix("http://")
             config = workdir / "prometheus.yml"
             config.write_text(yaml.safe_dump(prometheus_config(driver, api, workdir / "rules.yaml")))
             prom_cmd = [
@@ -245,3 +249,40 @@ def monitored(workdir: Path) -> Iterator[Prometheus]:
         # Ctrl-C: the run stops after this step (a checkpoint, Ray shut down); the queries read `at`
         _stop(run, signal.SIGINT, 60, group=True)
         yield prom
+
+
+def pod_monitor() -> dict[str, Any]:
+    """The chart's PodMonitor of the jobs' head pods (the chart rendered with its monitoring on)."""
+    [monitor] = by_kind(render("--api-versions", "monitoring.coreos.com/v1"))["PodMonitor"]
+    return monitor
+
+
+@contextlib.contextmanager
+def scraping(workdir: Path, driver: str) -> Iterator[str]:
+    """A real ``prometheus`` scraping one driver's ``/metrics`` at ``driver`` (host:port) every
+    ``SCRAPE_S`` with the settings of the chart's PodMonitor (``honorLabels``, path), and nothing
+    else; yields its URL once it is ready. Leaving the block stops it, also after a failure."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    endpoint = pod_monitor()["spec"]["podMetricsEndpoints"][0]
+    interval, port = f"{SCRAPE_S}s", free_port()
+    config = workdir / "prometheus.yml"
+    scrape = _scrape_config("fp8rl-jobs", endpoint, driver)
+    config.write_text(
+        yaml.safe_dump(
+            {"global": {"scrape_interval": interval, "scrape_timeout": interval}, "scrape_configs": [scrape]}
+        )
+    )
+    cmd = [tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}"]
+    cmd.append(f"--web.listen-address=127.0.0.1:{port}")
+    url, log = f"http://127.0.0.1:{port}", workdir / "prometheus.log"
+    with _process(cmd, log, signal.SIGTERM, 30, group=False) as proc:
+
+        def ready() -> int | str:
+            assert proc.poll() is None, f"prometheus exited with {proc.returncode}\n{_tail(log)}"
+            try:
+                return httpx.get(f"{url}/-/ready").status_code
+            except httpx.HTTPError as err:
+                return repr(err)
+
+        wait_for(ready, "prometheus to be ready", lambda got: got == 200, timeout=60)
+        yield url

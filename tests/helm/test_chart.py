@@ -179,6 +179,13 @@ def test_ingress_toggle() -> None:
     assert ingress["spec"]["rules"][0]["host"] == "rl.example.org" and "tls" not in ingress["spec"]
     backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": "fp8rl-api", "port": {"name": "http"}}
+    # that Service carries the API port only: the metrics port (tenant names) is not routed
+    service = named(objects, "Service", "fp8rl-api")
+    assert [(p["name"], p["targetPort"]) for p in service["spec"]["ports"]] == [("http", "http")]
+    assert all(
+        p["backend"]["service"]["name"] != "fp8rl-api-metrics"
+        for p in ingress["spec"]["rules"][0]["http"]["paths"]
+    )
 
 
 def test_tokens_secret_generated_given_or_existing(tmp_path: Path) -> None:
@@ -256,11 +263,21 @@ def test_rbac_is_least_privilege() -> None:
         | {("fp8rl.io", "rljobs/status", v) for v in ("get", "patch")}
         | {("ray.io", "rayjobs", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
         | {("", "configmaps", v) for v in ("create", "patch", "delete")}
+        | {("networking.k8s.io", "networkpolicies", v) for v in ("create", "patch", "delete")}
         | {("", "pods", "list"), ("", "events", "create")}
     )
     assert rules(named(objects, "ClusterRole", "fp8rl-operator")) == operator
+    # the Ray token Secrets of jobDefaults.rayAuth=secret: written and deleted, never read
+    secret = render(values={"jobDefaults": {"rayAuth": "secret"}})
+    tokens = {("", "secrets", "create"), ("", "secrets", "delete")}
+    assert rules(named(secret, "ClusterRole", "fp8rl-operator")) == operator | tokens
+    # no per-job NetworkPolicies: no right to write them
+    bare = render(values={"networkPolicy": {"enabled": False}})
+    assert not any(r[1] == "networkpolicies" for r in rules(named(bare, "ClusterRole", "fp8rl-operator")))
+    # reads only: CRDs, and namespaces (kopf lists them when it watches some, not all)
     discovery = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
-    assert rules(named(objects, "ClusterRole", "fp8rl-operator-discovery")) == discovery
+    namespaces = {("", "namespaces", v) for v in ("list", "watch")}
+    assert rules(named(objects, "ClusterRole", "fp8rl-operator-discovery")) == discovery | namespaces
     # what rljob/kube.py calls
     api = {("fp8rl.io", "rljobs", v) for v in ("create", "get", "list", "patch", "delete")} | {
         ("fp8rl.io", "rljobs/status", "patch")
@@ -295,12 +312,41 @@ def test_the_pod_monitor_selects_the_head_pods_the_operator_builds() -> None:
 
 def test_service_monitor_and_network_policies_point_at_real_ports() -> None:
     objects = render(*WITH_PROM)
-    service = named(objects, "Service", "fp8rl-api")
     [monitor] = by_kind(objects)["ServiceMonitor"]
-    assert all(
-        service["metadata"]["labels"][k] == v for k, v in monitor["spec"]["selector"]["matchLabels"].items()
+    selected = [
+        s
+        for s in by_kind(objects)["Service"]
+        if all(
+            s["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items()
+        )
+    ]
+    # the metrics Service alone, never the API's (which the Ingress routes to)
+    assert [s["metadata"]["name"] for s in selected] == ["fp8rl-api-metrics"]
+    [service] = selected
+    assert service["spec"]["type"] == "ClusterIP"
+    [port] = service["spec"]["ports"]
+    assert monitor["spec"]["endpoints"][0]["port"] == port["name"] == port["targetPort"] == "metrics"
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "fp8rl-api"  # the scrape job
+    # the pod's metrics port is the one the control plane serves its series on, not the API's
+    api = named(objects, "Deployment", "fp8rl-api")
+    container = api["spec"]["template"]["spec"]["containers"][0]
+    served = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = env_of(api)
+    assert served["metrics"] == int(env["FP8RL_METRICS_PORT"]) == 9401
+    assert served["http"] == int(env["FP8RL_PORT"]) != served["metrics"]
+    assert "controlPlane.metricsPort must differ" in render_error(
+        values={"controlPlane": {"metricsPort": 8000}}
     )
-    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    # the metrics port admits Prometheus only; the API port whoever apiFrom names
+    policy = named(objects, "NetworkPolicy", "fp8rl-api")
+    by_port = {p["port"]: rule.get("from") for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert by_port["metrics"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+    assert by_port["http"] is None  # networkPolicy.apiFrom: [] (anyone)
     for policy in by_kind(objects)["NetworkPolicy"]:
         selector = policy["spec"]["podSelector"]["matchLabels"]
         [deployment] = [
@@ -333,3 +379,100 @@ def test_the_validators_catch_mistakes() -> None:
     monitor["spec"]["endpoints"][0]["interval"] = 15  # a number where a duration string goes
     with pytest.raises(AssertionError, match="interval must be string"):
         validate_all([monitor])
+
+
+WRITES = {"create", "update", "patch", "delete", "deletecollection", "bind", "escalate", "impersonate", "*"}
+
+
+def operator_writes_by_namespace(objects: list[dict[str, Any]]) -> dict[str, set[tuple[str, str, str]]]:
+    """What the operator's ServiceAccount may write, by namespace ("*": every namespace), from
+    the rendered bindings and the roles they grant."""
+    roles = {r["metadata"]["name"]: r for r in objects if r["kind"] in ("ClusterRole", "Role")}
+    out: dict[str, set[tuple[str, str, str]]] = {}
+    for binding in [o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")]:
+        if not any(
+            s["kind"] == "ServiceAccount" and s["name"] == "fp8rl-operator" for s in binding["subjects"]
+        ):
+            continue
+        granted = {r for r in rules(roles[binding["roleRef"]["name"]]) if r[2] in WRITES}
+        where = binding["metadata"].get("namespace", "*") if binding["kind"] == "RoleBinding" else "*"
+        out.setdefault(where, set()).update(granted)
+    return {ns: writes for ns, writes in out.items() if writes}
+
+
+def test_by_default_the_operator_writes_only_in_the_tenants_namespaces() -> None:
+    tenants = [{"name": "team-a"}, {"name": "team-b"}]
+    objects = render(values={"tenants": tenants})
+    validate_all(objects)
+    writes = operator_writes_by_namespace(objects)
+    assert set(writes) == {"team-a", "team-b"}  # no "*": no ClusterRoleBinding with a write
+    assert ("", "configmaps", "create") in writes["team-a"]
+    assert ("networking.k8s.io", "networkpolicies", "create") in writes["team-a"]
+    assert "fp8rl-operator" not in {b["metadata"]["name"] for b in by_kind(objects)["ClusterRoleBinding"]}
+    args = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
+    # watchNamespaces, when given, replaces the tenants
+    objects = render(values={"tenants": tenants, "operator": {"watchNamespaces": ["team-b", "batch"]}})
+    assert set(operator_writes_by_namespace(objects)) == {"team-b", "batch"}
+
+
+def test_a_cluster_wide_operator_is_an_explicit_choice() -> None:
+    objects = render(values={"operator": {"clusterWide": True, "watchNamespaces": ["ignored"]}})
+    validate_all(objects)
+    assert set(operator_writes_by_namespace(objects)) == {"*"}
+    assert "RoleBinding" not in by_kind(objects)
+    args = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--namespace") for a in args)  # `fp8rl operator` then watches all
+    discovery = rules(named(objects, "ClusterRole", "fp8rl-operator-discovery"))
+    assert {r for _, r, _ in discovery} == {"customresourcedefinitions"}  # all namespaces: none listed
+    # neither namespaces nor cluster-wide: refused, naming both ways out
+    error = render_error(values={"tenants": [], "controlPlane": {"enabled": False}})
+    assert "operator.watchNamespaces: list the namespaces" in error and "operator.clusterWide: true" in error
+
+
+def test_the_operator_config_carries_the_job_guards_and_the_policy_validates(tmp_path: Path) -> None:
+    values = {
+        "jobDefaults": {
+            "allowedImages": ["registry.example/team/"],
+            "rayAuth": "secret",
+            "metricsPort": 9500,
+        },
+        "networkPolicy": {
+            "jobs": {"dashboardFrom": [{"namespaceSelector": {"matchLabels": {"team": "ray"}}}]}
+        },
+    }
+    objects = render(values=values)
+    (tmp_path / "config.yaml").write_text(
+        named(objects, "ConfigMap", "fp8rl-operator")["data"]["config.yaml"]
+    )
+    settings = OperatorSettings.load(tmp_path / "config.yaml")
+    assert settings.image_prefixes() == ["ghcr.io/fp8rl/worker", "registry.example/team/"]
+    assert settings.ray_auth == "secret" and settings.network_policy is True
+    # the operator admits itself: its peer selects its own pod, in the release namespace
+    operator_pod = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["metadata"]["labels"]
+    prometheus, itself = settings.metrics_from
+    assert itself.namespace_selector.match_labels == {"kubernetes.io/metadata.name": "fp8rl-system"}
+    assert itself.pod_selector.match_labels.items() <= operator_pod.items()
+    assert prometheus.namespace_selector.match_labels == {"kubernetes.io/metadata.name": "monitoring"}
+    [kuberay] = settings.dashboard_from
+    assert kuberay.namespace_selector.match_labels == {"team": "ray"}  # the list replaced the default
+    assert kuberay.pod_selector.match_labels == {}
+    # the per-job policy the operator builds from this config is a valid NetworkPolicy
+    rljob = rl.manifest("j", "default", rl.RLJobSpec().job)
+    rljob["metadata"]["uid"] = "u-1"
+    policy = builders.network_policy(rl.RLJob.of(rljob), settings)
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    assert {p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])} == {9500, 8265}
+    # no per-job policies with networkPolicy.enabled: false
+    off = render(values={"networkPolicy": {"enabled": False}})
+    (tmp_path / "off.yaml").write_text(named(off, "ConfigMap", "fp8rl-operator")["data"]["config.yaml"])
+    assert OperatorSettings.load(tmp_path / "off.yaml").network_policy is False
+
+
+def test_bad_job_guard_values_fail_naming_the_key() -> None:
+    assert 'jobDefaults.rayAuth must be "kuberay"' in render_error(
+        values={"jobDefaults": {"rayAuth": "none"}}
+    )
+    empty = {"networkPolicy": {"jobs": {"metricsFrom": [{"podSelector": {"matchLabels": {"a": "b"}}}]}}}
+    assert "networkPolicy.jobs.metricsFrom: give each peer a namespaceSelector" in render_error(values=empty)
+    assert "is not a namespace name" in render_error(values={"operator": {"watchNamespaces": ["Team_A"]}})

@@ -45,6 +45,11 @@ RENDERS: dict[str, tuple[list[str], dict[str, str]]] = {
         ],
         UNPINNED,
     ),
+    # the operator's widest rights: every namespace, and the Ray token Secrets of older KubeRay
+    "cluster-wide-operator-with-token-secrets": (
+        ["--set", "operator.clusterWide=true,jobDefaults.rayAuth=secret"],
+        UNPINNED,
+    ),
 }
 
 

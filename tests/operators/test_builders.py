@@ -279,3 +279,146 @@ def test_files_outside_the_pods_data_are_refused_and_jobs_run_in_data() -> None:
     obj["spec"]["job"]["model"] = {"name": "/models/llama-8b"}  # a shared root
     obj["spec"]["job"]["task"] = {"dataset": "data/addition.jsonl"}
     assert builders.path_problems(rl.spec_of(obj), settings) == []
+
+
+def pod_templates(rayjob: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every pod template of ``rayjob``: head, worker groups and (K8sJobMode) the submitter."""
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    out = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    if "submitterPodTemplate" in rayjob["spec"]:
+        out.append(rayjob["spec"]["submitterPodTemplate"])
+    return out
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a matchLabels-only ``selector`` selects ``labels`` (what the builders use)."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def test_every_ray_cluster_requires_a_token_through_kuberay_by_default() -> None:
+    body = build(rljob())
+    assert body["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}
+    assert body["spec"]["submissionMode"] == "HTTPMode"  # KubeRay >= 1.5.1 submits with the token
+    kuberay_validator("rayjobs").validate(body)
+    for template in pod_templates(body):  # KubeRay sets the token's env itself
+        assert not any(e["name"].startswith("RAY_AUTH") for e in template["spec"]["containers"][0]["env"])
+
+
+def test_with_a_secret_every_container_and_the_submitter_carry_the_token() -> None:
+    obj = rljob()
+    job = rl.RLJob.of(obj)
+    settings = OperatorSettings(ray_auth="secret", service_account="runner")
+    body = builders.rayjob(job, settings)
+    kuberay_validator("rayjobs").validate(body)
+    assert "authOptions" not in body["spec"]["rayClusterSpec"]
+    assert body["spec"]["submissionMode"] == "K8sJobMode"  # an older KubeRay cannot submit with it
+    templates = pod_templates(body)
+    assert len(templates) == 4  # head, generation, training, submitter
+    secret_ref = {"secretKeyRef": {"name": "qwen-arith-fp8-ray-token", "key": "auth_token"}}
+    for i, template in enumerate(templates):
+        env = template["spec"]["containers"][0]["env"]
+        assert {"name": "RAY_AUTH_MODE", "value": "token"} in env
+        assert {"name": "RAY_AUTH_TOKEN", "valueFrom": secret_ref} in env
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"t{i}"}, "template": template}
+        kubernetes_validate.validate(pod, desired_version=K8S_VERSION, strict=True)
+    submitter = body["spec"]["submitterPodTemplate"]["spec"]
+    assert submitter["restartPolicy"] == "Never" and submitter["serviceAccountName"] == "runner"
+    assert submitter["containers"][0]["image"] == OperatorSettings().image
+    secret = builders.ray_token_secret(job, "t0k3n")
+    kubernetes_validate.validate(secret, desired_version=K8S_VERSION, strict=True)
+    assert secret["metadata"]["name"] == "qwen-arith-fp8-ray-token" and secret["stringData"] == {
+        "auth_token": "t0k3n"
+    }
+    assert secret["metadata"]["ownerReferences"] == [builders.owner_reference(job)]
+
+
+def test_the_network_policy_admits_the_job_its_scrapers_and_kuberay_only() -> None:
+    obj = rljob()
+    job, settings = rl.RLJob.of(obj), OperatorSettings(metrics_port=9500)
+    policy = builders.network_policy(job, settings)
+    kubernetes_validate.validate(policy, desired_version=K8S_VERSION, strict=True)
+    meta, spec = policy["metadata"], policy["spec"]
+    assert (meta["name"], meta["namespace"]) == ("qwen-arith-fp8", "team-a")
+    assert meta["ownerReferences"] == [builders.owner_reference(job)]
+    assert spec["policyTypes"] == ["Ingress"]
+    # it selects every pod of the job (head, both groups, a submitter), and no other job's
+    for ray_auth in ("kuberay", "secret"):
+        for template in pod_templates(build(obj, ray_auth=ray_auth)):
+            assert selects(spec["podSelector"], template["metadata"]["labels"])
+    other = rljob()
+    other["metadata"]["name"] = "other-job"
+    for template in pod_templates(build(other)):
+        assert not selects(spec["podSelector"], template["metadata"]["labels"])
+    # no allow-all: every rule names its sources, and no source is "every namespace" or "anything"
+    for rule in spec["ingress"]:
+        assert rule.get("from"), rule
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer and peer.get("namespaceSelector") != {}
+            assert peer.get("podSelector") or peer.get("namespaceSelector"), peer
+    own, metrics, dashboard = spec["ingress"]
+    assert own == {
+        "from": [{"podSelector": {"matchLabels": {"fp8rl.io/rljob": "qwen-arith-fp8"}}}]
+    }  # any port
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    assert metrics["from"][0] == {
+        "namespaceSelector": monitoring,
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    assert metrics["from"][1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert dashboard["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+        }
+    ]
+    # the ports are the head's: the driver's metrics and Ray's dashboard
+    head = build(obj, metrics_port=9500)["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert (
+        metrics["ports"]
+        == [{"port": ports["fp8rl-metrics"], "protocol": "TCP"}]
+        == [{"port": 9500, "protocol": "TCP"}]
+    )
+    assert (
+        dashboard["ports"]
+        == [{"port": ports["dashboard"], "protocol": "TCP"}]
+        == [{"port": 8265, "protocol": "TCP"}]
+    )
+
+
+def test_a_peer_for_every_namespace_is_refused() -> None:
+    with pytest.raises(ValueError, match="empty namespaceSelector admits pods of every namespace"):
+        OperatorSettings(
+            dashboard_from=[{"namespaceSelector": {}, "podSelector": {"matchLabels": {"a": "b"}}}]
+        )
+
+
+def test_an_image_outside_the_allow_list_is_refused_naming_the_field() -> None:
+    obj = rljob()  # names no image: the operator's default
+    assert builders.image_problems(rl.spec_of(obj), OperatorSettings()) == []  # the default image
+    obj["spec"]["cluster"]["image"] = "registry.example/fp8rl-worker-evil:1"
+    settings = OperatorSettings(allowed_images=["registry.example/fp8rl-worker"])
+    [problem] = builders.image_problems(rl.spec_of(obj), settings)
+    assert problem.startswith("spec.cluster.image: 'registry.example/fp8rl-worker-evil:1' is not an allowed")
+    assert "jobDefaults.allowedImages" in problem
+    obj["spec"]["cluster"]["image"] = "registry.example/fp8rl-worker@sha256:" + "0" * 64
+    assert builders.image_problems(rl.spec_of(obj), settings) == []
+    # without a list: the repository of the operator's own image, any tag or digest of it
+    obj["spec"]["cluster"]["image"] = "ghcr.io/fp8rl/worker:0.9.9"
+    assert builders.image_problems(rl.spec_of(obj), OperatorSettings()) == []
+
+
+def test_the_kuberay_crd_check_finds_auth_options() -> None:
+    """KubeRay's CRD of the version we validate against has authOptions; a CRD without it (an
+    older KubeRay) would prune the field and leave the Ray cluster without a token."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((KUBERAY / "ray.io_rayjobs.yaml").read_text(), Loader=loader)
+    assert builders.kuberay_knows_auth_options(crd)
+    [v1] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    del v1["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["rayClusterSpec"]["properties"][
+        "authOptions"
+    ]
+    assert not builders.kuberay_knows_auth_options(crd)
+    assert not builders.kuberay_knows_auth_options({"spec": {"versions": [{"name": "v1alpha1"}]}})
+    assert not builders.kuberay_knows_auth_options({})

@@ -262,3 +262,130 @@ def test_a_resume_landing_mid_reconcile_is_not_undone(tmp_path: Path) -> None:
 def c_uid(objects: Any) -> str:
     """The uid of RayJob j3."""
     return str(objects.get_namespaced_custom_object(*RAY, "j3")["metadata"]["uid"])
+
+
+def test_each_job_gets_its_network_policy_and_a_foreign_image_is_refused(cluster: Cluster) -> None:
+    """The per-job NetworkPolicy exists in the job's namespace before its RayJob, owned by the
+    RLJob, selects the head and worker pods of that RayJob, has no allow-all rule, and goes with
+    the RLJob; an RLJob naming an image outside the allow-list fails, naming the field."""
+    c = cluster
+    create(c, "j4")
+    [rayjob] = wait_for(c.rayjobs, "the RayJob")
+    [policy] = c.kube.objects("networkpolicies", NS)  # written before the RayJob
+    obj = c.rljob("j4") or {}
+    assert policy["metadata"]["name"] == "j4" and policy["metadata"]["namespace"] == NS
+    [owner] = policy["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("RLJob", "j4", obj["metadata"]["uid"])
+    cluster_spec = rayjob["spec"]["rayClusterSpec"]
+    templates = [cluster_spec["headGroupSpec"]["template"]] + [
+        g["template"] for g in cluster_spec["workerGroupSpecs"]
+    ]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert len(templates) == 3 and selector
+    assert all(selector.items() <= t["metadata"]["labels"].items() for t in templates)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for rule in policy["spec"]["ingress"]:  # every rule names its sources, none is "everyone"
+        assert rule["from"] and all(
+            p.get("podSelector") and p.get("namespaceSelector") != {} for p in rule["from"]
+        )
+
+    body = rl.manifest("evil", NS, JobSpec(steps=2))
+    body["spec"]["cluster"] = {"image": "docker.io/evil/miner:1"}
+    c.objects.create_namespaced_custom_object(*RL, body)
+    failed = c.wait_phase("evil", "Failed")
+    assert failed["status"]["reason"] == "InvalidSpec"
+    assert failed["status"]["message"].startswith(
+        "spec.cluster.image: 'docker.io/evil/miner:1' is not an allowed"
+    )
+    [condition] = [x for x in failed["status"]["conditions"] if x["type"] == "Failed"]
+    assert condition["reason"] == "InvalidSpec" and "spec.cluster.image" in condition["message"]
+    assert [r["metadata"]["name"] for r in c.rayjobs()] == ["j4"]
+
+    c.objects.delete_namespaced_custom_object(*RL, "j4")
+    wait_for(lambda: c.rljob("j4") is None, "the RLJob to go")
+    assert c.kube.objects("networkpolicies", NS) == []
+
+
+def test_with_ray_auth_secret_each_job_gets_its_own_token(tmp_path: Path) -> None:
+    """``ray_auth: secret``: a Secret per job, owned by it, made before the RayJob whose containers
+    read it; a rebuilt RayJob keeps the token (the Secret is not replaced); delete removes it."""
+    from operators.reconcile import Reconciler
+    from operators.settings import OperatorSettings
+
+    with KubeEmulator(tmp_path, namespaces=[NS]) as kube:
+        api = api_client(str(kube.kubeconfig))
+        objects = client.CustomObjectsApi(api)
+        objects.create_namespaced_custom_object(*RL, rl.manifest("j5", NS, JobSpec(steps=10)))
+        objects.create_namespaced_custom_object(*RL, rl.manifest("j6", NS, JobSpec(steps=10)))
+        r = Reconciler(api, OperatorSettings(ray_auth="secret"))
+        r.reconcile(NS, "j5")
+        r.reconcile(NS, "j6")
+        tokens = {s["metadata"]["name"]: s for s in kube.objects("secrets", NS)}
+        assert set(tokens) == {"j5-ray-token", "j6-ray-token"}
+        first = tokens["j5-ray-token"]["stringData"]["auth_token"]
+        assert len(first) >= 32 and first != tokens["j6-ray-token"]["stringData"]["auth_token"]
+        assert tokens["j5-ray-token"]["metadata"]["ownerReferences"][0]["name"] == "j5"
+        rayjob: Any = objects.get_namespaced_custom_object(*RAY, "j5")
+        env = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+        assert {
+            "name": "RAY_AUTH_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "j5-ray-token", "key": "auth_token"}},
+        } in env
+
+        objects.delete_namespaced_custom_object(*RAY, "j5")  # drift: the RayJob is rebuilt
+        r.reconcile(NS, "j5")
+        assert objects.get_namespaced_custom_object(*RAY, "j5")
+        [kept] = [s for s in kube.objects("secrets", NS) if s["metadata"]["name"] == "j5-ray-token"]
+        assert kept["stringData"]["auth_token"] == first
+
+        r.cleanup(rl.ObjectMeta(name="j5", namespace=NS))
+        assert [s["metadata"]["name"] for s in kube.objects("secrets", NS)] == ["j6-ray-token"]
+        assert [p["metadata"]["name"] for p in kube.objects("networkpolicies", NS)] == ["j6"]
+
+
+def test_the_operator_will_not_start_jobs_on_a_kuberay_without_auth_options(tmp_path: Path) -> None:
+    """A KubeRay older than 1.5.1 drops ``authOptions`` unnoticed: the operator refuses to start
+    (saying what to do) rather than give jobs Ray clusters without a token."""
+    crd: dict[str, Any] = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "rayjobs.ray.io"},
+        "spec": {
+            "group": "ray.io",
+            "names": {"kind": "RayJob", "plural": "rayjobs"},
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {"type": "object", "properties": {"spec": {"type": "object"}}}
+                    },
+                }
+            ],
+        },
+    }
+    with KubeEmulator(tmp_path, namespaces=[NS]) as kube:
+        api = api_client(str(kube.kubeconfig))
+        extensions: Any = client.ApiextensionsV1Api(api)  # takes plain dicts as bodies
+        extensions.create_custom_resource_definition(crd)
+        log = tmp_path / "operator.log"
+        operator = start_operator(kube.kubeconfig, log, {"FP8RL_OPERATOR_POLL_SECONDS": "0.5"})
+        try:
+            assert operator.wait(timeout=60) != 0
+        finally:
+            if operator.poll() is None:
+                operator.kill()
+        assert "KubeRay's RayJob CRD has no rayClusterSpec.authOptions" in log.read_text()
+        # with the Secret of ray_auth: secret it starts (and with a KubeRay that knows the field)
+        from operators.reconcile import Reconciler
+        from operators.settings import OperatorSettings
+
+        assert Reconciler(api, OperatorSettings(ray_auth="secret")).kuberay_problem() is None
+        crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"] = {
+            "rayClusterSpec": {"type": "object", "properties": {"authOptions": {"type": "object"}}}
+        }
+        extensions.delete_custom_resource_definition("rayjobs.ray.io")
+        extensions.create_custom_resource_definition({**crd, "metadata": {"name": "rayjobs.ray.io"}})
+        assert Reconciler(api, OperatorSettings()).kuberay_problem() is None

@@ -16,8 +16,10 @@ from operators import builders
 from operators.plan import (
     REFUSED_MESSAGE,
     Action,
+    ApplyNetworkPolicy,
     CreateConfigMap,
     CreateRayJob,
+    CreateRayTokenSecret,
     DeleteRayJob,
     Event,
     PatchRayJobSuspend,
@@ -93,6 +95,11 @@ def from_other_spec(body: dict[str, Any]) -> dict[str, Any]:
 
 def configmap(obj: dict[str, Any]) -> dict[str, Any]:
     return builders.spec_configmap(rl.RLJob.of(obj))
+
+
+def guards(obj: dict[str, Any]) -> list[Action]:
+    """What goes before any RayJob of ``obj`` with the default settings: its NetworkPolicy."""
+    return [ApplyNetworkPolicy(builders.network_policy(rl.RLJob.of(obj), SETTINGS))]
 
 
 def exposition(step: int, reward: float) -> str:
@@ -199,6 +206,7 @@ def cases() -> dict[str, Case]:
             None,
             None,
             [
+                *guards(new),
                 CreateConfigMap(configmap(new)),
                 CreateRayJob(built(new), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
                 WriteStatus(
@@ -217,6 +225,7 @@ def cases() -> dict[str, Case]:
             None,
             None,
             [
+                *guards(new_suspended),
                 CreateConfigMap(configmap(new_suspended)),
                 CreateRayJob(built(new_suspended), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
                 WriteStatus(
@@ -309,6 +318,7 @@ def cases() -> dict[str, Case]:
             None,
             configmap(gone),
             [
+                *guards(gone),
                 CreateRayJob(built(gone), Event("Warning", "RayJobRecreated", "RayJob team-a/j")),
                 WriteStatus(
                     status(
@@ -327,6 +337,7 @@ def cases() -> dict[str, Case]:
             None,
             configmap(rljob(steps=3)),
             [
+                *guards(starting),
                 ReplaceConfigMap(configmap(starting)),
                 CreateRayJob(built(starting), Event("Warning", "RayJobRecreated", "RayJob team-a/j")),
             ],
@@ -362,6 +373,7 @@ def cases() -> dict[str, Case]:
             configmap(rljob()),
             [
                 DeleteRayJob(),
+                *guards(rebuilt),
                 ReplaceConfigMap(configmap(rebuilt)),
                 Event("Normal", "SpecApplied", "RayJob rebuilt from the changed spec"),
                 CreateRayJob(built(rebuilt), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
@@ -383,6 +395,7 @@ def cases() -> dict[str, Case]:
             configmap(rljob()),
             [
                 DeleteRayJob(),
+                *guards(failed_changed),
                 ReplaceConfigMap(configmap(failed_changed)),
                 Event("Normal", "SpecApplied", "RayJob rebuilt from the changed spec"),
                 CreateRayJob(built(failed_changed), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
@@ -407,6 +420,7 @@ def cases() -> dict[str, Case]:
             configmap(resumed),
             [
                 DeleteRayJob(),
+                *guards(resumed),
                 CreateRayJob(built(resumed), Event("Warning", "RayJobRestarted", "RayJob team-a/j")),
                 WriteStatus(
                     status(
@@ -646,3 +660,50 @@ def test_what_is_read() -> None:
     assert not wants_progress(running, rayjob(running, "Running", "PENDING"))
     assert not wants_progress(running, None)
     assert not wants_progress(rljob(RUN_STATUS, suspend=True), rayjob(running, "Running", "RUNNING"))
+
+
+def test_an_image_outside_the_allow_list_fails_naming_the_field() -> None:
+    obj = rljob(cluster={"image": "docker.io/evil/miner:1"})
+    message = (
+        "spec.cluster.image: 'docker.io/evil/miner:1' is not an allowed image: it must be one of "
+        "'ghcr.io/fp8rl/worker', or continue one with ':<tag>', '@<digest>' or '/<path>'; the cluster's "
+        "admin allows more with the chart's jobDefaults.allowedImages"
+    )
+    assert plan(obj, None, None, SETTINGS, now=NOW) == [
+        WriteStatus(status("Failed", "InvalidSpec", message, cond("Failed", "InvalidSpec", message, NOW))),
+        Event("Warning", "InvalidSpec", f"spec refused: {message}; fix it with kubectl edit"),
+    ]
+    # the default repository with another tag, and a prefix the admin added, are fine
+    for image, settings in (
+        ("ghcr.io/fp8rl/worker:0.2.0", SETTINGS),
+        ("registry.example/team/w:1", OperatorSettings(allowed_images=["registry.example/"])),
+    ):
+        actions = plan(rljob(cluster={"image": image}), None, None, settings, now=NOW)
+        assert any(isinstance(a, CreateRayJob) for a in actions), image
+
+
+def test_the_guards_come_before_the_rayjob_as_the_settings_ask() -> None:
+    obj = rljob()
+    job = rl.RLJob.of(obj)
+    secret = OperatorSettings(ray_auth="secret")
+    actions = plan(obj, None, None, secret, now=NOW)
+    assert actions[:4] == [
+        ApplyNetworkPolicy(builders.network_policy(job, secret)),
+        CreateRayTokenSecret(job),
+        CreateConfigMap(configmap(obj)),
+        CreateRayJob(builders.rayjob(job, secret), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
+    ]
+    # without per-job policies (the chart's networkPolicy.enabled: false) only the ConfigMap
+    bare = OperatorSettings(network_policy=False)
+    assert plan(obj, None, None, bare, now=NOW)[0] == CreateConfigMap(configmap(obj))
+    # a RayJob that exists and is current: nothing is written again
+    assert plan(obj, rayjob(obj), configmap(obj), secret, now=NOW)[:1] == [
+        WriteStatus(
+            status(
+                "Starting",
+                "RayClusterStarting",
+                STARTING,
+                cond("Starting", "RayClusterStarting", STARTING, NOW),
+            )
+        )
+    ]

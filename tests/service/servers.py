@@ -25,6 +25,14 @@ def free_port() -> int:
         return port
 
 
+class Served(str):
+    """The URL of a running ``fp8rl serve`` (a ``str``), with its ``pid`` and the URL of its
+    metrics port (``metrics``)."""
+
+    pid: int
+    metrics: str
+
+
 @contextlib.contextmanager
 def serve(
     workdir: Path,
@@ -32,20 +40,25 @@ def serve(
     *args: str,
     env: dict[str, str] | None = None,
     ready: str = "/readyz",
-) -> Iterator[str]:
-    """``fp8rl serve ARGS`` on a free port with ``tokens`` ({token: tenant}) and its data under
-    ``workdir/data``; yields its URL once ``ready`` answers 200. On exit every tenant's jobs are
-    deleted (which stops their drivers), the server stops, and any driver left is killed."""
+) -> Iterator[Served]:
+    """``fp8rl serve ARGS`` on a free port (and its metrics on another, unless ARGS name one) with
+    ``tokens`` ({token: tenant}) and its data under ``workdir/data``; yields its URL once ``ready``
+    answers 200. On exit every tenant's jobs are deleted (which stops their drivers), the server
+    stops, and any driver left is killed."""
     tokens_file = workdir / "tokens.json"
     tokens_file.write_text(json.dumps(tokens))
     port = free_port()
     data = workdir / "data"
     cmd = [sys.executable, "-m", "fp8rl", "serve", "--port", str(port), "--tokens-file", str(tokens_file)]
+    if "--metrics-port" not in args:
+        args = ("--metrics-port", str(free_port()), *args)
+    metrics_port = args[args.index("--metrics-port") + 1]
     cmd += ["--data-dir", str(data), *args]
     log_path = workdir / "serve.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = Served(f"http://127.0.0.1:{port}")
+    url.pid, url.metrics = proc.pid, f"http://127.0.0.1:{metrics_port}"
 
     def answer() -> int | str:
         assert proc.poll() is None, f"fp8rl serve exited:\n{log_path.read_text()}"

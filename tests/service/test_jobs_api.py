@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
 
 from service.auth import TokenFileError, load_tokens
 from service.main import create_app
@@ -209,12 +210,13 @@ def test_tokens_file(tmp_path: Path) -> None:
 
 
 def test_an_empty_control_plane_exports_zero_jobs_per_phase(api: TestClient) -> None:
-    text = api.get("/metrics").text
+    """The series of the metrics port (tests/service/test_metrics_port.py serves them)."""
+    text = generate_latest(api.app.state.metrics).decode()  # type: ignore[attr-defined]
     for tenant in ("team-a", "team-b"):
         for phase in ("Pending", "Running", "Succeeded", "Failed", "Suspended", "Cancelled"):
             assert f'fp8rl_jobs{{namespace="{tenant}",phase="{phase}"}} 0.0' in text, (tenant, phase)
     api.post("/v1/jobs", json={"name": "one"}, headers=auth(ALICE))
-    text = api.get("/metrics").text
+    text = generate_latest(api.app.state.metrics).decode()  # type: ignore[attr-defined]
     assert 'fp8rl_jobs{namespace="team-a",phase="Pending"} 1.0' in text
     assert 'fp8rl_jobs{namespace="team-b",phase="Pending"} 0.0' in text
 

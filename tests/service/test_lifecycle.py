@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
 
 from rljob.metrics import MetricsLog
 from rljob.run_dir import RunDir
@@ -99,7 +100,12 @@ def test_submit_progress_suspend_resume_succeed(tmp_path: Path) -> None:
         assert [r["step"] for r in since] == [STEPS - 1, STEPS]
         logs = api.get("/v1/jobs/life/logs", headers=HEADERS).text
         assert "resumed from" in logs
-        assert 'fp8rl_jobs{namespace="team-a",phase="Succeeded"} 1.0' in api.get("/metrics").text
+        # the series are on the metrics port, not the API's (docs/deploy.md: security model)
+        app: Any = api.app
+        assert (
+            'fp8rl_jobs{namespace="team-a",phase="Succeeded"} 1.0'
+            in generate_latest(app.state.metrics).decode()
+        )
 
 
 def test_restart_marks_orphaned_running_jobs_failed_and_resumable(tmp_path: Path) -> None:

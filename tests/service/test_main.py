@@ -1,13 +1,16 @@
 """The composition root (``service.main.create_app``): with ``run_jobs`` (what ``fp8rl serve`` asks)
 the app builds the executor the settings name, starts it before it serves (a job left Pending by a
-previous process is started) and shuts it down after; without, jobs are only recorded."""
+previous process is started) and shuts it down after, and opens the metrics port as long; without,
+jobs are only recorded."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -47,12 +50,17 @@ def test_serving_runs_the_jobs_with_the_settings_executor(
         monkeypatch.setattr(LocalExecutor, method, recorded)
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     store.create("team-a", "left", parse_spec({"steps": 1}))  # recorded before this process started
-    app = create_app(Settings(data_dir=tmp_path), store, {TOKEN: "team-a"}, run_jobs=True)
+    settings = Settings(data_dir=tmp_path, metrics_port=0)  # 0: any free port
+    app = create_app(settings, store, {TOKEN: "team-a"}, run_jobs=True)
     executor = app.state.executor
     assert isinstance(executor, LocalExecutor) and executor.data_dir == tmp_path
     assert store.get("team-a", "left").status.phase is Phase.PENDING  # nothing runs before it serves
     with TestClient(app) as api:
         assert calls == ["start"]
+        metrics = f"http://127.0.0.1:{app.state.metrics_port}/metrics"  # open as long as the app
+        assert re.search(
+            r'^fp8rl_jobs\{namespace="team-a",phase="\w+"\} 1\.0$', httpx.get(metrics).text, re.M
+        )
         created = api.post("/v1/jobs", json={"name": "new", "spec": {"steps": 1}}, headers=HEADERS)
         assert created.status_code == 201
 
@@ -67,6 +75,8 @@ def test_serving_runs_the_jobs_with_the_settings_executor(
         )
         assert seen == {"left": "Succeeded", "new": "Succeeded"}
     assert calls == ["start", "shutdown"]  # once each, with the app
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(metrics)
 
 
 def test_without_run_jobs_the_app_only_records(tmp_path: Path) -> None:
