@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec, PrecisionSpec
+from workers.engines.batching import StopIds, stop_ids
 from workers.fp8.convert import AuditRow, Fp8Audit
 from workers.fp8.hf_checkpoint import WEIGHT_BLOCK, check_tp_partitions, quantization_config
 
@@ -275,7 +276,7 @@ def engine_kwargs(
 
 
 def sampling_kwargs(
-    max_new_tokens: int, temperature: float, top_p: float, seed: int, eos: int | Sequence[int]
+    max_new_tokens: int, temperature: float, top_p: float, seed: int, eos: StopIds
 ) -> dict[str, Any]:
     """``vllm.SamplingParams(**kwargs)`` of one request: the sampled token's log-prob, our stop
     ids (``eos``: one id or every id that ends a response)."""
@@ -287,7 +288,7 @@ def sampling_kwargs(
         "max_tokens": max_new_tokens,
         "seed": seed,
         "logprobs": 0,  # the sampled token only
-        "stop_token_ids": [eos] if isinstance(eos, int) else [int(i) for i in eos],
+        "stop_token_ids": list(stop_ids(eos)),
         "ignore_eos": False,
         "detokenize": False,
     }
