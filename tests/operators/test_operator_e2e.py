@@ -4,6 +4,7 @@ the operator scrapes through a head pod object."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -75,12 +76,17 @@ class Cluster:
         return [e["reason"] for e in self.kube.objects("events", NS) if e["involvedObject"]["name"] == name]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    exporter = PromExporter(job="j1", namespace=NS, recipe="fp8-e2e")
+@contextlib.contextmanager
+def running_cluster(
+    tmp_path: Path, job: str, recipe: str, env: dict[str, str] | None = None
+) -> Iterator[Cluster]:
+    """kmock with the operator running against it (``env`` added to the operator's), and a real
+    exporter on the driver's metrics port labelled as the driver of ``job`` labels its series."""
+    exporter = PromExporter(job=job, namespace=NS, recipe=recipe)
     port = exporter.serve(0, addr="127.0.0.1")
     with KubeEmulator(tmp_path, namespaces=[NS]) as kube:
         c = Cluster(tmp_path, kube, port)
+        c.env.update(env or {})
         c.exporter = exporter  # type: ignore[attr-defined]
         c.start()
         try:
@@ -89,6 +95,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
             c.stop()
             exporter.stop()
             print(c.log.read_text()[-4000:])
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with running_cluster(tmp_path, "j1", "fp8-e2e") as c:
+        yield c
 
 
 def create(c: Cluster, name: str, job: dict[str, Any] | None = None) -> None:

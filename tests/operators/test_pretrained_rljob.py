@@ -27,7 +27,6 @@ import pytest
 import torch
 import yaml
 
-from bench.kube_emulator import KubeEmulator
 from operators.builders import RUNS_DIR, SPEC_DIR, path_problems
 from operators.settings import OperatorSettings
 from rljob import metrics as m
@@ -37,8 +36,7 @@ from rljob.run_dir import JOB_SPEC, driver_argv
 from rljob.spec import JobSpec
 from tests.helm.monitoring import Prometheus, pod_monitor, scraping
 from tests.helpers import wait_for
-from tests.operators.test_operator_e2e import NS, RL, Cluster
-from workers.metrics import PromExporter
+from tests.operators.test_operator_e2e import NS, RL, Cluster, running_cluster
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-addition.yaml"
 JOB = "smollm2"
@@ -85,19 +83,9 @@ def test_a_model_on_the_jobs_volume_needs_the_operators_model_root() -> None:
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     """kmock and the operator (model root ``/runs/models``), whose driver metrics port is a real
     exporter labelled as the driver labels this job's metrics."""
-    exporter = PromExporter(job=JOB, namespace=NS, recipe=RECIPE)
-    port = exporter.serve(0, addr="127.0.0.1")
-    with KubeEmulator(tmp_path, namespaces=[NS]) as kube:
-        c = Cluster(tmp_path, kube, port)
-        c.env["FP8RL_OPERATOR_MODEL_ROOTS"] = json.dumps([str(POD_MODELS)])
-        c.exporter = exporter  # type: ignore[attr-defined]
-        c.start()
-        try:
-            yield c
-        finally:
-            c.stop()
-            exporter.stop()
-            print(c.log.read_text()[-4000:])
+    roots = {"FP8RL_OPERATOR_MODEL_ROOTS": json.dumps([str(POD_MODELS)])}
+    with running_cluster(tmp_path, JOB, RECIPE, roots) as c:
+        yield c
 
 
 def _selected(labels: dict[str, str], selector: dict[str, Any]) -> bool:
