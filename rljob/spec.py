@@ -20,10 +20,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from rljob.resources_spec import ResourcesSpec as ResourcesSpec
 from rljob.spec_base import StrictModel
 
+# TaskSpec (prompts, answers, rewards) lives in its own module and is re-exported here
+from rljob.task_spec import AnswerFormat as AnswerFormat
+from rljob.task_spec import TaskSpec as TaskSpec
+
 Recipe = Literal["bf16", "fp8-gen", "fp8-e2e"]
 IsMode = Literal["none", "tis", "icepop", "seq-tis", "seq-mask-tis", "geo-mask"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
-AnswerFormat = Literal["auto", "last-number", "first-line", "answer-tag", "boxed"]
 
 
 def expand_home(path: str | None) -> str | None:
@@ -98,87 +101,6 @@ class TokenizerSpec(StrictModel):
     @classmethod
     def _home(cls, v: str | None) -> str | None:
         return expand_home(v)
-
-
-class TaskSpec(StrictModel):
-    """Prompts and rewards: a reasoning-gym generator, or a JSONL file of {question, answer}."""
-
-    reasoning_gym: str | None = Field(
-        "basic_arithmetic",
-        description="reasoning-gym dataset name (e.g. basic_arithmetic, chain_sum). The task has one "
-        "source: this, or `dataset` (which replaces this default; setting both is an error).",
-    )
-    params: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments of the reasoning-gym generator."
-    )
-    dataset: str | None = Field(
-        None,
-        description="JSONL file, one {question, answer} per line; replaces reasoning_gym (set only one "
-        "of the two).",
-    )
-
-    @property
-    def generator(self) -> str | None:
-        """The reasoning-gym generator in use (None when a dataset file is used: the validator
-        clears ``reasoning_gym`` then)."""
-        return self.reasoning_gym
-
-    size: int = Field(10_000, ge=1, le=10_000_000, description="Number of distinct problems generated.")
-    seed: int = Field(0, ge=0, description="Seed of the problem generator.")
-    prompt_template: str = Field(
-        "{question}\nAnswer: ", description="Prompt text; `{question}` is replaced by the problem."
-    )
-    chat_template: bool = Field(
-        False,
-        description="Format each prompt with the tokenizer's chat template: the rendered `prompt_template` "
-        "becomes the user message, followed by the template's generation prompt (the assistant's turn). "
-        "Needs tokenizer.kind huggingface and a tokenizer that has a chat template; false: the rendered "
-        "`prompt_template` is the whole prompt.",
-    )
-    system_prompt: str | None = Field(
-        None,
-        description="With `chat_template`: a system message before the user message. Unset: none, or the "
-        "template's own default if it writes one (SmolLM2's does).",
-    )
-    answer_format: AnswerFormat = Field(
-        "auto",
-        description="How the answer is read out of a response: `last-number` (the last number, e.g. 71 in "
-        "'23 + 48 = 71.'), `first-line` (the first non-blank line), `answer-tag` (the text inside the last "
-        "<answer>...</answer>), `boxed` (the content of the last \\boxed{...}); `auto`: last-number when "
-        "the problem's reference answer is a number, first-line otherwise (docs/job-spec.md: answers).",
-    )
-    format_reward: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="Added to the reward of a response whose answer could be read in `answer_format` "
-        "(the tag or box is there; a number is there): reward = correctness + format_reward x readable, "
-        "in [0, 1 + format_reward].",
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> TaskSpec:
-        if (
-            self.dataset is not None
-            and self.reasoning_gym is not None
-            and "reasoning_gym" in self.model_fields_set
-        ):
-            raise ValueError("set only one of task.reasoning_gym and task.dataset")
-        if self.dataset is not None:
-            # the generator's default gives way to the dataset, in the object as in its dump, so
-            # a stored spec (model_dump) validates again (it would set both explicitly)
-            self.__dict__["reasoning_gym"] = None
-        if self.reasoning_gym is None and self.dataset is None:
-            raise ValueError("set task.reasoning_gym (a generator name) or task.dataset (a JSONL path)")
-        if "{question}" not in self.prompt_template:
-            raise ValueError("task.prompt_template must contain {question}")
-        if self.system_prompt is not None and not self.chat_template:
-            raise ValueError(
-                "task.system_prompt is a chat message, but task.chat_template is false; set "
-                "task.chat_template: true, or remove task.system_prompt (and write any instructions "
-                "into task.prompt_template)"
-            )
-        return self
 
 
 class RolloutSpec(StrictModel):
