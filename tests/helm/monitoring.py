@@ -165,6 +165,19 @@ def prometheus_config(driver: str, api: str, rule_file: Path) -> dict[str, Any]:
     }
 
 
+def _prometheus_cmd(workdir: Path, config: dict[str, Any], port: int) -> list[str]:
+    """A real Prometheus on 127.0.0.1:``port`` with ``config`` (written to ``workdir``) and its
+    data under ``workdir``."""
+    path = workdir / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return [
+        tool("prometheus"),
+        f"--config.file={path}",
+        f"--storage.tsdb.path={workdir / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+
+
 def _tail(path: Path, chars: int = 4000) -> str:
     return f"--- {path.name} ---\n{path.read_text(errors='replace')[-chars:] if path.exists() else '(none)'}"
 
@@ -223,14 +236,9 @@ def monitored(workdir: Path) -> Iterator[Prometheus]:
             run = stack.enter_context(_process(run_cmd, logs[0], signal.SIGINT, 60, group=True))
             # the control plane's series are on its metrics port (as the chart's ServiceMonitor scrapes)
             driver, api = f"127.0.0.1:{run_port}", api_url.metrics.removeprefix("http://")
-            config = workdir / "prometheus.yml"
-            config.write_text(yaml.safe_dump(prometheus_config(driver, api, workdir / "rules.yaml")))
-            prom_cmd = [
-                tool("prometheus"),
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'tsdb'}",
-            ]
-            prom_cmd.append(f"--web.listen-address=127.0.0.1:{prom_port}")
+            prom_cmd = _prometheus_cmd(
+                workdir, prometheus_config(driver, api, workdir / "rules.yaml"), prom_port
+            )
             prom_proc = stack.enter_context(_process(prom_cmd, logs[2], signal.SIGTERM, 30, group=False))
             deadline = time.monotonic() + STARTUP_S
             missing = ["Prometheus to answer"]
@@ -265,15 +273,9 @@ def scraping(workdir: Path, driver: str) -> Iterator[str]:
     workdir.mkdir(parents=True, exist_ok=True)
     endpoint = pod_monitor()["spec"]["podMetricsEndpoints"][0]
     interval, port = f"{SCRAPE_S}s", free_port()
-    config = workdir / "prometheus.yml"
     scrape = _scrape_config("fp8rl-jobs", endpoint, driver)
-    config.write_text(
-        yaml.safe_dump(
-            {"global": {"scrape_interval": interval, "scrape_timeout": interval}, "scrape_configs": [scrape]}
-        )
-    )
-    cmd = [tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}"]
-    cmd.append(f"--web.listen-address=127.0.0.1:{port}")
+    config = {"global": {"scrape_interval": interval, "scrape_timeout": interval}, "scrape_configs": [scrape]}
+    cmd = _prometheus_cmd(workdir, config, port)
     url, log = f"http://127.0.0.1:{port}", workdir / "prometheus.log"
     with _process(cmd, log, signal.SIGTERM, 30, group=False) as proc:
 
