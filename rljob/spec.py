@@ -230,7 +230,18 @@ class PrecisionSpec(StrictModel):
         description="FP8 training GEMMs: `e4m3` = E4M3 with blockwise scales on fprop, dgrad and wgrad "
         "(Transformer Engine's Float8BlockScaling, NeMo RL, DeepSeek-V3); `hybrid` = E5M2 gradients.",
     )
-    fp8_kv_cache: bool = Field(False, description="Store the generator's KV cache in FP8 (E4M3).")
+    fp8_kv_cache: bool = Field(
+        False,
+        description="Store the generator's KV cache in FP8 (E4M3), with per-layer power-of-two scales the "
+        "trainer calibrates before the first rollout and after every update.",
+    )
+    fp8_kv_cache_in_training: bool = Field(
+        True,
+        description="With fp8_kv_cache: the trainer's forward reads K and V rounded as the generators' FP8 "
+        "cache holds them (same scales; gradient straight through), so both engines attend over the same "
+        "values; false: the trainer attends over BF16 K/V (NeMo RL's choice) and importance sampling "
+        "corrects the difference (docs/precision.md: FP8 KV cache).",
+    )
     keep_bf16_layers: tuple[int, int] = Field(
         (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
     )

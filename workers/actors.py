@@ -111,6 +111,9 @@ class TrainerWorker(_Member):
     def sft_step(self, batch: Rollouts) -> float:
         return self.engine.sft_step(batch)
 
+    def calibrate_kv(self, batch: Rollouts) -> None:
+        self.engine.calibrate_kv(batch)
+
     def train_step(self, batch: Rollouts, rewards: torch.Tensor) -> TrainStats:
         self._drill(self.engine)
         return self.engine.train_step(batch, rewards, self.spec.rollout.temperature)

@@ -163,6 +163,14 @@ class JobActors:
         losses: list[float] = self._gather("sft_step", calls)
         return losses[0]
 
+    def calibrate_kv(self, parts: list[Rollouts]) -> None:
+        """Trainer ``i`` calibrates K/V-cache scales on ``parts[i]``, in parallel (they max-reduce)."""
+        calls: list[Call] = [
+            ("trainer", i, t.calibrate_kv.remote(b))
+            for i, (t, b) in enumerate(zip(self._trainers, parts, strict=True))
+        ]
+        self._gather("calibrate_kv", calls)
+
     def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> tuple[Trace, Trace]:
         """Generator 0's and trainer ``trainer``'s per-module outputs for one token, in parallel."""
         gen = self._generators[0].trace_token.remote(prompt, response)

@@ -36,10 +36,20 @@ from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.async_rl import AsyncLoop
+from workers.engines.factory import calibrates_kv
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
 from workers.job_actors import JobActors
 from workers.metrics import PromExporter
-from workers.rl_step import METRICS_ROW, rl_step, save, sync_weights, validate, validation_due, warmup
+from workers.rl_step import (
+    METRICS_ROW,
+    calibrate_kv,
+    rl_step,
+    save,
+    sync_weights,
+    validate,
+    validation_due,
+    warmup,
+)
 from workers.tasks import Task
 from workers.tokenizer import Tokenizer
 
@@ -341,6 +351,8 @@ class JobRun:
                 self.opts.log(f"restored the metrics line of step {first_step - 1} from its checkpoint")
         elif spec.warmup.sft_steps:
             warmup(spec, self.task, self.tok, self.actors, self.out, self.opts.log)
+        if calibrates_kv(spec):  # vLLM's FP8 KV cache gets scales before its first rollout
+            calibrate_kv(spec, self.task, self.tok, self.actors, first_step)
         sync_weights(self.actors)  # generators start from the trainer's weights
         if spec.validation.interval and not any(r[m.STEP] == 0 for r in rows):
             # the policy RL starts from (after the warm-up): a row of its own, step 0

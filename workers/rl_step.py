@@ -178,6 +178,21 @@ def greedy_accuracy(
     return sum(g.correct for g in scores(task, tok, batch, problems)) / len(problems)
 
 
+def calibrate_kv(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> None:
+    """Before the first rollout of a run (fresh, resumed or recovered): the trainers calibrate
+    the K/V-cache scales the next sync carries on the prompts step ``step`` will sample, so that
+    vLLM's FP8 KV cache never generates with its default scale 1.0. Each prompt's last token
+    stands as the response (its K and V are observed like the rest). A no-op on trainers that do
+    not calibrate (``workers.engines.factory.calibrates_kv``); every later sync carries the
+    scales the trainers calibrate after their update."""
+    r = spec.rollout
+    prompts = [tok.encode(task.prompt(p)) for p in task.sample(step, r.prompts_per_step, r.seed)]
+    ids, mask = left_pad(prompts, tok.pad_id)  # left padding: the last column is real in every row
+    ones = torch.ones((ids.shape[0], 1))
+    batch = Rollouts(ids[:, :-1], mask[:, :-1], ids[:, -1:], ones, torch.zeros_like(ones))
+    actors.calibrate_kv(split_rows(batch, even_split(batch.prompt_ids.shape[0], 1, actors.num_trainers)))
+
+
 def sync_weights(actors: StepActors) -> SyncMetrics:
     """Trainer 0 sends the new weights to every generator; each generator's report of what it holds
     is checked against what was sent (:mod:`workers.weight_contract`): a difference fails the step

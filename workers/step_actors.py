@@ -91,6 +91,10 @@ class StepActors(Protocol):
         the mean token NLL over the whole batch."""
         ...
 
+    def calibrate_kv(self, parts: list[Rollouts]) -> None:
+        """Trainer ``i`` calibrates the K/V-cache scales of its next export on ``parts[i]``."""
+        ...
+
     def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> tuple[Trace, Trace]:
         """Per-module outputs at the last token of ``response`` after the unpadded ``prompt``:
         generator 0's way and trainer ``trainer``'s way, the two in parallel

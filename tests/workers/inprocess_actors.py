@@ -89,6 +89,10 @@ class InProcessActors:
         (part,) = parts
         return self.trainer.sft_step(part)
 
+    def calibrate_kv(self, parts: list[Rollouts]) -> None:
+        (part,) = parts
+        self.trainer.calibrate_kv(part)
+
     def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> tuple[Trace, Trace]:
         assert trainer == 0
         return self.generators[0].trace_token(prompt, response), self.trainer.trace_token(prompt, response)

@@ -61,10 +61,12 @@ def uses_weight_channel(spec: JobSpec) -> bool:
 
 
 def calibrates_kv(spec: JobSpec) -> bool:
-    """Whether the trainer calibrates K/V-cache scales every step and sends them with the weights:
-    with an FP8 KV cache on vLLM, which computes its scales at most once (the native generator
-    calibrates its own on each batch's prefill). Every trainer engine asks this, and only this."""
-    return spec.precision.fp8_kv_cache and engine_for(spec, "generator") == "vllm"
+    """Whether the trainer calibrates K/V-cache scales (before the first rollout and after every
+    update) and sends them with the weights: with an FP8 KV cache, on either generator. vLLM
+    computes its scales at most once; the native generator could calibrate each prefill, but
+    then its decode tokens and the trainer's forward (``precision.fp8_kv_cache_in_training``)
+    would not see the same scales. Every trainer engine asks this, and only this."""
+    return spec.precision.fp8_kv_cache
 
 
 def weight_receivers(spec: JobSpec) -> int:

@@ -101,6 +101,11 @@ class Trainer(Protocol):
         """One supervised warm-up step; the mean token NLL over every trainer."""
         ...
 
+    def calibrate_kv(self, batch: Rollouts) -> None:
+        """Calibrate the K/V-cache scales the next export carries on ``batch`` (this trainer's
+        rows) with the current weights; a no-op unless the trainer calibrates them for vLLM."""
+        ...
+
     def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload:
         """The payload the generators load (see :mod:`workers.fp8.export`). Called on every
         trainer (a sharded engine gathers here); the first trainer returns it, the others ``{}``."""

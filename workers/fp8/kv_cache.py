@@ -1,16 +1,29 @@
-"""FP8 KV cache: per-layer K and V scales calibrated from observed magnitudes.
+"""FP8 KV cache: per-layer K and V scales, calibrated from observed magnitudes.
 
 A KV cache entry is written once and read at every later decoding step, so its scale must be
 fixed before the values arrive: one float32 scale per layer for K and one for V (the layout vLLM's
 ``k_scale``/``v_scale`` use). They are calibrated from the K and V the model actually produces:
 
-    scale = percentile_p(|x|) * margin / fmt.max          (default p = 99.9, margin = 1.05, E4M3)
+    scale = 2 ** ceil(log2(amax(|x|) * margin / fmt.max))        (margin = KV_MARGIN = 1, E4M3)
 
-A percentile rather than the max, so that a handful of outliers does not push every ordinary
-value towards the subnormal range; the margin leaves headroom for the next step's slightly
-larger values; the rare values above it saturate at ``fmt.max``. With several observations (one
-per batch) the calibrator keeps, per layer, the largest percentile it has seen. Weights change
-every RL step, so the driver calls :meth:`KvScaleCalibrator.reset` and recalibrates each step.
+- **The amax, not a percentile.** E4M3 is a floating format: its relative precision (1/16) is the
+  same from 2^-6 to 448, so a scale set by the largest value costs ordinary values nothing until
+  they are 2^15 times smaller. The earlier rule, ``p99.9 x 1.05 / 448`` (NeMo RL's, an integer
+  format's habit), saturated the 0.1% largest K values: on real models those are outlier channels
+  that carry attention, and they caused the mismatch spikes (docs/results.md). The amax is also one
+  reduction, where a percentile needs a sort or ``kthvalue`` (single-block and slow on CUDA).
+- **Powers of two**, rounded up: the calibrated amax never saturates; E4M3's relative precision
+  is unchanged; dividing by the scale is exact, which lets a kernel that truncates instead of
+  rounding (vLLM's CPU cache writer) store exactly what a round to nearest would
+  (:func:`workers.engines.vllm.kv_scales.round_kv_to_nearest`).
+- **Where**: the trainer calibrates on the prompts of the first rollout before the first sync, and
+  after every update on the step's sequences, and sends the scales with the weights; both
+  generators use them until the next sync. With ``precision.fp8_kv_cache_in_training`` the
+  trainer's forward reads K and V rounded with the same scales (:class:`KvRoundingCache`), so
+  trainer and generator attend over the same values. A generator that never received scales
+  calibrates each batch's prefill (the offline tools).
+A new value above the calibrated range (a later token's K larger than any observed) saturates at
+``fmt.max x scale``; the power-of-two rounding leaves 1-2x headroom above the amax.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ from workers.fp8.formats import Fp8Format, get_format, to_float32
 from workers.fp8.guard import check_input
 from workers.fp8.quant import Fp8Tensor, cast_to_fp8
 
+KV_MARGIN = 1.0  # headroom above the calibrated amax, before the power-of-two rounding (module docstring)
+
 
 def abs_percentile(x: torch.Tensor, percentile: float, where: str = "KV calibration") -> torch.Tensor:
     """The ``percentile``-th percentile of ``|x|`` (nearest rank, exact): a float32 0-d tensor on
@@ -40,6 +55,19 @@ def abs_percentile(x: torch.Tensor, percentile: float, where: str = "KV calibrat
     # nearest-rank definition, in exact rationals: 99.9 / 100 * 1000 is 999.0000000000001 in floats
     rank = max(1, math.ceil(Fraction(repr(float(percentile))) * flat.numel() / 100))
     return torch.kthvalue(flat, rank).values
+
+
+def abs_magnitude(x: torch.Tensor, percentile: float = 100.0, where: str = "KV calibration") -> torch.Tensor:
+    """``max |x|`` (``percentile`` 100: one reduction, fast on every device) or
+    :func:`abs_percentile`: a float32 0-d tensor on ``x``'s device, NaN/inf checked."""
+    if percentile != 100.0:
+        return abs_percentile(x, percentile, where)
+    flat = x.detach().reshape(-1)
+    if flat.numel() == 0:
+        raise ValueError("abs_magnitude of an empty tensor")
+    amax = flat.abs().amax().to(torch.float32)
+    check_input(x, amax, None, where)
+    return amax
 
 
 @dataclass
@@ -57,6 +85,10 @@ class KvScales:
 class KvScaleCalibrator:
     """Collects per-layer K/V magnitudes and turns them into :class:`KvScales`.
 
+    The rule (module docstring): ``2 ** ceil(log2(amax * margin / fmt.max))`` with the defaults
+    ``percentile=100`` (the amax: a reduction, no sort or ``kthvalue``), ``margin`` =
+    :data:`KV_MARGIN` and ``power_of_two=True``. A lower ``percentile`` (nearest rank, exact) and
+    ``power_of_two=False`` give the earlier rule, ``p99.9 x 1.05 / 448``, for comparisons.
     Everything stays on the device of the observed tensors: observing never waits for the GPU.
     """
 
@@ -64,18 +96,21 @@ class KvScaleCalibrator:
         self,
         num_layers: int,
         fmt: str | Fp8Format = "e4m3",
-        percentile: float = 99.9,
-        margin: float = 1.05,
+        percentile: float = 100.0,
+        margin: float | None = None,
+        power_of_two: bool = True,
     ) -> None:
         if num_layers <= 0:
             raise ValueError(f"num_layers={num_layers} must be positive")
+        margin = KV_MARGIN if margin is None else margin
         if margin < 1.0:
-            raise ValueError(f"margin={margin} must be >= 1.0 (it is headroom above the percentile)")
+            raise ValueError(f"margin={margin} must be >= 1.0 (headroom above the calibrated magnitude)")
         abs_percentile(torch.ones(1), percentile)  # validate once, here
         self.num_layers = num_layers
         self.fmt = get_format(fmt)
         self.percentile = percentile
         self.margin = margin
+        self.power_of_two = power_of_two
         self.reset()
 
     def reset(self) -> None:
@@ -89,7 +124,7 @@ class KvScaleCalibrator:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer} out of range [0, {self.num_layers})")
         for seen, x, name in ((self._k, k, "K"), (self._v, v, "V")):
-            p = abs_percentile(x, self.percentile, f"KV calibration of layer {layer} ({name})")
+            p = abs_magnitude(x, self.percentile, f"KV calibration of layer {layer} ({name})")
             prev = seen[layer]
             seen[layer] = p if prev is None else torch.maximum(prev, p)
         self.observations += 1
@@ -102,6 +137,8 @@ class KvScaleCalibrator:
         if pct is None:
             return torch.ones((), dtype=torch.float32)
         t = pct * self.margin / self.fmt.max
+        if self.power_of_two:  # rounded up: the calibrated magnitude never saturates
+            t = torch.exp2(torch.ceil(torch.log2(t)))
         return torch.where(t > 0, t, torch.ones_like(t))
 
     def scales(self) -> KvScales:
@@ -129,13 +166,18 @@ def kv_scale_name(layer: int, which: str) -> str:
 
 
 class Fp8KvCache(DynamicCache):
-    """A ``DynamicCache`` that stores keys and values as E4M3 with per-layer scales."""
+    """A ``DynamicCache`` that stores keys and values as E4M3 with per-layer scales: ``scales``
+    (the trainer's, received with the weights), or without them calibrated on each layer's first
+    update (the prefill)."""
 
-    def __init__(self, num_layers: int, **kwargs: Any) -> None:
+    def __init__(self, num_layers: int, scales: KvScales | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.calibrator = KvScaleCalibrator(num_layers)
         self.k_scales: dict[int, torch.Tensor] = {}
         self.v_scales: dict[int, torch.Tensor] = {}
+        if scales is not None:
+            self.k_scales = dict(enumerate(scales.k.unbind()))
+            self.v_scales = dict(enumerate(scales.v.unbind()))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -148,6 +190,47 @@ class Fp8KvCache(DynamicCache):
         v_q = quantize_kv(value_states, v_scale)
         keys, values = super().update(k_q.data, v_q.data, layer_idx, *args, **kwargs)  # the whole cache, FP8
         return _dequantize(keys, k_scale, key_states.dtype), _dequantize(values, v_scale, value_states.dtype)
+
+
+class _RoundKv(torch.autograd.Function):
+    """Forward: ``x`` rounded to nearest on the FP8 grid of ``scale`` (saturating), in ``x``'s
+    dtype, exactly the values an FP8 cache with that scale stores and reads back. Backward: the
+    gradient passes straight through (the rounding's derivative is taken as 1)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+        return quantize_kv(x, scale, fmt).dequantize(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
+
+
+def round_kv(x: torch.Tensor, scale: torch.Tensor, fmt: str | Fp8Format = "e4m3") -> torch.Tensor:
+    """K or V as an FP8 cache with ``scale`` holds it (see :class:`_RoundKv`); differentiable."""
+    name = fmt if isinstance(fmt, str) else fmt.name
+    out: torch.Tensor = _RoundKv.apply(x, scale.reshape(()), name)
+    return out
+
+
+class KvRoundingCache(DynamicCache):
+    """The trainer's side of an FP8 KV cache: a cache that stores nothing and hands attention
+    every layer's K and V rounded as the generators' FP8 cache holds them (``scales``: the ones
+    sent with the weights), gradient straight through. A full-sequence forward with it attends
+    over the same K/V values as the generator's prefill and decode steps."""
+
+    def __init__(self, scales: KvScales) -> None:
+        super().__init__()
+        self.scales = scales
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fmt = self.scales.fmt
+        return (
+            round_kv(key_states, self.scales.k[layer_idx], fmt),
+            round_kv(value_states, self.scales.v[layer_idx], fmt),
+        )
 
 
 def _dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

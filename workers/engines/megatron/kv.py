@@ -4,9 +4,11 @@ After each step's update, one more forward over the step's rows observes every l
 RoPE) and V at the real tokens through pre-hooks on the core attention (Transformer Engine's
 ``TEDotProductAttention`` on a GPU, Megatron's local ``DotProductAttention`` on the CPU: both are
 called as ``(query, key, value, attention_mask, ...)`` with ``[s, b, heads, d]`` tensors), and the
-scales (``p99.9(|x|) x 1.05 / 448``, max-reduced over the trainers) go out with the weights, as
-the native side does (:mod:`workers.engines.native.kv_calibration`). The trainer holds one only
-when :func:`workers.engines.factory.calibrates_kv` says so.
+scales (:class:`~workers.fp8.kv_cache.KvScaleCalibrator`'s rule, max-reduced over the trainers)
+go out with the weights, as the native side does (:mod:`workers.engines.native.kv_calibration`).
+With ``precision.fp8_kv_cache_in_training`` a second pre-hook rounds K and V with those scales in
+every other forward, as the generators' cache holds them. The trainer holds one only when
+:func:`workers.engines.factory.calibrates_kv` says so.
 """
 
 from __future__ import annotations
@@ -21,24 +23,46 @@ from workers.engines.megatron.convert import stage_layers
 from workers.engines.megatron.schedule import MegatronSchedule
 from workers.engines.models import to_device
 from workers.engines.protocols import Rollouts
-from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name
+from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name, round_kv
 
 
 class MegatronKvCalibration:
     """Pre-hooks on every core attention of this rank's stage, and the scales they calibrate."""
 
-    def __init__(self, schedule: MegatronSchedule) -> None:
+    def __init__(self, schedule: MegatronSchedule, in_training: bool = False) -> None:
         self.schedule = schedule
         model = schedule.model
         self.layers, self.device = model.shapes.layers, model.device
         self.calibrator = KvScaleCalibrator(self.layers)
         self.seen: set[int] = set()
         self.rows: torch.Tensor | None = None  # real tokens of the micro-batch being calibrated on
+        self.calibrating = False
+        # the scales of the last calibration, max-reduced over the trainers: [layers] each
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
         g = model.groups
         first = stage_layers(self.layers, g.pp, g.pp_rank).start
         for i, layer in enumerate(model.gpt.decoder.layers):
-            hook = functools.partial(self._observe, first + i)
-            layer.self_attention.core_attention.register_forward_pre_hook(hook, with_kwargs=True)
+            core = layer.self_attention.core_attention
+            core.register_forward_pre_hook(functools.partial(self._observe, first + i), with_kwargs=True)
+            if in_training:  # precision.fp8_kv_cache_in_training
+                core.register_forward_pre_hook(functools.partial(self._round, first + i), with_kwargs=True)
+
+    def _round(
+        self, layer: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Pre-hook of the core attention outside calibration: K and V as the generators' FP8
+        cache holds them, with the scales sent (:func:`~workers.fp8.kv_cache.round_kv`: gradient
+        straight through); nothing before the first calibration."""
+        if self.calibrating or self.k is None or self.v is None:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        for pos, name, scale in ((1, "key", self.k[layer]), (2, "value", self.v[layer])):
+            if len(args) > pos:
+                args[pos] = round_kv(args[pos], scale)
+            else:
+                kwargs[name] = round_kv(kwargs[name], scale)
+        return tuple(args), kwargs
 
     def _observe(self, layer: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Pre-hook of the core attention ``(query, key, value, ...)``: K after RoPE (as the cache
@@ -76,20 +100,24 @@ class MegatronKvCalibration:
             mb["kv_rows"] = to_device(
                 torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long), self.device
             )
+        self.calibrating = True
         try:
             self.schedule.run(micros, self._no_loss, forward_only=True, before_forward=self._set_rows)
         finally:
-            self.rows = None
-
-    def scales(self) -> dict[str, torch.Tensor]:
-        """Per-layer K/V scales, max-reduced over every trainer (TP ranks see different heads, PP
-        stages different layers, DP replicas different rows); 1.0 where nothing was observed."""
+            self.rows, self.calibrating = None, False
+        # max-reduced over every trainer (TP ranks see different heads, PP stages different
+        # layers, DP replicas different rows); 1.0 where nothing was observed
         k = torch.zeros(self.layers, dtype=torch.float32, device=self.device)
         v = torch.zeros_like(k)
         for i in sorted(self.seen):
             k[i], v[i] = self.calibrator.layer_scales(i)
         for t in (k, v):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        k, v = (torch.where(t > 0, t, torch.ones_like(t)) for t in (k, v))
-        out = {kv_scale_name(i, "k"): k[i].clone() for i in range(self.layers)}
-        return out | {kv_scale_name(i, "v"): v[i].clone() for i in range(self.layers)}
+        self.k, self.v = (torch.where(t > 0, t, torch.ones_like(t)) for t in (k, v))
+
+    def scales(self) -> dict[str, torch.Tensor]:
+        """The last calibration's per-layer K/V scales by payload name (none before the first)."""
+        if self.k is None or self.v is None:
+            return {}
+        out = {kv_scale_name(i, "k"): self.k[i].clone() for i in range(self.layers)}
+        return out | {kv_scale_name(i, "v"): self.v[i].clone() for i in range(self.layers)}

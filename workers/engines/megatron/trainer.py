@@ -65,7 +65,11 @@ class MegatronTrainer:
         self.spec = spec
         self.model = MegatronModel(spec, vocab_size, device, rank, compute_dtype)
         self.schedule = MegatronSchedule(self.model, spec.optimizer.micro_batch_size)
-        self.kv = MegatronKvCalibration(self.schedule) if calibrates_kv(spec) else None
+        self.kv = (
+            MegatronKvCalibration(self.schedule, spec.precision.fp8_kv_cache_in_training)
+            if calibrates_kv(spec)
+            else None
+        )
         self.device: torch.device = self.model.device
         self.audit: Fp8Audit = self.model.audit
 
@@ -171,6 +175,14 @@ class MegatronTrainer:
         return float(sched.dp_sum(sched.from_last_stage(total)))
 
     # -- weights and state -------------------------------------------------------------------------
+
+    def calibrate_kv(self, batch: Rollouts) -> None:
+        """K/V-cache scales of the current weights, observed on ``batch`` (every trainer calls it
+        with its rows); sent with the next export. A no-op without an FP8 KV cache on vLLM."""
+        if self.kv is None:
+            return
+        full, _, _, _ = self.schedule.replica_batch(batch, [])
+        self.kv.calibrate(full, self.schedule.data(full))
 
     def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload:
         """The payload the generators load, on trainer 0 (``{}`` on the others; all must call).

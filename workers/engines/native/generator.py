@@ -40,10 +40,19 @@ from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Payload, Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.export import fp8_weight_names, load_weights
+from workers.fp8.formats import get_format
 from workers.fp8.fused import fuse_projections
 from workers.fp8.guard import finite_guard
-from workers.fp8.kv_cache import Fp8KvCache, kv_cache_bytes
-from workers.weight_contract import KvHeld, WeightReport, dtype_name, kv_cache_dtype, received_weights
+from workers.fp8.kv_cache import Fp8KvCache, KvScales, kv_cache_bytes
+from workers.weight_contract import (
+    KvHeld,
+    WeightReport,
+    dtype_name,
+    is_kv_scale,
+    kv_cache_dtype,
+    kv_scales_of,
+    received_weights,
+)
 from workers.weight_sync import CollectiveWeightSync, SyncResult
 
 
@@ -68,6 +77,7 @@ class NativeGenerator:
         )
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
+        self.kv_scales: KvScales | None = None  # the FP8 KV cache's, as received with the weights
         self.channel: CollectiveWeightSync | None = None
         self._report: WeightReport | None = None
         self.static = self._static_decoder()
@@ -95,17 +105,26 @@ class NativeGenerator:
         return fp8_weight_names(self.model)
 
     def load_weights(self, payload: Payload) -> None:
-        load_weights(self.model, payload)
+        k, v = kv_scales_of(payload)
+        if k:  # the trainer's K/V-cache scales: fixed until the next update (module docstring)
+            self.kv_scales = KvScales(
+                torch.tensor(k, device=self.device), torch.tensor(v, device=self.device), get_format("e4m3")
+            )
+            if self.static is not None:
+                self.static.kv_scales = self.kv_scales
+        load_weights(self.model, {n: t for n, t in payload.items() if not is_kv_scale(n)})
         self._report = self._held(payload)
 
     def _held(self, payload: Payload) -> WeightReport:
         """What the model holds after loading ``payload``: each weight's received bytes and the
         precision its layer computes with (an ``Fp8Linear``'s weight: ``fp8``; else the dtype of
-        the parameter it was copied into). The KV cache calibrates its own scales per batch."""
+        the parameter it was copied into), and the K/V-cache scales it holds (none before any
+        update carried them: the cache then calibrates its own on each prefill)."""
         params = dict(self.model.named_parameters())
         fp8 = set(fp8_weight_names(self.model))
         holds = {n: "fp8" if n in fp8 else dtype_name(params[n].dtype) for n in payload if n in params}
-        kv = KvHeld(dtype=kv_cache_dtype(self.spec.precision.fp8_kv_cache), k_scales=[], v_scales=[])
+        k, v = ([], []) if self.kv_scales is None else (self.kv_scales.k.tolist(), self.kv_scales.v.tolist())
+        kv = KvHeld(dtype=kv_cache_dtype(self.spec.precision.fp8_kv_cache), k_scales=k, v_scales=v)
         return WeightReport(weights=received_weights(payload, holds), kv=kv)
 
     def weight_report(self) -> WeightReport:
@@ -131,8 +150,14 @@ class NativeGenerator:
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
         """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
         as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.native.layer_diff`)."""
-        cache = Fp8KvCache(self.num_layers) if self.spec.precision.fp8_kv_cache else DynamicCache()
+        cache = self._new_cache()
         return trace_generation(self.model, prompt, response, cache)
+
+    def _new_cache(self) -> DynamicCache:
+        """A batch's KV cache: FP8 with the received scales (or its own per prefill), or BF16."""
+        if not self.spec.precision.fp8_kv_cache:
+            return DynamicCache()
+        return Fp8KvCache(self.num_layers, self.kv_scales)
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
@@ -180,9 +205,7 @@ class NativeGenerator:
         # is no generator to seed
         gen = None if self.device.type == "meta" else torch.Generator(device=self.device).manual_seed(seed)
         b = ids.shape[0]
-        cache: DynamicCache = (
-            Fp8KvCache(self.num_layers) if self.spec.precision.fp8_kv_cache else DynamicCache()
-        )
+        cache = self._new_cache()
         impl = str(self.model.config._attn_implementation)
         dtype = self.model.get_input_embeddings().weight.dtype
         log_softmax = exact_log_softmax if is_exact(self.model) else plain_log_softmax

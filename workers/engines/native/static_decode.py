@@ -44,7 +44,7 @@ from workers.engines.native import decode_attention
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.fp8.formats import to_float32
 from workers.fp8.guard import FiniteGuard, finite_guard, use_guard
-from workers.fp8.kv_cache import KvScaleCalibrator, quantize_kv
+from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, quantize_kv
 
 PROMPT_MULTIPLE = 16  # prompts are left-padded to a multiple of this: fewer distinct graph shapes
 
@@ -82,12 +82,23 @@ class StaticKvCache(DynamicCache):
         self.prompt_len = self.extra_padding = 0
         self.decoding = False
         self.calibrator = KvScaleCalibrator(num_layers) if fp8 else None
+        self.fixed = False  # scales set by use_scales (else calibrated on each prefill)
         self.raw = False  # decode: return the stored buffers as they are (the Triton attention reads them)
         self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
 
     def get_seq_length(self, layer_idx: int | None = 0) -> int:
         return self.prompt_len  # the host's count (positions come from position_ids)
+
+    def use_scales(self, scales: KvScales | None) -> None:
+        """Fixed per-layer scales (the trainer's, received with the weights), copied into the
+        scale buffers (their addresses stay: graphs hold them); ``None``: calibrate each prefill."""
+        if not self.fp8:
+            return
+        self.fixed = scales is not None
+        if scales is not None:
+            self.k_scale.copy_(scales.k)
+            self.v_scale.copy_(scales.v)
 
     def start(self, prompt_len: int, extra_padding: int = 0) -> None:
         """Before a prefill of ``prompt_len`` positions whose first ``extra_padding`` are padding
@@ -96,7 +107,7 @@ class StaticKvCache(DynamicCache):
         if prompt_len >= self.length:
             raise ValueError(f"prompt of {prompt_len} positions leaves no room in a cache of {self.length}")
         self.prompt_len, self.extra_padding, self.decoding = prompt_len, extra_padding, False
-        if self.calibrator is not None:
+        if self.calibrator is not None and not self.fixed:
             self.calibrator.reset()
         self.index.fill_(prompt_len)
 
@@ -106,7 +117,7 @@ class StaticKvCache(DynamicCache):
         k_buf, v_buf = self.k[layer_idx], self.v[layer_idx]
         if not self.decoding:
             p = key_states.shape[2]
-            if self.calibrator is not None:
+            if self.calibrator is not None and not self.fixed:
                 e = self.extra_padding
                 self.calibrator.observe(layer_idx, key_states[:, :, e:], value_states[:, :, e:])
                 ks, vs = self.calibrator.layer_scales(layer_idx)
@@ -203,6 +214,7 @@ class StaticDecoder:
             cfg._attn_implementation = decode_attention.ATTENTION_NAME
         self.impl = str(cfg._attn_implementation)
         self.dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]
+        self.kv_scales: KvScales | None = None  # the FP8 cache's scales, if received with the weights
         self.sessions: OrderedDict[DecodeShape, _Session] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
 
@@ -246,6 +258,7 @@ class StaticDecoder:
         if s.gen is not None:
             s.gen.manual_seed(seed)
         cache = s.cache
+        cache.use_scales(self.kv_scales)
         cache.start(p, extra)
         with finite_guard():  # the prefill and the first token, eagerly
             pos = positions(attn)  # [B, P]

@@ -52,18 +52,23 @@ from workers.fp8.convert import Fp8Audit, weight_bytes
 from workers.fp8.export import export_weights
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
-from workers.fp8.kv_cache import KvScaleCalibrator, KvScales
+from workers.fp8.kv_cache import KvRoundingCache, KvScaleCalibrator, KvScales
 from workers.fp8.weights import WeightBatch
 
 
 def sequence_logprobs(
-    model: Any, batch: Rollouts, temperature: float, compute_dtype: torch.dtype = COMPUTE_DTYPE
+    model: Any,
+    batch: Rollouts,
+    temperature: float,
+    compute_dtype: torch.dtype = COMPUTE_DTYPE,
+    kv_scales: KvScales | None = None,
 ) -> torch.Tensor:
     """log p(response token) under ``model`` for every position: ``[B, L]`` float32 (0 where masked).
 
     The forward computes in ``compute_dtype`` between the GEMMs (BF16, as the generator does;
-    float32 gives a float32 reference). ``batch`` may be on the host or on the model's device;
-    the result is on the model's device.
+    float32 gives a float32 reference). With ``kv_scales`` attention reads K and V rounded as the
+    generators' FP8 KV cache holds them (:class:`~workers.fp8.kv_cache.KvRoundingCache`). ``batch``
+    may be on the host or on the model's device; the result is on the model's device.
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask, response_ids, response_mask = (to_device(t, device) for t in batch[:4])
@@ -77,6 +82,8 @@ def sequence_logprobs(
         "position_ids": positions(attn),
         "logits_to_keep": length + 1,
     }
+    if kv_scales is not None:
+        inputs |= {"past_key_values": KvRoundingCache(kv_scales), "use_cache": True}
     # BF16 parameters for this pass (tied weights stay tied); the master ones get the gradients
     params = compute_params(model, compute_dtype)
     out = torch.func.functional_call(model, params, (), inputs, tie_weights=True, strict=False)
@@ -127,6 +134,12 @@ class NativeTrainer:
         """Bytes of the model's weights (master weights and FP8 copies; not optimizer state)."""
         return weight_bytes(self.model)
 
+    @property
+    def kv_in_forward(self) -> KvScales | None:
+        """The K/V scales the generators' FP8 cache holds, when the trainer's forward reads K and V
+        as that cache does (``precision.fp8_kv_cache_in_training``); else ``None``."""
+        return self.kv_scales if self.spec.precision.fp8_kv_cache_in_training else None
+
     # -- log-probs -------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -139,7 +152,7 @@ class NativeTrainer:
         model = model or self.model
         mbs = self.spec.optimizer.micro_batch_size
         parts = [
-            sequence_logprobs(model, _rows(batch, i, i + mbs), temperature)
+            sequence_logprobs(model, _rows(batch, i, i + mbs), temperature, kv_scales=self.kv_in_forward)
             for i in range(0, batch.prompt_ids.shape[0], mbs)
         ]
         return torch.cat(parts, 0)  # [B, L] on the device
@@ -206,7 +219,9 @@ class NativeTrainer:
                 for i in range(0, mini_rows, mbs):
                     a, b = m0 + i, min(m0 + i + mbs, m0 + mini_rows)
                     micro = _rows(batch, a, b)
-                    logp = sequence_logprobs(self.model, micro, temperature)  # [b, L] with grad
+                    logp = sequence_logprobs(  # [b, L] with grad
+                        self.model, micro, temperature, kv_scales=self.kv_in_forward
+                    )
                     old = logp.detach() if logp_old is None else logp_old[a:b]
                     seen[a:b] = old
                     out = grpo_loss(
@@ -233,15 +248,23 @@ class NativeTrainer:
         sums["sequences"] = self._scalar(float(n))
         summed = self._all_reduce(torch.stack([sums[k] for k in STEP_SUMS]))
         is_max = self._all_reduce(is_max.clone(), dist.ReduceOp.MAX)
-        if self.kv_calibrator is not None:  # K/V of the updated weights, for vLLM's FP8 KV cache
-            self.kv_calibrator.reset()
-            observe_kv(self.model, host, self.kv_calibrator, mbs)
-            scales = self.kv_calibrator.scales()
-            both = self._all_reduce(torch.stack([scales.k, scales.v]), dist.ReduceOp.MAX)  # [2, layers]
-            self.kv_scales = KvScales(both[0], both[1], scales.fmt)
+        self.calibrate_kv(host)  # K/V of the updated weights, for vLLM's FP8 KV cache
         totals = dict(zip(STEP_SUMS, summed.unbind(), strict=True))
         # every trainer clipped and stepped with the same summed gradient: the norm is the same
         return seen, {**totals, "is_max": is_max, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def calibrate_kv(self, batch: Rollouts) -> None:
+        """K/V-cache scales of the current weights, observed on ``batch`` (a host batch) and
+        max-reduced over the trainers; sent with the next export. A no-op unless this trainer
+        calibrates for vLLM's FP8 KV cache (:func:`~workers.engines.factory.calibrates_kv`)."""
+        if self.kv_calibrator is None:
+            return
+        self.kv_calibrator.reset()
+        observe_kv(self.model, batch, self.kv_calibrator, self.spec.optimizer.micro_batch_size)
+        scales = self.kv_calibrator.scales()
+        both = self._all_reduce(torch.stack([scales.k, scales.v]), dist.ReduceOp.MAX)  # [2, layers]
+        self.kv_scales = KvScales(both[0], both[1], scales.fmt)
 
     def _check_exact(self, logp_old: torch.Tensor, batch: Rollouts) -> None:
         """``precision.exact``: raise :class:`ExactMismatchError` (every trainer, before its update)

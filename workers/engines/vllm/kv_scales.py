@@ -35,6 +35,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
+from workers.fp8.kv_cache import quantize_kv
 from workers.weight_contract import KvHeld, dtype_name, kv_dtype_name, kv_scales_of
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -58,6 +59,9 @@ class AttentionLayers:
             for layer in self.by_layer.values()
         )
         self.scales_sent = False  # whether any update carried K/V scales (else none are reported)
+        for layer in self.by_layer.values():
+            if is_quantized_kv_cache(layer.kv_cache_dtype) and layer._k_scale.device.type == "cpu":
+                layer.register_forward_pre_hook(round_kv_to_nearest, with_kwargs=True)
 
     def apply_scales(self, scales: Mapping[str, torch.Tensor]) -> None:
         """Write ``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (0-d float32) into layer
@@ -86,6 +90,23 @@ class AttentionLayers:
         k = [_agreed(float(layer._k_scale_float), d) for layer, d in zip(order, device_k, strict=True)]
         v = [_agreed(float(layer._v_scale_float), d) for layer, d in zip(order, device_v, strict=True)]
         return KvHeld(dtype=dtype, k_scales=k, v_scales=v)
+
+
+def round_kv_to_nearest(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """A forward pre-hook of a CPU attention layer with an FP8 cache: K and V rounded to nearest
+    on the E4M3 grid of the layer's scales before vLLM's cache kernel casts them.
+
+    That kernel (``csrc/cpu/cpu_attn_fp8.hpp``, ``float_to_fp8e4m3_scalar``) multiplies by
+    ``1 / scale`` and drops the low mantissa bits: it rounds toward zero, a bias of about half an
+    E4M3 step towards smaller |K| and |V| that GPU kernels and the native cache (round to nearest)
+    do not have. A value already on the grid passes that cast unchanged when ``x / scale`` is
+    exact, which the power-of-two scales fp8rl calibrates (:mod:`workers.fp8.kv_cache`) make it;
+    so the cache then holds what a round-to-nearest cast stores. Attention reads K and V from the
+    cache, so the values the layer attends with are the same either way."""
+    query, key, value, *rest = args
+    key = quantize_kv(key, layer._k_scale).dequantize(key.dtype)
+    value = quantize_kv(value, layer._v_scale).dequantize(value.dtype)
+    return (query, key, value, *rest), kwargs
 
 
 def _set_scales(layer: Any, k: float, v: float) -> None:

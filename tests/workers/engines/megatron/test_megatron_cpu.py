@@ -19,7 +19,7 @@ vocabulary-parallel cross entropy). Bounds, and in brackets what this machine me
   so where |g| is within a few epsilons of 0 a float32 difference of 1e-9 in g is a visible
   fraction of lr;
 - the SFT step: loss to 1e-6 relative [identical], weights as above [1.1e-2 x warmup.lr];
-- K/V scales: 1e-5 relative [identical to 8 digits]: a percentile of the same K and V.
+- K/V scales: 1e-5 relative [identical]: the amax of the same K and V, rounded to a power of two.
 
 BF16 (the job's compute dtype) is checked against the native trainer's BF16 through the factory:
 log-probs to 2e-2 [5e-7], gradient norm to 2% [3e-5].
@@ -215,7 +215,8 @@ def test_kv_scales_equal_the_native_calibration(group: Any) -> None:
     """The local spec's core attention sees K after RoPE and V as Transformer Engine's does; the
     scales sent to vLLM are those the native calibration computes on the updated weights."""
     from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
-    from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name
+    from workers.fp8.formats import get_format
+    from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name
 
     spec = cpu_spec(
         "llama",
@@ -226,7 +227,7 @@ def test_kv_scales_equal_the_native_calibration(group: Any) -> None:
     meg = megatron(spec, state)
     assert meg.kv is not None
     before = meg.export_weights(())
-    assert all(float(before[kv_scale_name(i, w)]) == 1.0 for i in range(2) for w in "kv")  # none yet
+    assert not any(kv_scale_name(i, w) in before for i in range(2) for w in "kv")  # none yet
     batch = fixed_batch(seed=2)
     meg.train_step(batch, REWARDS, 1.0)
     payload = meg.export_weights(())
@@ -240,11 +241,26 @@ def test_kv_scales_equal_the_native_calibration(group: Any) -> None:
         assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.dtype == F32
         print(f"{name}: {float(got):.8g} vs {float(scale):.8g}")
         torch.testing.assert_close(got, scale, rtol=1e-5, atol=0)
+    # precision.fp8_kv_cache_in_training: Megatron's forward now reads K/V rounded with these
+    # scales, as the native trainer's does with the same scales (to the float32 bound above),
+    # and apart from the BF16-K/V forward by far more than that bound
+    scales = KvScales(
+        torch.stack([payload[kv_scale_name(i, "k")] for i in range(2)]),
+        torch.stack([payload[kv_scale_name(i, "v")] for i in range(2)]),
+        get_format("e4m3"),
+    )
+    lp = meg.logprobs(batch, 0.9)
+    with torch.no_grad():
+        rounded = native_module.sequence_logprobs(nat.model, batch, 0.9, F32, kv_scales=scales)
+        plain = native_module.sequence_logprobs(nat.model, batch, 0.9, F32)
+    print(f"log-probs with rounded K/V: max diff {float((lp - rounded).abs().max()):.2e}")
+    torch.testing.assert_close(lp, rounded, atol=2e-5, rtol=0)
+    assert float((lp - plain).abs().max()) > 1e-3
 
 
-def test_no_calibration_without_an_fp8_kv_cache_on_vllm(group: Any) -> None:
-    meg = megatron(cpu_spec("llama", precision={"recipe": "bf16", "fp8_kv_cache": True}))
-    assert meg.kv is None  # the native generator calibrates its own cache
+def test_no_calibration_without_an_fp8_kv_cache(group: Any) -> None:
+    meg = megatron(cpu_spec("llama", precision={"recipe": "bf16", "fp8_kv_cache": False}))
+    assert meg.kv is None
     assert not any(k.endswith(("k_scale", "v_scale")) for k in meg.export_weights(()))
 
 

@@ -231,11 +231,13 @@ class DequantizedFp8KvCache(DynamicCache):
     """The previous FP8 KV cache, kept as the reference: values rounded to E4M3 with the same
     per-layer scales, stored dequantized in BF16 (2 bytes per element)."""
 
-    def __init__(self, num_layers: int, **kwargs: Any) -> None:
+    def __init__(self, num_layers: int, scales: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.calibrator = KvScaleCalibrator(num_layers)
         self.k_scales: dict[int, torch.Tensor] = {}
         self.v_scales: dict[int, torch.Tensor] = {}
+        if scales is not None:  # the trainer's, received with the weights
+            self.k_scales, self.v_scales = dict(enumerate(scales.k)), dict(enumerate(scales.v))
 
     def update(  # type: ignore[override]
         self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *a: Any, **kw: Any

@@ -10,6 +10,7 @@ module; needs vllm (``make engines``), and skips only on a CPU without AVX-512 o
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +31,11 @@ from tests.workers.engines.vllm.engine import (
 from workers.engines.batching import positions
 from workers.engines.models import COMPUTE_DTYPE, attention_mask_4d, compute_params
 from workers.engines.native.kv_calibration import observe_kv
-from workers.engines.native.trainer import NativeTrainer
+from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import Payload, Rollouts
 from workers.engines.vllm.config import CpuFeatures
 from workers.engines.vllm.generator import VllmGenerator
-from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name
+from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name, quantize_kv
 from workers.weight_contract import compare, sent_report
 
 pytestmark = pytest.mark.slow
@@ -127,6 +128,22 @@ def test_the_reference_rounds_toward_zero_within_e4m3() -> None:
     assert got.tolist() == [2.0, 2.25, 448.0, 0.0, -2.25]
 
 
+def test_values_rounded_to_nearest_pass_vllms_truncating_cast_unchanged_with_power_of_two_scales() -> None:
+    # what round_kv_to_nearest relies on: x on the E4M3 grid of a power-of-two scale, x / scale is
+    # exact and the truncation keeps it; with another scale x / scale can land just below a grid
+    # point and truncate to the one under it
+    x = (torch.randn(4096) * 3).to(torch.bfloat16)
+    for scale in (torch.tensor(2.0**-4), torch.tensor(2.0**3)):
+        on_grid = quantize_kv(x, scale).dequantize(torch.bfloat16)
+        assert torch.equal(e4m3_toward_zero(on_grid, scale).to(torch.bfloat16), on_grid)
+        assert not torch.equal(
+            e4m3_toward_zero(x, scale).to(torch.bfloat16), on_grid
+        )  # x itself: it truncates
+    odd = torch.tensor(0.3)
+    on_grid = quantize_kv(x, odd).dequantize(torch.bfloat16)
+    assert not torch.equal(e4m3_toward_zero(on_grid, odd).to(torch.bfloat16), on_grid)
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     with running_generator(SPEC) as gen:
@@ -152,11 +169,20 @@ def test_the_trainers_kv_scales_are_the_ones_vllm_computes_with(engine: Engine) 
     # bit for bit the float32 values the trainer sent (read back from the tensors, not the report)
     assert held["k_scales"] == scales_of(engine.payload, "k")
     assert held["v_scales"] == scales_of(engine.payload, "v")
+    assert all(math.log2(s).is_integer() for s in held["k_scales"] + held["v_scales"])
     good = engine.gen.generate(PROMPTS, MAX_NEW, temperature, 1.0, seed=1)
     mask = good.response_mask
-    good_error = mult_prob_error(good.logprobs, engine.trainer.logprobs(good, temperature), mask)
-    reference = fp8_kv_reference(engine.trainer, good, temperature, engine.payload)
-    reference_error = mult_prob_error(good.logprobs, reference, mask)
+    model, scales = engine.trainer.model, engine.trainer.kv_scales
+    with (
+        torch.no_grad()
+    ):  # the trainer reading K/V rounded to nearest as a cache with these scales holds them
+        nearest = sequence_logprobs(model, good, temperature, kv_scales=scales)
+        plain = sequence_logprobs(model, good, temperature)  # BF16 K/V
+    good_error = mult_prob_error(good.logprobs, plain, mask)
+    reference_error = mult_prob_error(good.logprobs, nearest, mask)
+    toward_zero_error = mult_prob_error(
+        good.logprobs, fp8_kv_reference(engine.trainer, good, temperature, engine.payload), mask
+    )
 
     # scales 1000x too small: K and V saturate at 448 x scale, attention is wrong, and vLLM's
     # log-probs leave the trainer's; proof that the scales held are the scales used
@@ -166,14 +192,17 @@ def test_the_trainers_kv_scales_are_the_ones_vllm_computes_with(engine: Engine) 
     bad = engine.gen.generate(PROMPTS, MAX_NEW, temperature, 1.0, seed=1)
     bad_error = mult_prob_error(bad.logprobs, engine.trainer.logprobs(bad, temperature), bad.response_mask)
     print(
-        f"token_mult_prob_error of vLLM (FP8 KV) against: the FP8-KV reference {reference_error:.4f}, the "
-        f"BF16 trainer {good_error:.4f}; with scales 1000x too small {bad_error:.4f}"
+        f"token_mult_prob_error of vLLM (FP8 KV) against: the trainer reading K/V rounded to nearest "
+        f"{reference_error:.4f}, rounded toward zero {toward_zero_error:.4f}, in BF16 {good_error:.4f}; "
+        f"with scales 1000x too small {bad_error:.4f}"
     )
-    # vLLM computes what the reference does with the same scales, to BF16 rounding (test_vllm_cpu
-    # measures 1.007 between BF16 engines on this model), while the BF16 trainer, which never
-    # rounds K/V to FP8, is further off
+    # vLLM computes what the trainer does with the same scales when it rounds K/V to nearest, to
+    # BF16 rounding (test_vllm_cpu measures 1.007 between BF16 engines on this model): fp8rl's
+    # pre-rounding (kv_scales.round_kv_to_nearest) turned vLLM's CPU cast, which truncates, into
+    # a round to nearest; the BF16 trainer, which never rounds K/V to FP8, is further off
     assert reference_error < 1.015
     assert reference_error - 1 < (good_error - 1) / 2
+    assert reference_error < toward_zero_error
     assert bad_error > 1.5
 
     engine.sender.sync(engine.gen, engine.payload)  # the calibrated ones again, for what follows
