@@ -98,6 +98,21 @@ def layer_diff_cmd(
     typer.echo(report(load_spec_or_exit(spec_path), checkpoint, prompts, seed))
 
 
+@app.command("audit")
+def audit_cmd(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],
+    prompts: Annotated[int, typer.Option(help="Task prompts in the calibration batch.")] = 32,
+    seed: Annotated[int, typer.Option(help="Prompt sampling seed.")] = 0,
+    role: Annotated[str, typer.Option(help="Whose conversion: generator or trainer.")] = "generator",
+    top: Annotated[int, typer.Option(help="Layers listed by outlier ratio.")] = 10,
+) -> None:
+    """The quantization audit with each linear layer's max |W|, max |x| and input outlier ratio
+    (max over channels of max|x| / p99.9|x|) on a batch of the task's prompts."""
+    from fp8rl.audit import report as audit_report
+
+    typer.echo(audit_report(load_spec_or_exit(spec_path), prompts, seed, role, top))
+
+
 @app.command("serve")
 def serve_cmd(
     host: Annotated[str | None, typer.Option(help="Address to listen on (FP8RL_HOST).")] = None,

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 
+import torch
 from torch import nn
 
 from rljob.algorithms import RECIPES
 from workers.fp8.dispatch import profile_of
+from workers.fp8.input_stats import InputStats
 from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -42,6 +44,14 @@ class AuditRow:
     bytes_after: int
     # FP8 layers: the kernel of each GEMM on the model's device ({"fprop": "cublas_blockwise", ...})
     kernels: dict[str, str] = field(default_factory=dict)
+    # linear layers: max |W| of the weight as converted (None: not a linear, or on the meta device)
+    weight_amax: float | None = None
+    # linear layers, after Fp8Audit.with_inputs: the input activations on a calibration batch
+    # (workers/fp8/input_stats.py): max |x|, and max over input channels c of
+    # max|x[:, c]| / p99.9(|x[:, c]|) (nearest rank) with the channel c that attains it
+    input_amax: float | None = None
+    outlier_ratio: float | None = None
+    outlier_channel: int | None = None
 
 
 @dataclass
@@ -55,6 +65,24 @@ class Fp8Audit:
     kernel_reasons: dict[str, str] = field(default_factory=dict)
     # the FP8 layers' formats, e.g. "E4M3 weights and activations, E4M3 gradients" ("" if none)
     formats: str = ""
+    # where the input statistics come from, e.g. "32 prompts, 1480 tokens" ("": not measured)
+    calibration: str = ""
+
+    def with_inputs(self, stats: Mapping[str, InputStats], calibration: str = "") -> Fp8Audit:
+        """This audit with each linear row's input statistics filled in from ``stats`` (by module
+        name, as :func:`~workers.fp8.input_stats.measure_inputs` returns them)."""
+        rows = [
+            replace(r, input_amax=s.amax, outlier_ratio=s.outlier_ratio, outlier_channel=s.outlier_channel)
+            if (s := stats.get(r.name)) is not None
+            else r
+            for r in self.rows
+        ]
+        return replace(self, rows=rows, calibration=calibration)
+
+    def top_outliers(self, n: int = 5) -> list[AuditRow]:
+        """The ``n`` rows with the largest outlier ratio, largest first."""
+        measured = [r for r in self.rows if r.outlier_ratio is not None]
+        return sorted(measured, key=lambda r: -float(r.outlier_ratio or 0.0))[:n]
 
     @property
     def fp8_layers(self) -> list[str]:
@@ -81,17 +109,25 @@ class Fp8Audit:
             "summary": self.summary(),
             "device": self.device,
             "kernel_reasons": self.kernel_reasons,
+            "calibration": self.calibration,
             "layers": [asdict(r) for r in self.rows],
         }
 
     def format(self) -> str:
         """A fixed-width table, one row per module, then a summary line."""
-        header = f"{'layer':<48} {'kind':<9} {'precision':<9} {'shape':<14} {'kernels':<24} reason"
+        header = (
+            f"{'layer':<48} {'kind':<9} {'precision':<9} {'shape':<14} {'kernels':<24} "
+            f"{'w amax':>8} {'x amax':>8} {'outlier@ch':>12}  reason"
+        )
         lines = [header, "-" * len(header)]
         for r in self.rows:
             shape = "x".join(str(d) for d in r.shape)
             kernels = "/".join(_SHORT.get(k, k) for k in r.kernels.values()) or "-"
-            lines.append(f"{r.name:<48} {r.kind:<9} {r.precision:<9} {shape:<14} {kernels:<24} {r.reason}")
+            outlier = "-" if r.outlier_ratio is None else f"{r.outlier_ratio:.3g}@{r.outlier_channel}"
+            lines.append(
+                f"{r.name:<48} {r.kind:<9} {r.precision:<9} {shape:<14} {kernels:<24} "
+                f"{_num(r.weight_amax):>8} {_num(r.input_amax):>8} {outlier:>12}  {r.reason}"
+            )
         s = self.summary()
         lines.append(
             f"recipe {s['recipe']}: {s['fp8_layers']}/{s['linear_layers']} linear layers in FP8, "
@@ -100,6 +136,14 @@ class Fp8Audit:
         )
         if self.formats:
             lines.append(f"FP8 formats: {self.formats}")
+        if self.calibration:
+            top = ", ".join(
+                f"{r.name} {_num(r.outlier_ratio)}@{r.outlier_channel}" for r in self.top_outliers(3)
+            )
+            lines.append(
+                f"input statistics on {self.calibration}; outlier = max over input channels of "
+                f"max|x| / p99.9|x| (nearest rank); largest: {top}"
+            )
         if self.kernel_reasons:
             gemms = "/".join(next(r.kernels for r in self.rows if r.kernels))
             lines.append(f"FP8 GEMM kernels ({gemms}) on {self.device}:")
@@ -135,6 +179,10 @@ def _numel(shape: Iterable[int]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _mib(n: int) -> str:
@@ -248,10 +296,13 @@ def convert_model(
     heads = _lm_head_names(model)
     audit = Fp8Audit(recipe=recipe)
     seen: set[int] = set()
+    amax: dict[str, torch.Tensor] = {}  # linear name -> max |W| (0-d, on the weight's device)
     for name, module in list(model.named_modules()):
         if not any(True for _ in module.parameters(recurse=False)):
             continue
         kind = _kind(name, module, heads)
+        if isinstance(module, nn.Linear):
+            amax[name] = module.weight.detach().abs().amax()
         before = _param_bytes(module, seen)
         dtype = str(next(module.parameters(recurse=False)).dtype).replace("torch.", "")
         shape = tuple(getattr(module, "weight", next(module.parameters(recurse=False))).shape)
@@ -284,9 +335,20 @@ def convert_model(
             audit.rows.append(AuditRow(name, kind, "fp8", "decoder linear", shape, before, after, kernels))
         else:
             audit.rows.append(AuditRow(name, kind, dtype, reason or "", shape, before, before))
+    audit.rows = _with_weight_amax(audit.rows, amax)
     if verbose:
         print(audit.format())
     return audit
+
+
+def _with_weight_amax(rows: list[AuditRow], amax: dict[str, torch.Tensor]) -> list[AuditRow]:
+    """``rows`` with each linear's max |W| (one host transfer for all; none from the meta device)."""
+    real = {n: a for n, a in amax.items() if a.device.type != "meta"}
+    if not real:
+        return rows
+    device = next(iter(real.values())).device
+    values = dict(zip(real, torch.stack([a.float().to(device) for a in real.values()]).tolist(), strict=True))
+    return [replace(r, weight_amax=values[r.name]) if r.name in values else r for r in rows]
 
 
 def drop_master_weights(model: nn.Module) -> int:

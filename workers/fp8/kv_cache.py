@@ -209,7 +209,7 @@ class _RoundKv(torch.autograd.Function):
 def round_kv(x: torch.Tensor, scale: torch.Tensor, fmt: str | Fp8Format = "e4m3") -> torch.Tensor:
     """K or V as an FP8 cache with ``scale`` holds it (see :class:`_RoundKv`); differentiable."""
     name = fmt if isinstance(fmt, str) else fmt.name
-    out: torch.Tensor = _RoundKv.apply(x, scale.reshape(()), name)
+    out: torch.Tensor = _RoundKv.apply(x, scale.reshape(()), name)  # type: ignore[no-untyped-call]
     return out
 
 

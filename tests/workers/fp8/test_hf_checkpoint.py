@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from tests.workers.fp8 import reference as ref
+from workers.fp8 import convert_model, export_weights
 from workers.fp8 import hf_checkpoint as hf
 from workers.fp8.formats import E4M3
 from workers.fp8.linear import Fp8Linear
@@ -313,3 +315,68 @@ def test_refuses_a_full_directory_and_leaves_nothing_on_failure(
         hf.write_checkpoint(tmp_path / "crash", tensors, {}, max_shard_bytes=80 * 1024)
     assert len(calls) == 2  # the first shard was written, then the second failed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "full"]  # nothing half-written
+
+
+def partial_block_model(hidden: int, intermediate: int, heads: int, kv_heads: int) -> Any:
+    """A one-layer Llama whose widths are not multiples of 128 (576 = 4.5 blocks: SmolLM2's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("fp8_e2e", "hidden", "intermediate", "heads", "kv_heads"),
+    [
+        # the trainer's own FP8 copies (fp8-e2e): layers whose dims are multiples of 16 only,
+        # so 208 = 1.625 blocks rather than 200
+        (True, 576, 1536, 9, 3),
+        (True, 208, 400, 4, 2),
+        # a high-precision trainer's weights quantized for the generator (fp8-gen), any width
+        (False, 576, 1536, 9, 3),
+        (False, 200, 400, 4, 2),
+    ],
+)
+def test_partial_blocks_export_with_ceil_scale_grids_and_dequantize_within_fp8_error(
+    tmp_path: Path, fp8_e2e: bool, hidden: int, intermediate: int, heads: int, kv_heads: int
+) -> None:
+    # Every decoder linear of the file has weight_scale_inv of shape ceil(N/128) x ceil(K/128)
+    # (576 -> 5, 1536 -> 12, 192 -> 2, 200 -> 2, 400 -> 4, 100 -> 1), and weight.float() times
+    # the scale of its block (the loader's rule, `expand` above) is the master weight within the
+    # E4M3 bound of reference.py, written from the format's definition.
+    model = partial_block_model(hidden, intermediate, heads, kv_heads)
+    masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    linears = [
+        n + ".weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n
+    ]
+    if fp8_e2e:
+        convert_model(model, "fp8-e2e")
+        fp8_names = [n for n in linears if all(d % 16 == 0 for d in masters[n].shape)]
+        payload = export_weights(model)
+    else:
+        fp8_names = linears
+        payload = export_weights(model, fp8_names)
+    assert sorted(n for n, v in payload.items() if isinstance(v, Fp8Tensor)) == sorted(fp8_names)
+    assert any(masters[n].shape[1] % 128 or masters[n].shape[0] % 128 for n in fp8_names)
+    hf.write_checkpoint(
+        tmp_path / "ckpt", hf.checkpoint_tensors(payload), {"architectures": ["LlamaForCausalLM"]}
+    )
+    stored = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    for name in fp8_names:
+        n, k = masters[name].shape
+        weight, scale = stored[name], stored[name + "_scale_inv"]
+        assert weight.dtype == F8 and tuple(weight.shape) == (n, k)
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == (-(-n // 128), -(-k // 128))
+        deq = weight.double() * expand(scale, (n, k))
+        err = (deq - masters[name].double()).abs()
+        assert bool((err <= ref.error_bound(masters[name], (128, 128), "e4m3")).all()), name
+    bf16 = set(linears) - set(fp8_names)
+    assert all(stored[n].dtype == torch.bfloat16 and n + "_scale_inv" not in stored for n in bf16)

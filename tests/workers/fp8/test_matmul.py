@@ -20,7 +20,7 @@ from tests.workers.fp8 import reference as ref
 from workers.fp8 import fp8_matmul, matmul_emulated, matmul_scaled_mm, plan_for, quantize
 from workers.fp8.matmul import blockwise_scales_for_cublas, chunk_size
 
-SHAPES = [(1, 1, 1), (3, 200, 70), (16, 128, 16), (130, 257, 129), (64, 384, 96)]
+SHAPES = [(1, 1, 1), (3, 200, 70), (16, 128, 16), (130, 257, 129), (64, 384, 96), (5, 576, 200)]
 
 
 def gamma(n: int) -> float:
@@ -58,7 +58,7 @@ def test_blockwise_1x128_by_128x128_within_bound(seed: int, backend: str, m: int
     assert bool((err <= bound(x, ex, w.t(), ew)).all())
 
 
-@pytest.mark.parametrize("m,k,n", [(3, 200, 70), (130, 257, 129)])
+@pytest.mark.parametrize("m,k,n", [(3, 200, 70), (130, 257, 129), (200, 576, 192)])
 def test_wgrad_layout_128x1_operands_within_bound(seed: int, m: int, k: int, n: int) -> None:
     # dW = dy^T @ x contracts over tokens: both operands tiled 128 x 1 along M.
     dy = torch.randn(m, n) * 1e-3
@@ -70,6 +70,38 @@ def test_wgrad_layout_128x1_operands_within_bound(seed: int, m: int, k: int, n: 
     edy = ref.error_bound(dy, (128, 1), "e5m2").t()
     ex = ref.error_bound(x, (128, 1), "e4m3")
     assert bool(((out.double() - expected).abs() <= bound(dy.t(), edy, x, ex)).all())
+
+
+def pow2_reference(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """E4M3 with power-of-two block scales, dequantized, in float64 from reference.py alone: the
+    scale is the smallest power of two >= amax / 448 of the block, so x / s is exact."""
+    s = torch.pow(2.0, torch.ceil(torch.log2(ref.block_scales(x, block, "e4m3"))))
+    s = ref.expand(s, block, x.shape)
+    return ref.round_to_fp8(x.double() / s, "e4m3") * s
+
+
+@pytest.mark.parametrize("backend", ["emulate", "scaled_mm", "auto"])
+@pytest.mark.parametrize("m,k,n", [(3, 576, 200), (17, 200, 576), (33, 576, 1536)])
+def test_partial_blocks_match_a_float64_dequantized_reference(
+    seed: int, backend: str, m: int, k: int, n: int
+) -> None:
+    # K = 576 is 4.5 blocks of 128 and 200 is 1.56: the last 1x128 tile of each row of x and the
+    # last 128x128 blocks of w (along K and along N) are partial. With power-of-two scales both
+    # quantizations are exact functions of the data, so the GEMM must equal the float64 product
+    # of the reference's dequantized operands up to float32 accumulation (gamma_{K+4}).
+    x, w = operands(m, k, n)
+    x[:, -1] *= 30  # the partial tiles hold each row's amax
+    xq = quantize(x, "e4m3", (1, 128), power_of_two=True)
+    wq = quantize(w, "e4m3", (128, 128), power_of_two=True)
+    assert tuple(xq.scale.shape) == (m, -(-k // 128)) and tuple(wq.scale.shape) == (
+        -(-n // 128),
+        -(-k // 128),
+    )
+    x_ref, w_ref = pow2_reference(x, (1, 128)), pow2_reference(w, (128, 128))
+    assert torch.equal(xq.dequantize().double(), x_ref) and torch.equal(wq.dequantize().double(), w_ref)
+    out = fp8_matmul(xq, wq.t(), backend=backend).double()  # type: ignore[arg-type]
+    expected = x_ref @ w_ref.t()
+    assert bool(((out - expected).abs() <= gamma(k + 4) * (x_ref.abs() @ w_ref.abs().t())).all())
 
 
 def test_hand_worked_two_tile_example() -> None:
@@ -152,6 +184,13 @@ def test_cublas_blockwise_scale_layouts() -> None:
     assert sa.shape == (m, 5) and sa.stride() == (1, m) and torch.equal(sa, xq.scale)
     assert sb.shape == (8, 3) and sb.t().is_contiguous()
     assert torch.equal(sb[:5], wq.scale.t()) and bool((sb[5:] == 0).all())
+    # K = 576: 4.5 blocks, so 5 scales per row, the last for a half block (the operand is
+    # zero-padded to 640 for the kernel); N = 1536 = 12 blocks
+    xq = quantize(torch.randn(m, 576), "e4m3", (1, 128))
+    wq = quantize(torch.randn(1536, 576), "e4m3", (128, 128))
+    sa, sb = blockwise_scales_for_cublas(xq, wq.t())
+    assert sa.shape == (m, 5) and torch.equal(sa, xq.scale)
+    assert sb.shape == (8, 12) and torch.equal(sb[:5], wq.scale.t()) and bool((sb[5:] == 0).all())
 
 
 @pytest.mark.gpu

@@ -74,25 +74,37 @@ def test_format_constants_match_torch() -> None:
         get_format("e3m4")
 
 
+# not multiples of 128: partial blocks on both axes; 576 = 4.5 blocks (SmolLM2's hidden size)
+PARTIAL_SHAPES = [(300, 260), (1536, 576), (576, 200)]
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("block", BLOCKS)
-def test_scales_match_block_amax(seed: int, fmt: str, block: tuple[int, int] | None) -> None:
-    x = torch.randn(300, 260)  # not multiples of 128: partial blocks on both axes
+@pytest.mark.parametrize("shape", PARTIAL_SHAPES)
+def test_scales_match_block_amax(
+    seed: int, fmt: str, block: tuple[int, int] | None, shape: tuple[int, int]
+) -> None:
+    x = torch.randn(*shape)
+    x[-1, -1] = 40.0  # the last, partial block's amax: it must get a scale of its own
     q = quantize(x, fmt, block)
     expected = ref.block_scales(x, block, fmt)
     assert q.scale.shape == expected.shape
     if block is not None:
-        assert tuple(q.scale.shape) == (math.ceil(300 / block[0]), math.ceil(260 / block[1]))
+        assert tuple(q.scale.shape) == (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+        assert q.scale[-1, -1].item() == pytest.approx(40.0 / get_format(fmt).max, rel=2**-23)
     torch.testing.assert_close(q.scale.double(), expected, rtol=2**-23, atol=0)
     assert q.data.dtype == get_format(fmt).dtype and q.data.shape == x.shape
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("block", BLOCKS)
-def test_power_of_two_scales_round_bit_exactly(seed: int, fmt: str, block: tuple[int, int] | None) -> None:
+@pytest.mark.parametrize("shape", [(130, 257), (200, 576)])
+def test_power_of_two_scales_round_bit_exactly(
+    seed: int, fmt: str, block: tuple[int, int] | None, shape: tuple[int, int]
+) -> None:
     # With power-of-two scales x / s is exact, so the data must equal the hand-written
     # round-to-nearest-even of x / s in float64, bit for bit.
-    x = torch.randn(130, 257) * torch.rand(1).item() * 10
+    x = torch.randn(*shape) * torch.rand(1).item() * 10
     q = quantize(x, fmt, block, power_of_two=True)
     s = ref.expand(q.scale.double(), block, x.shape)
     log2 = torch.log2(q.scale.double())
@@ -106,7 +118,7 @@ def test_power_of_two_scales_round_bit_exactly(seed: int, fmt: str, block: tuple
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("shape", [(1, 1), (7, 5), (128, 128), (300, 260), (3, 4, 200)])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 5), (128, 128), (300, 260), (3, 4, 200), (200, 576), (5, 576)])
 def test_dequantize_error_within_format_bound(
     seed: int, fmt: str, block: tuple[int, int] | None, shape: tuple[int, ...]
 ) -> None:

@@ -56,13 +56,13 @@ class MegatronKvCalibration:
         straight through); nothing before the first calibration."""
         if self.calibrating or self.k is None or self.v is None:
             return None
-        args, kwargs = list(args), dict(kwargs)
+        new_args, new_kwargs = list(args), dict(kwargs)
         for pos, name, scale in ((1, "key", self.k[layer]), (2, "value", self.v[layer])):
-            if len(args) > pos:
-                args[pos] = round_kv(args[pos], scale)
+            if len(new_args) > pos:
+                new_args[pos] = round_kv(new_args[pos], scale)
             else:
-                kwargs[name] = round_kv(kwargs[name], scale)
-        return tuple(args), kwargs
+                new_kwargs[name] = round_kv(new_kwargs[name], scale)
+        return tuple(new_args), new_kwargs
 
     def _observe(self, layer: int, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Pre-hook of the core attention ``(query, key, value, ...)``: K after RoPE (as the cache

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from rljob import JobSpec, parse_spec
+from tests.workers.fp8 import reference as ref
 from workers.engines.megatron.config import (
     MegatronShapes,
     fp8_environment,
@@ -64,6 +65,15 @@ def qwen2(**kw: Any) -> Qwen2Config:
         max_position_embeddings=2048, tie_word_embeddings=True,
     )  # fmt: skip
     return Qwen2Config(**{**base, **kw})
+
+
+def smollm2_shape(**kw: Any) -> LlamaConfig:
+    """SmolLM2-135M's widths, which are not multiples of 128: hidden 576 (4.5 blocks), 9 query
+    heads in 3 groups of head_dim 64 (k/v 192 rows: 1.5 blocks), intermediate 1536 (12 blocks)."""
+    base: dict[str, Any] = dict(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64
+    )
+    return llama(**{**base, **kw})
 
 
 def megatron_spec(recipe: str = "fp8-e2e", tp: int = 1, pp: int = 1, **precision: Any) -> JobSpec:
@@ -201,7 +211,7 @@ NORMS = {
 
 
 @pytest.mark.parametrize("layout", ["te", "local"])
-@pytest.mark.parametrize("config", [llama, qwen2], ids=["llama", "qwen2-tied"])
+@pytest.mark.parametrize("config", [llama, qwen2, smollm2_shape], ids=["llama", "qwen2-tied", "smollm2-576"])
 def test_hf_megatron_round_trip_is_exact(config: Any, layout: Any) -> None:
     hf_config = config(num_hidden_layers=2, vocab_size=300)
     cfg = MegatronShapes.from_hf(hf_config, layout=layout)
@@ -490,3 +500,62 @@ def test_audit_of_the_cpu_trainer_names_the_local_norms_and_its_compute_dtype() 
     assert qkv.precision == "float32" and qkv.bytes_before == 512 * 256 * 4
     assert qkv.reason == "recipe bf16: the trainer runs float32" and audit.device == "CPU"
     assert not audit.fp8_layers
+
+
+# -- partial 128-blocks (SmolLM2's 576-wide layers) -------------------------------------------------
+
+
+def test_a_576_wide_model_fuses_and_shards_by_query_group() -> None:
+    # 9 heads of 64 in 3 groups: group g of linear_qkv is q heads 3g..3g+2 (192 rows), k_g (64),
+    # v_g (64): 320 rows, starting at 320 g, a multiple of 64 but not of 128 (written out by hand)
+    hf_config = smollm2_shape(num_hidden_layers=1, vocab_size=300)
+    state = random_hf_state(hf_config)
+    q, k, v = (state[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    tp = 3
+    cfg = MegatronShapes.from_hf(hf_config, tp)
+    meg = hf_to_megatron(state, cfg)
+    qkv = meg["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert tuple(qkv.shape) == (960, 576)
+    for g in range(3):
+        rows = qkv[320 * g : 320 * (g + 1)]
+        assert torch.equal(rows[:192], q[192 * g : 192 * (g + 1)])
+        assert torch.equal(rows[192:256], k[64 * g : 64 * (g + 1)]) and torch.equal(
+            rows[256:], v[64 * g : 64 * (g + 1)]
+        )
+        assert torch.equal(
+            shard_for_rank("decoder.layers.0.self_attention.linear_qkv.weight", qkv, g, tp, cfg), rows
+        )
+    fc2 = meg["decoder.layers.0.mlp.linear_fc2.weight"]  # [576, 1536], row-parallel: 512 inputs each
+    assert torch.equal(
+        shard_for_rank("decoder.layers.0.mlp.linear_fc2.weight", fc2, 2, tp, cfg), fc2[:, 1024:]
+    )
+
+
+def test_a_576_wide_payload_has_ceil_scale_grids_and_dequantizes_within_fp8_error() -> None:
+    # The Megatron trainer's payload: its state back in Hugging Face names (megatron_to_hf), every
+    # decoder linear quantized in 128x128 blocks with partial last blocks: scale grids
+    # ceil(N/128) x ceil(K/128) by hand, and data * scale within reference.py's E4M3 bound of
+    # the master weight.
+    hf_config = smollm2_shape(num_hidden_layers=1, vocab_size=300)
+    cfg = MegatronShapes.from_hf(hf_config)
+    state = random_hf_state(hf_config)
+    linears = [n for n in state if n.endswith("_proj.weight")]
+    payload = hf_payload(megatron_to_hf(hf_to_megatron(state, cfg), cfg), linears, Fp8LinearConfig())
+    grids = {
+        "q": (5, 5),
+        "k": (2, 5),
+        "v": (2, 5),
+        "o": (5, 5),
+        "gate": (12, 5),
+        "up": (12, 5),
+        "down": (5, 12),
+    }
+    for name in linears:
+        got = payload[name]
+        assert not isinstance(got, torch.Tensor)
+        proj = name.split(".")[-2].removesuffix("_proj")
+        assert tuple(got.scale.shape) == grids[proj], name
+        n, k = state[name].shape
+        scale = got.scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+        err = (got.data.double() * scale - state[name].double()).abs()
+        assert bool((err <= ref.error_bound(state[name], (128, 128), "e4m3")).all()), name
