@@ -19,7 +19,17 @@ One update, in each worker:
   (:func:`~workers.fp8.hf_checkpoint.checkpoint_tensors`: FP8 weights stay the trainer's bytes
   plus ``weight_scale_inv``) and load them with the model's ``load_weights``;
 - ``finish``: ``finalize_layerwise_reload`` re-runs vLLM's post-load processing and copies into
-  the tensors the kernels (and CUDA graphs) hold; then the K/V-cache scales (:mod:`.kv_scales`).
+  the tensors the kernels (and CUDA graphs) hold; then the post-load processing of tied layers
+  again (below), and the K/V-cache scales (:mod:`.kv_scales`).
+
+A tied output layer (``tie_word_embeddings``: SmolLM2, Qwen2-0.5B) shares its weight with the
+embedding, so the checkpoint has no ``lm_head.weight`` and vLLM's reload loads nothing into it: it
+puts the layer's old tensors back and skips its post-load processing. The shared weight does hold
+the new values (the embedding's reload copies into it), but on a CPU that processing is where
+vLLM packs the weight for its GEMM (``dispatch_cpu_unquantized_gemm``: oneDNN or sgl-kernel keep
+their own copy), so the output layer kept computing with the weights of the engine's start (the
+dummy ones): measured on SmolLM2-135M, token_mult_prob_error 2.4e4 against the trainer instead of
+1.0x. :func:`tied_layers` finds such layers once, and each update processes them again.
 
 The K/V scales the trainer calibrates (``model.layers.{i}.self_attn.k_scale``) have a parameter
 to load into only when the attention layers carry a KV-cache quantization method, i.e. with a
@@ -99,6 +109,21 @@ def vllm_param_name(hf_name: str, packed_modules: dict[str, list[str]]) -> str:
     return hf_name
 
 
+def tied_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers holding a parameter that an earlier layer (in ``model.modules()`` order) holds
+    too: a tied ``lm_head`` after ``embed_tokens``. Only those with a post-load processing step."""
+    seen: set[int] = set()
+    tied: list[torch.nn.Module] = []
+    for layer in model.modules():
+        params = [id(p) for p in layer.parameters(recurse=False)]
+        if seen.intersection(params) and hasattr(
+            getattr(layer, "quant_method", None), "process_weights_after_loading"
+        ):
+            tied.append(layer)
+        seen.update(params)
+    return tied
+
+
 def precision_of(param: torch.Tensor) -> str:
     """``fp8`` for a float8 parameter, else its dtype's name (what :class:`HeldWeight` holds)."""
     return "fp8" if param.dtype.is_floating_point and param.dtype.itemsize == 1 else dtype_name(param.dtype)
@@ -121,6 +146,7 @@ class ChannelTransferEngine(WeightTransferEngine[ChannelInitInfo, ChannelUpdateI
         super().__init__(config, vllm_config, device, model)
         self.channel: WeightChannel | None = None
         self.attention = AttentionLayers(model)
+        self.tied = tied_layers(model)  # before any reload: it re-registers the shared tensors
         self.last_sync: dict[str, float] = {}
         self._received: dict[str, HeldWeight] = {}
         self._loaded: set[str] = set()
@@ -187,6 +213,9 @@ class ChannelTransferEngine(WeightTransferEngine[ChannelInitInfo, ChannelUpdateI
         # parameter for to 1.0: the trainer's K/V scales go in after it, the last ones received
         # when this update carried none (as vLLM keeps loaded scales when it owns them)
         finalize_layerwise_reload(self.model, self.model_config)
+        for layer in self.tied:  # nothing was loaded into them, so vLLM did not process them again
+            method: Any = layer.quant_method
+            method.process_weights_after_loading(layer)
         if self._kv:
             self.attention.apply_scales(self._kv)
         self._report = WeightReport(weights=self._held(), kv=self.attention.held())

@@ -51,14 +51,21 @@ def sharpened_trainer(spec: JobSpec) -> NativeTrainer:
 
 
 @contextmanager
-def running_generator(spec: JobSpec, eos: int | tuple[int, ...] = TOK.eos_id) -> Iterator[VllmGenerator]:
-    """A CPU ``VllmGenerator``; afterwards vLLM is shut down and any process it started and left
-    behind is killed (only those: the children of this process that were not there before)."""
+def running_generator(
+    spec: JobSpec,
+    eos: int | tuple[int, ...] = TOK.eos_id,
+    vocab_size: int = TOK.vocab_size,
+    pad_id: int = TOK.pad_id,
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS,
+) -> Iterator[VllmGenerator]:
+    """A CPU ``VllmGenerator`` (the byte tokenizer's ids unless given); afterwards vLLM is shut
+    down and any process it started and left behind is killed (only those: the children of this
+    process that were not there before)."""
     import psutil  # type: ignore[import-untyped]  # vLLM's dependency
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    gen = VllmGenerator(spec, TOK.vocab_size, eos, TOK.pad_id, "cpu", MAX_PROMPT_TOKENS)
+    gen = VllmGenerator(spec, vocab_size, eos, pad_id, "cpu", max_prompt_tokens)
     try:
         yield gen
     finally:
