@@ -110,6 +110,32 @@ $(COMPARE_RUNS): runs/compare-%: $(STAMP)
 $(KV_RUNS): runs/compare-fp8kv-%: $(STAMP)
 	$(call compare_run,--set precision.fp8_kv_cache=true)
 
+# The same comparison on a real pretrained model (examples/smollm2-addition.yaml, SmolLM2-135M-
+# Instruct): bf16, fp8-gen, fp8-gen without importance sampling and fp8-e2e, each also with the
+# FP8 KV cache, on SMOLLM2_SEEDS; then `fp8rl report` (validation table with paired differences,
+# mismatch per variant). SMOLLM2_STEPS defaults to the example's 20. Resumes like `make compare`.
+SMOLLM2_SEEDS ?= 0 1 2
+SMOLLM2_STEPS ?= 20
+SMOLLM2_RUNS := $(foreach s,$(SMOLLM2_SEEDS),$(foreach v,$(VARIANTS),runs/compare-smollm2-$(v)-seed$(s)))
+SMOLLM2_KV_RUNS := $(foreach s,$(SMOLLM2_SEEDS),$(foreach v,$(VARIANTS),runs/compare-smollm2-fp8kv-$(v)-seed$(s)))
+.PHONY: compare-smollm2 $(SMOLLM2_RUNS) $(SMOLLM2_KV_RUNS)
+compare-smollm2: $(SMOLLM2_RUNS) $(SMOLLM2_KV_RUNS)
+	$(VENV)/bin/fp8rl report $(SMOLLM2_RUNS) $(SMOLLM2_KV_RUNS) -o runs/compare-smollm2-report.png
+
+# $(call smollm2_run,EXTRA): one run of it; $* is VARIANT-seedN (the model is fetched once, then cached)
+smollm2_run = mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant%-no-is}; \
+	is=$$([ "$$variant" = "$$recipe" ] || echo "--is-mode none"); \
+	model=$$($(VENV)/bin/fp8rl model fetch smollm2-135m-instruct | tail -1) && \
+	$(VENV)/bin/fp8rl run examples/smollm2-addition.yaml --recipe $$recipe $$is --seed $${name\#\#*-seed} \
+		--output $@ --steps $(SMOLLM2_STEPS) --resume --no-progress --set model.name=$$model $(1) $(RUN_ARGS) \
+		> $@.log 2>&1 || { tail -20 $@.log; exit 1; }
+
+$(SMOLLM2_RUNS): runs/compare-smollm2-%: $(STAMP)
+	$(call smollm2_run,)
+
+$(SMOLLM2_KV_RUNS): runs/compare-smollm2-fp8kv-%: $(STAMP)
+	$(call smollm2_run,--set precision.fp8_kv_cache=true)
+
 # The earlier comparison on the one-digit example (docs/results.md): three recipes, seeds 0-2.
 ONEDIGIT_SEEDS ?= 0 1 2
 RECIPES := bf16 fp8-gen fp8-e2e

@@ -344,8 +344,8 @@ def _check_exact(spec: JobSpec) -> None:
         )
     if p.fp8_kv_cache:
         raise ValueError(
-            "precision.exact cannot hold with precision.fp8_kv_cache (only the generator rounds K/V to "
-            "FP8); set precision.fp8_kv_cache: false or precision.exact: false"
+            "precision.exact does not support precision.fp8_kv_cache yet (its row-exact attention reads "
+            "BF16 K/V); set precision.fp8_kv_cache: false or precision.exact: false"
         )
     if res.generator_engine != "native" or res.trainer_engine != "native":
         raise ValueError(

@@ -49,7 +49,7 @@ def test_rules_evaluate_on_a_real_prometheus(prom: Prometheus, tmp_path: Path) -
     assert list(loaded) == NAMES
     assert all((r["health"], r.get("lastError", "")) == ("ok", "") for r in loaded.values()), loaded
     # what each rule answers when the stack is ready: the run is healthy (its mismatch is about
-    # 1.0005, far below 1.05) and less than an hour old; one job of tenant `default` failed (and
+    # 1.0005, far below its recipe's 1.1) and less than an hour old; one job of tenant `default` failed (and
     # Prometheus has no count from 10 minutes before), none of the idle tenant's
     answers = {name: prom.query(rule["query"]) for name, rule in loaded.items()}
     assert answers == {
@@ -82,13 +82,17 @@ RESTARTS_DESCRIPTION = (
 )
 
 
-def mismatch_alert(value: str) -> dict[str, Any]:
+THRESHOLDS = "bf16 1.1, fp8-e2e 1.1, fp8-gen 1.2"  # the chart's defaults (values.yaml)
+
+
+def mismatch_alert(value: str, recipe: str = "fp8-gen") -> dict[str, Any]:
     return {
-        "exp_labels": {"severity": "warning", "job": "qwen", "namespace": "team-a", "recipe": "fp8-gen"},
+        "exp_labels": {"severity": "warning", "job": "qwen", "namespace": "team-a", "recipe": recipe},
         "exp_annotations": {
-            "summary": f"RLJob team-a/qwen: train/generation mismatch {value} above 1.05",
+            "summary": f"RLJob team-a/qwen: train/generation mismatch {value} above the {recipe} threshold",
             "description": (
-                "fp8rl_token_mult_prob_error of team-a/qwen (recipe fp8-gen) stayed above 1.05 for 5m. The "
+                f"fp8rl_token_mult_prob_error of team-a/qwen (recipe {recipe}) stayed above the recipe's "
+                f"threshold ({THRESHOLDS}) for 5m, above what that recipe measures when healthy. The "
                 "generator and the trainer disagree on the sampled tokens: check that the generators "
                 "received this step's weights (weight sync), the FP8 recipe and its scales, and the "
                 "importance-sampling settings."
@@ -99,19 +103,32 @@ def mismatch_alert(value: str) -> dict[str, Any]:
 
 def test_each_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None:
     path, _ = rule_file(tmp_path)
+    bf16 = J.replace("fp8-gen", "bf16")
     mismatch = {
-        # 1m samples: 1.01 at 0..4m, then 1.08 from 5m on. The expression is true from 5m; with
-        # `for: 5m` the alert is pending until it has been true 5 minutes: firing from 10m.
+        # 1m samples: 1.01 at 0..4m, then 1.25 from 5m on. The expression is true from 5m; with
+        # `for: 5m` the alert is pending until it has been true 5 minutes: firing from 10m. A bf16
+        # job at 1.15 from 5m on is above its recipe's 1.1 and fires too; fp8-gen's 1.15 would not.
         "interval": "1m",
-        "input_series": [{"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "1.01x4 1.08x20"}],
+        "input_series": [
+            {"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "1.01x4 1.25x20"},
+            {"series": f"fp8rl_token_mult_prob_error{{{bf16}}}", "values": "1.01x4 1.15x20"},
+        ],
         "alert_rule_test": [
             {"eval_time": "4m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []},
             {"eval_time": "9m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []},
             {
                 "eval_time": "10m",
                 "alertname": "FP8RLTrainGenerationMismatch",
-                "exp_alerts": [mismatch_alert("1.0800")],
+                "exp_alerts": [mismatch_alert("1.1500", "bf16"), mismatch_alert("1.2500")],
             },
+        ],
+    }
+    # fp8-gen at 1.15, what its healthy runs can reach with an FP8 KV cache: below its 1.2
+    fp8_gen_healthy = {
+        "interval": "1m",
+        "input_series": [{"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "1.15x30"}],
+        "alert_rule_test": [
+            {"eval_time": "30m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []}
         ],
     }
     # a healthy FP8 run: 1.002 for 30 minutes never fires
@@ -218,7 +235,7 @@ def test_each_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None:
             {
                 "rule_files": [path.name],
                 "evaluation_interval": "1m",
-                "tests": [mismatch, healthy, failed, drop, restarts],
+                "tests": [mismatch, fp8_gen_healthy, healthy, failed, drop, restarts],
             }
         )
     )

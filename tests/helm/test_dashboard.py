@@ -123,15 +123,15 @@ def test_grid_positions_fit_and_do_not_overlap() -> None:
     assert not clashes
 
 
-def test_mismatch_panel_draws_a_red_line_at_1_05() -> None:
+def test_mismatch_panel_draws_a_red_line_at_the_bf16_and_fp8_e2e_threshold() -> None:
     mismatch = [p for p in panels(load()) if MISMATCH in panel_metrics(p)]
     assert any(p["type"] == "timeseries" for p in mismatch)
     for p in mismatch:
         defaults = p["fieldConfig"]["defaults"]
-        assert {"color": "red", "value": 1.05} in defaults["thresholds"]["steps"], p["title"]
+        assert {"color": "red", "value": 1.1} in defaults["thresholds"]["steps"], p["title"]
         if p["type"] == "timeseries":
             assert defaults["custom"]["thresholdsStyle"]["mode"] == "line", p["title"]
-            assert "1.05" in p["description"] and "1.0" in p["description"]
+            assert "1.1" in p["description"] and "1.2" in p["description"]
 
 
 def test_validation_panels_show_accuracy_and_reward_per_job_and_recipe() -> None:

@@ -5,9 +5,10 @@ Weights are BF16 (as vLLM serves them); under ``fp8-gen`` and ``fp8-e2e`` the de
 scales; the high-precision copy is dropped), used unchanged.
 
 FP8 KV cache: keys and values are stored as E4M3 bytes with one scale per layer for K and one
-for V, calibrated on each batch's prefill (``p99.9(|x|) * 1.05 / 448``, :class:`KvScaleCalibrator`)
-and kept for the decode steps of that batch. Attention reads them dequantized (``data * scale``
-in float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
+for V: the trainer's, received with the weights (calibrated before the first rollout and after
+every update, :mod:`workers.fp8.kv_cache`), or, before any update carried them (the offline tools),
+calibrated on each batch's prefill. Attention reads them dequantized (``data * scale`` in
+float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
 Under ``precision.exact`` the model is built on :mod:`workers.engines.native.exact`: a token's log-prob
 is then bit for bit the one the trainer computes in its full-sequence forward.
