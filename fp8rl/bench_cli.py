@@ -195,26 +195,55 @@ def bench_logprobs(
 
 @bench_app.command("step")
 def bench_step(
-    model: ModelOpt = "tiny",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="tiny | 100m | 1b (random init, byte prompts) | smollm2 (SmolLM2-135M-Instruct, fetched "
+            "if needed) or a Hugging Face directory: examples/smollm2-addition.yaml's task and batch"
+        ),
+    ] = "tiny",
     device: DeviceOpt = "auto",
-    prompts: Annotated[int, typer.Option(help="prompts per step")] = 16,
-    group_size: Annotated[int, typer.Option(help="samples per prompt")] = 8,
-    new_tokens: Annotated[int, typer.Option(help="tokens generated per sample")] = 16,
+    prompts: Annotated[int | None, typer.Option(help="prompts per step (default: 16; real model 8)")] = None,
+    group_size: Annotated[int | None, typer.Option(help="samples per prompt (default: 8)")] = None,
+    new_tokens: Annotated[
+        int | None, typer.Option(help="tokens generated per sample (default: 16; real model 12)")
+    ] = None,
     steps: Annotated[int, typer.Option(help="timed steps per recipe after one warm-up (median)")] = 2,
+    recipes: Annotated[
+        str | None,
+        typer.Option(help="comma-separated recipes (default: all three; real model bf16,fp8-e2e)"),
+    ] = None,
+    baseline: Annotated[
+        bool | None,
+        typer.Option(
+            help="also time plain transformers on the same batch (float32 log-probs + forward/backward, "
+            "generate in BF16) and print the ratios (default: on for a real model)"
+        ),
+    ] = None,
 ) -> None:
     """One RL step of each recipe, split by phase (generation, reward, train, weight sync)."""
     from bench import step
 
+    names = None if recipes is None else tuple(r.strip() for r in recipes.split(",") if r.strip())
     _echo_report(
         lambda: step.report(
-            model, device, prompts=prompts, group_size=group_size, new_tokens=new_tokens, steps=steps
+            model,
+            device,
+            prompts=prompts,
+            group_size=group_size,
+            new_tokens=new_tokens,
+            steps=steps,
+            recipes=names,
+            baseline=baseline,
         )
     )
 
 
 @bench_app.command("sync")
 def bench_sync(
-    model: ModelOpt = "tiny",
+    model: Annotated[
+        str, typer.Option(help="tiny | 100m | 1b (random init) | smollm2 or a Hugging Face directory")
+    ] = "tiny",
     device: DeviceOpt = "auto",
     repeat: Annotated[int, typer.Option(help="timed syncs per payload (median)")] = 3,
 ) -> None:
@@ -229,14 +258,26 @@ def bench_mismatch(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (model, task, rollout).")],
     checkpoint: CheckpointOpt = None,
     batches: Annotated[int, typer.Option(help="Rollout batches per recipe.")] = 5,
+    kv_cache: Annotated[
+        str | None,
+        typer.Option(
+            help="FP8 KV-cache variants, comma-separated: off, on (the trainer reads K/V as the cache "
+            "holds them), bf16-attn (it attends over BF16 K/V). Default: the spec's setting."
+        ),
+    ] = None,
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
-    from bench.mismatch import probe, summary
+    from bench.mismatch import KV_MODES, probe, summary
     from fp8rl.specs import load_spec_or_exit
 
     spec = load_spec_or_exit(spec_path)
+    modes = None if kv_cache is None else tuple(k.strip() for k in kv_cache.split(",") if k.strip())
+    unknown = [k for k in modes or () if k not in KV_MODES]
+    if unknown:
+        typer.echo(f"error: --kv-cache {','.join(unknown)}: expected off, on or bf16-attn", err=True)
+        raise typer.Exit(2)
     try:
-        values = probe(spec, checkpoint, batches)
+        values = probe(spec, checkpoint, batches, modes)
     except ValueError as err:  # a checkpoint that is not one
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err

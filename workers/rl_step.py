@@ -187,10 +187,16 @@ def calibrate_kv(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, 
     scales the trainers calibrate after their update."""
     r = spec.rollout
     prompts = [tok.encode(task.prompt(p)) for p in task.sample(step, r.prompts_per_step, r.seed)]
-    ids, mask = left_pad(prompts, tok.pad_id)  # left padding: the last column is real in every row
-    ones = torch.ones((ids.shape[0], 1))
-    batch = Rollouts(ids[:, :-1], mask[:, :-1], ids[:, -1:], ones, torch.zeros_like(ones))
+    batch = prompt_batch(prompts, tok.pad_id)
     actors.calibrate_kv(split_rows(batch, even_split(batch.prompt_ids.shape[0], 1, actors.num_trainers)))
+
+
+def prompt_batch(prompts: list[list[int]], pad_id: int) -> Rollouts:
+    """Prompts alone as a batch the trainers can run: left-padded (so the last column is real in
+    every row), each prompt's last token standing as its one-token response."""
+    ids, mask = left_pad(prompts, pad_id)
+    ones = torch.ones((ids.shape[0], 1))
+    return Rollouts(ids[:, :-1], mask[:, :-1], ids[:, -1:], ones, torch.zeros_like(ones))
 
 
 def sync_weights(actors: StepActors) -> SyncMetrics:

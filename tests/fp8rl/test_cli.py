@@ -250,10 +250,21 @@ def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> 
     rows = [line.split() for line in result.output.splitlines()[1:]]
     values = {row[0]: float(row[1]) for row in rows}  # recipe: mean over the batches
     assert set(values) == {"bf16", "fp8-gen", "fp8-e2e"}
-    assert all(float(r[3]) <= float(r[1]) <= float(r[4]) for r in rows)  # min <= mean <= max
+    assert all(float(r[4]) <= float(r[1]) <= float(r[5]) for r in rows)  # min <= mean <= max
     # BF16 on both sides differs only by rounding; FP8 generation against a BF16 trainer adds the
     # weights' and activations' quantization error
     assert 1.0 <= values["bf16"] < values["fp8-gen"]
+    bad = runner.invoke(app, ["bench", "mismatch", str(spec), "--kv-cache", "on,fp16"])
+    assert bad.exit_code == 2 and "--kv-cache fp16" in bad.output
+    args = ["--batches", "1", "--kv-cache", "on,bf16-attn"]
+    result = runner.invoke(app, ["bench", "mismatch", str(spec), *args])
+    assert result.exit_code == 0, result.output
+    kv = {row[0]: float(row[1]) for row in (line.split() for line in result.output.splitlines()[1:])}
+    variants = {f"{r}{m}" for r in ("bf16", "fp8-gen", "fp8-e2e") for m in ("+fp8kv", "+fp8kv-bf16attn")}
+    assert set(kv) == variants
+    # a trainer that reads K/V as the FP8 cache holds them computes what the generator did; one
+    # that attends over BF16 K/V does not
+    assert kv["bf16+fp8kv"] < kv["bf16+fp8kv-bf16attn"]
 
 
 def test_bench_gradients_prints_table_and_writes_json(
