@@ -1,11 +1,12 @@
-"""K/V scales for a vLLM generator's FP8 KV cache, calibrated on the trainer every step.
+"""K/V scales for a generator's FP8 KV cache, calibrated on the trainer at every sync.
 
 vLLM 0.32 computes KV-cache scales at most once, and the weights change every RL step, so the
-scales would go stale. As NeMo RL does, the trainer calibrates them instead: after its update it
-runs a forward pass (no gradients) over the step's sequences, observes every decoder layer's K
-(after RoPE, what the cache stores) and V at the real tokens, and turns them into
-``p99.9(|x|) x 1.05 / 448`` per layer (:class:`~workers.fp8.kv_cache.KvScaleCalibrator`); the
-scales travel with the weights under :func:`~workers.fp8.kv_cache.kv_scale_name`.
+scales would go stale. As NeMo RL does, the trainer calibrates them instead (for the native
+generator too, so that both engines and the trainer's forward use the same scales): after its
+update, and before the first sync on the first step's prompts, it runs a forward pass (no
+gradients), observes every decoder layer's K (after RoPE, what the cache stores) and V at the real
+tokens, and turns them into per-layer scales (:class:`~workers.fp8.kv_cache.KvScaleCalibrator`'s
+rule); the scales travel with the weights under :func:`~workers.fp8.kv_cache.kv_scale_name`.
 
 Only real tokens count: the rows of padding are dropped with an index built from the host's copy
 of the mask, so the device never waits for the host.

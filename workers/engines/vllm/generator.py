@@ -21,7 +21,7 @@ with is decided in :mod:`workers.engines.vllm.config`.
   through vLLM's layerwise reload. Only plain data crosses ``collective_rpc``. The prefix cache is
   reset after every update (its KV was computed with the old weights).
 - **FP8 KV cache.** ``kv_cache_dtype="fp8"``. vLLM 0.32 has no per-step scale calibration of its
-  own, so the trainer calibrates K/V scales every step (p99.9 x 1.05 / 448 per layer) and sends
+  own, so the trainer calibrates K/V scales at every sync (:mod:`workers.fp8.kv_cache`) and sends
   them with the weights (``model.layers.{i}.self_attn.k_scale``); the backend puts them where the
   attention kernels read them, with FP8 weights or BF16 ones (:mod:`workers.engines.vllm.kv_scales`).
 - **Log-probs.** ``logprobs_mode="processed_logprobs"`` and ``SamplingParams(logprobs=0)``: the
