@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from rljob.spec import JobSpec, parse_spec
+from rljob.spec import JobSpec, load_spec, parse_spec
 
 T = TypeVar("T")
 
@@ -47,6 +48,43 @@ VOCAB: dict[str, int] = {"100m": 32768, "1b": 32768}
 def vocab_size(model: str, tokenizer_vocab: int) -> int:
     """The vocabulary a benchmark builds ``model`` with (at least the tokenizer's)."""
     return max(VOCAB.get(model, 0), tokenizer_vocab)
+
+
+# Real pretrained models by short name (``fp8rl model fetch`` names): ``--model smollm2``. A path
+# to a Hugging Face directory works too. Their jobs are the example's (task, prompts, batch shape).
+REAL_MODELS: dict[str, str] = {"smollm2": "smollm2-135m-instruct"}
+REAL_EXAMPLE = Path(__file__).parents[1] / "examples" / "smollm2-addition.yaml"
+
+
+def real_model_dir(model: str) -> Path | None:
+    """The Hugging Face directory ``model`` names (a :data:`REAL_MODELS` name, fetched into the
+    model cache if it is not there yet, or a directory), None for a random-init preset."""
+    if model in MODELS:
+        return None
+    if model in REAL_MODELS:
+        from workers.model_store import fetch
+
+        return fetch(REAL_MODELS[model])
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"--model {model!r}: not a preset ({', '.join(sorted(MODELS))}), a real model "
+            f"({', '.join(sorted(REAL_MODELS))}) or a Hugging Face directory with a config.json"
+        )
+    return path
+
+
+def real_spec(path: Path, recipe: str, device: torch.device, **extra: Any) -> JobSpec:
+    """The job of ``examples/smollm2-addition.yaml`` (task, chat prompts, tokenizer, batch shape)
+    on the model at ``path`` with ``recipe``; ``extra`` overrides whole sections' fields."""
+    data = load_spec(REAL_EXAMPLE).model_dump(exclude_unset=True)
+    data["model"] = {"name": str(path)}
+    gpus = 1 if device.type == "cuda" else 0
+    data["resources"] = {**data.get("resources", {}), "gpus_per_generator": gpus, "gpus_per_trainer": gpus}
+    data["precision"] = {**data.get("precision", {}), "recipe": recipe}
+    for section, fields in extra.items():
+        data[section] = {**data.get(section, {}), **fields}
+    return parse_spec(data)
 
 
 def pick_device(device: str) -> torch.device:

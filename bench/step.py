@@ -8,28 +8,44 @@ The first step is a warm-up; the table shows the median of ``steps`` more. Ratio
 ``bf16`` measured in the same run. On CPU each recipe that allows ``precision.exact`` (``bf16``,
 ``fp8-e2e``) runs a second time with it (``+exact``), and its last column is the cost of exact
 mode: its step time over the same recipe's without it.
+
+``--model smollm2`` (or a Hugging Face directory) runs a real model on the job of
+``examples/smollm2-addition.yaml`` (its tokenizer, chat prompts, reward and batch shape), recipes
+``bf16`` and ``fp8-e2e``, and plain ``transformers`` on the same batch (:mod:`bench.hf_baseline`):
+the ratios of the targets (native training and generation tokens/s against it, fp8-e2e's
+training time against bf16's), by wall time and by the process's CPU time. Progress lines go to
+stderr (a real-model run takes minutes on a CPU).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from bench.common import bench_spec, device_name, pick_device, timed, vocab_size
+from bench import hf_baseline
+from bench.common import bench_spec, device_name, pick_device, real_model_dir, real_spec, timed, vocab_size
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Rollouts
-from workers.tasks import extract_answer
-from workers.tokenizer import ByteTokenizer
+from workers.tasks import Task, extract_answer
+from workers.tokenizer import ByteTokenizer, build_tokenizer
 from workers.weight_sync import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
+
+T = TypeVar("T")
 
 RECIPES = ("bf16", "fp8-gen", "fp8-e2e")
 EXACT_RECIPES = ("bf16", "fp8-e2e")  # the recipes precision.exact allows (fp8-gen can never be exact)
 PHASES = ("generation", "reward", "train", "weight_sync")
+# a real model's example batch (examples/smollm2-addition.yaml): 8 prompts x 8 samples, 12 tokens
+REAL_SHAPE = {"prompts": 8, "group_size": 8, "new_tokens": 12}
+PRESET_SHAPE = {"prompts": 16, "group_size": 8, "new_tokens": 16}
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,11 @@ class StepRow:
     seconds: dict[str, float]
     sync_bytes: int
     exact: bool = False
+    gen_tokens: float = 0.0  # response tokens generated (median step)
+    train_tokens: float = 0.0  # tokens trained on: every sequence's prompt + response
+    # process CPU seconds (all threads) of each phase, median: on a shared machine, what the other
+    # processes' load changes least (wall time waits for them, CPU time mostly does not)
+    cpu_seconds: dict[str, float] | None = None
 
     @property
     def label(self) -> str:
@@ -48,52 +69,128 @@ class StepRow:
         return sum(self.seconds.values())
 
 
-def run(
-    model: str = "tiny",
-    device: str = "auto",
-    prompts: int = 16,
-    group_size: int = 8,
-    new_tokens: int = 16,
-    steps: int = 2,
-) -> tuple[str, list[StepRow]]:
-    dev = pick_device(device)
+@dataclass(frozen=True)
+class Baseline:
+    """Plain ``transformers`` on the same batch (:mod:`bench.hf_baseline`), median seconds."""
+
+    train_s: float
+    train_tokens: float
+    generate_s: float
+    gen_tokens: float
+    train_cpu_s: float
+    generate_cpu_s: float
+
+
+@dataclass
+class Workload:
+    """What every recipe of one run shares: tokenizer, prompt token ids, and the reward."""
+
+    tok: Any
+    texts: list[list[int]]
+    score: Callable[[list[str]], torch.Tensor]
+    vocab: int
+
+
+def _preset_workload(model: str, prompts: int, group_size: int) -> Workload:
     tok = ByteTokenizer()
     problems = [(f"{i % 10} + {i // 10 % 10} =", str(i % 10 + i // 10 % 10)) for i in range(prompts)]
     texts = [tok.encode(q + " ") for q, _ in problems for _ in range(group_size)]
     answers = [a for _, a in problems for _ in range(group_size)]
-    rows = []
-    for recipe in RECIPES:
-        # exact mode is verified on CPU only (the spec refuses it with GPUs)
-        modes = (False, True) if recipe in EXACT_RECIPES and dev.type == "cpu" else (False,)
-        for exact in modes:
-            spec = bench_spec(
-                model, recipe, dev,
-                rollout={"prompts_per_step": prompts, "group_size": group_size, "max_new_tokens": new_tokens},
-                optimizer={"micro_batch_size": 64},
-                precision={"exact": exact},
-            )  # fmt: skip
-            rows.append(
-                _recipe(spec, dev, texts, answers, steps, vocab_size(model, ByteTokenizer().vocab_size))
-            )
+
+    def score(decoded: list[str]) -> torch.Tensor:
+        return torch.tensor([float(extract_answer(d) == a) for d, a in zip(decoded, answers, strict=True)])
+
+    return Workload(tok, texts, score, vocab_size(model, tok.vocab_size))
+
+
+def _real_workload(spec: JobSpec, prompts: int, group_size: int) -> Workload:
+    """The example's task on the real model: chat prompts of step 0, scored by the task."""
+    tok = build_tokenizer(spec)
+    task = Task.for_job(spec, tok)
+    problems = [p for p in task.sample(0, prompts, spec.rollout.seed) for _ in range(group_size)]
+    texts = [tok.encode(task.prompt(p)) for p in problems]
+
+    def score(decoded: list[str]) -> torch.Tensor:
+        return torch.tensor([task.score(d, p) for d, p in zip(decoded, problems, strict=True)])
+
+    return Workload(tok, texts, score, tok.vocab_size)
+
+
+def run(
+    model: str = "tiny",
+    device: str = "auto",
+    prompts: int | None = None,
+    group_size: int | None = None,
+    new_tokens: int | None = None,
+    steps: int = 2,
+    recipes: tuple[str, ...] | None = None,
+    baseline: bool | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> tuple[str, list[StepRow], Baseline | None]:
+    """Every recipe of ``recipes`` (default: all three for a preset, ``bf16`` and ``fp8-e2e`` for
+    a real model), plus on CPU for a preset the ``precision.exact`` variants; with ``baseline``
+    (default: for a real model) plain ``transformers`` on the ``bf16`` recipe's last batch."""
+    dev = pick_device(device)
+    path = real_model_dir(model)
+    shape = REAL_SHAPE if path is not None else PRESET_SHAPE
+    prompts = prompts or shape["prompts"]
+    group_size = group_size or shape["group_size"]
+    new_tokens = new_tokens or shape["new_tokens"]
+    recipes = recipes or (("bf16", "fp8-e2e") if path is not None else RECIPES)
+    for r in recipes:
+        if r not in RECIPES:
+            raise ValueError(f"--recipes: {r!r} is not a recipe; choose from {', '.join(RECIPES)}")
+    baseline = path is not None if baseline is None else baseline
+    if baseline and (path is None or "bf16" not in recipes):
+        raise ValueError("--baseline needs a real model (--model smollm2 or a directory) and the bf16 recipe")
+    rollout = {"prompts_per_step": prompts, "group_size": group_size, "max_new_tokens": new_tokens}
+
+    def make_spec(recipe: str, exact: bool) -> JobSpec:
+        extra: dict[str, Any] = {
+            "rollout": rollout, "optimizer": {"micro_batch_size": 64}, "precision": {"exact": exact}
+        }  # fmt: skip
+        if path is not None:
+            return real_spec(path, recipe, dev, **extra)
+        return bench_spec(model, recipe, dev, **extra)
+
+    first = make_spec(recipes[0], False)
+    work = (
+        _real_workload(first, prompts, group_size)
+        if path is not None
+        else _preset_workload(model, prompts, group_size)
+    )
+    rows, last_bf16 = [], None
+    for recipe in recipes:
+        # exact mode is verified on CPU only (the spec refuses it with GPUs); its attention
+        # materializes [B, H, q, T, D] products, a mode for the tiny presets
+        exact_too = recipe in EXACT_RECIPES and dev.type == "cpu" and path is None
+        for exact in (False, True) if exact_too else (False,):
+            row, batch = _recipe(make_spec(recipe, exact), dev, work, steps, progress)
+            rows.append(row)
+            if recipe == "bf16" and not exact:
+                last_bf16 = batch
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return device_name(dev), rows
+    base = None
+    if baseline:
+        assert path is not None and last_bf16 is not None
+        base = _baseline(path, work, last_bf16, new_tokens, steps, progress)
+    return device_name(dev), rows, base
 
 
 def _recipe(
-    spec: JobSpec, dev: torch.device, texts: list[list[int]], answers: list[str], steps: int, vocab: int
-) -> StepRow:
-    tok = ByteTokenizer()
-    trainer = build_trainer(spec, vocab, str(dev))
-    gen = build_generator(spec, vocab, tok.eos_ids, tok.pad_id, str(dev))
+    spec: JobSpec, dev: torch.device, work: Workload, steps: int, progress: Callable[[str], None]
+) -> tuple[StepRow, Rollouts]:
+    tok = work.tok
+    trainer = build_trainer(spec, work.vocab, str(dev))
+    gen = build_generator(spec, work.vocab, tok.eos_ids, tok.pad_id, str(dev))
     names = gen.fp8_weight_names()
     gen.load_weights(trainer.export_weights(names))
     new_tokens = spec.rollout.max_new_tokens
 
     def score(batch: Rollouts) -> torch.Tensor:
         rows = zip(batch.response_ids, batch.response_mask, strict=True)
-        decoded = [tok.decode(r[: int(m.sum())].tolist()) for r, m in rows]
-        return torch.tensor([float(extract_answer(d) == a) for d, a in zip(decoded, answers, strict=True)])
+        return work.score([tok.decode(r[: int(m.sum())].tolist()) for r, m in rows])
 
     def sync() -> int:
         payload = trainer.export_weights(names)
@@ -103,45 +200,133 @@ def _recipe(
         return sum(b.numel() for b in buckets)
 
     samples: list[dict[str, float]] = []
+    cpu: list[dict[str, float]] = []
+    gen_tokens: list[float] = []
     sync_bytes = 0
     for s in range(steps + 1):
         t: dict[str, float] = {}
-        batch, t["generation"] = timed(dev, partial(gen.generate, texts, new_tokens, 1.0, 1.0, s))
-        rewards, t["reward"] = timed(dev, partial(score, batch))
-        _, t["train"] = timed(dev, partial(trainer.train_step, batch, rewards, 1.0))
-        sync_bytes, t["weight_sync"] = timed(dev, sync)
+        c: dict[str, float] = {}
+        batch, t["generation"], c["generation"] = _clocked(
+            dev, partial(gen.generate, work.texts, new_tokens, 1.0, 1.0, s)
+        )
+        rewards, t["reward"], c["reward"] = _clocked(dev, partial(score, batch))
+        _, t["train"], c["train"] = _clocked(dev, partial(trainer.train_step, batch, rewards, 1.0))
+        sync_bytes, t["weight_sync"], c["weight_sync"] = _clocked(dev, sync)
+        label = spec.precision.recipe + ("+exact" if spec.precision.exact else "")
+        progress(f"{label} step {s}: " + ", ".join(f"{p} {t[p]:.2f} s" for p in PHASES))
         if s > 0:  # the first step warms up kernels, the allocator and the optimizer state
             samples.append(t)
+            cpu.append(c)
+            gen_tokens.append(float(batch.response_mask.sum()))
     median = {p: statistics.median(x[p] for x in samples) for p in PHASES}
-    return StepRow(spec.precision.recipe, median, sync_bytes, spec.precision.exact)
+    train_tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+    cpu_median = {p: statistics.median(x[p] for x in cpu) for p in PHASES}
+    row = StepRow(
+        spec.precision.recipe, median, sync_bytes, spec.precision.exact,
+        statistics.median(gen_tokens), train_tokens, cpu_median,
+    )  # fmt: skip
+    return row, batch
 
 
-def format_table(device: str, rows: list[StepRow], model: str) -> str:
-    base = rows[0]
+def _clocked(dev: torch.device, fn: Callable[[], T]) -> tuple[T, float, float]:
+    """``fn()``, its wall seconds (:func:`timed`) and the process's CPU seconds in it."""
+    cpu = time.process_time()
+    out, wall = timed(dev, fn)
+    return out, wall, time.process_time() - cpu
+
+
+def _baseline(
+    path: Path, work: Workload, batch: Rollouts, new_tokens: int, steps: int, progress: Callable[[str], None]
+) -> Baseline:
+    """Plain ``transformers`` (:mod:`bench.hf_baseline`) on ``batch`` (training) and on the same
+    prompts (generation): one warm-up, then the median of ``steps``."""
+    cpu = torch.device("cpu")
+    model = hf_baseline.load(path, torch.float32)
+    train = [_clocked(cpu, partial(hf_baseline.train_pass, model, batch)) for _ in range(steps + 1)][1:]
+    progress(f"transformers train: {', '.join(f'{t[1]:.2f} s' for t in train)}")
+    del model
+    model = hf_baseline.load(path, torch.bfloat16)
+    tok = work.tok
+    generate = partial(hf_baseline.generate, model, work.texts, new_tokens, tok.eos_ids, tok.pad_id)
+    gens = [_clocked(cpu, partial(generate, s)) for s in range(steps + 1)][1:]
+    progress(f"transformers generate: {', '.join(f'{g[1]:.2f} s' for g in gens)}")
+    return Baseline(
+        train_s=statistics.median(t[1] for t in train),
+        train_tokens=float(batch.prompt_mask.sum() + batch.response_mask.sum()),
+        generate_s=statistics.median(g[1] for g in gens),
+        gen_tokens=statistics.median(float(g[0]) for g in gens),
+        train_cpu_s=statistics.median(t[2] for t in train),
+        generate_cpu_s=statistics.median(g[2] for g in gens),
+    )
+
+
+def format_table(device: str, rows: list[StepRow], model: str, base: Baseline | None = None) -> str:
+    first = rows[0]
     head = " ".join(f"{p + ' s':>14}" for p in PHASES)
     plain = {r.recipe: r for r in rows if not r.exact}
     any_exact = any(r.exact for r in rows)
     lines = [
         f"device: {device}   model: {model}",
-        f"{'recipe':<14} {head} {'step s':>9} {'vs bf16':>8} {'sync MiB':>9}"
+        f"{'recipe':<14} {head} {'step s':>9} {'vs ' + first.recipe:>11} {'sync MiB':>9}"
         + (f" {'exact cost':>10}" if any_exact else ""),
     ]
     for r in rows:
         cells = " ".join(f"{r.seconds[p]:>14.4f}" for p in PHASES)
-        ratio = base.total / r.total
+        ratio = first.total / r.total
         cost = f" {r.total / plain[r.recipe].total:>9.2f}x" if r.exact else ""
         lines.append(
-            f"{r.label:<14} {cells} {r.total:>9.4f} {ratio:>7.2f}x {r.sync_bytes / 2**20:>9.2f}{cost}"
+            f"{r.label:<14} {cells} {r.total:>9.4f} {ratio:>10.2f}x {r.sync_bytes / 2**20:>9.2f}{cost}"
         )
-    lines.append("vs bf16: bf16 step time / this recipe's (above 1: faster than bf16)")
+    lines.append(f"vs {first.recipe}: {first.recipe} step time / this recipe's (above 1: faster)")
     if any_exact:
         lines.append(
             "exact cost: step time with precision.exact / the same recipe's without (above 1: slower)"
         )
+    if base is not None:
+        lines += _baseline_lines(plain, base)
     return "\n".join(lines)
+
+
+def _baseline_lines(plain: dict[str, StepRow], base: Baseline) -> list[str]:
+    """The targets' ratios, by wall time and by CPU time (the process's, all threads): native
+    against plain transformers, and fp8-e2e's training time against bf16's."""
+    bf16 = plain["bf16"]
+    bc = bf16.cpu_seconds or bf16.seconds
+
+    def rate(tokens: float, wall: float, cpu: float) -> str:
+        return f"{tokens / wall:>9.1f} {tokens / cpu:>8.1f}"
+
+    lines = [
+        "",
+        f"{'against plain transformers (same batch and threads)':<48} {'native tok/s':>18} "
+        f"{'transformers tok/s':>18} {'ratio':>7} {'cpu ratio':>9}",
+        f"{'':<48} {'wall':>9} {'cpu':>8} {'wall':>9} {'cpu':>8}",
+        f"{'train: bf16 vs float32 log-probs + fwd/bwd':<48} "
+        f"{rate(bf16.train_tokens, bf16.seconds['train'], bc['train'])} "
+        f"{rate(base.train_tokens, base.train_s, base.train_cpu_s)} "
+        f"{base.train_s / bf16.seconds['train']:>6.2f}x {base.train_cpu_s / bc['train']:>8.2f}x",
+        f"{'generation: bf16 vs generate() in bf16':<48} "
+        f"{rate(bf16.gen_tokens, bf16.seconds['generation'], bc['generation'])} "
+        f"{rate(base.gen_tokens, base.generate_s, base.generate_cpu_s)} "
+        f"{(bf16.gen_tokens / bf16.seconds['generation']) / (base.gen_tokens / base.generate_s):>6.2f}x "
+        f"{(bf16.gen_tokens / bc['generation']) / (base.gen_tokens / base.generate_cpu_s):>8.2f}x",
+    ]
+    if "fp8-e2e" in plain:
+        e2e = plain["fp8-e2e"]
+        ec = e2e.cpu_seconds or e2e.seconds
+        lines.append(
+            f"{'train seconds: fp8-e2e / bf16':<48} {e2e.seconds['train']:>9.2f} {ec['train']:>8.2f} "
+            f"{bf16.seconds['train']:>9.2f} {bc['train']:>8.2f} "
+            f"{e2e.seconds['train'] / bf16.seconds['train']:>6.2f}x {ec['train'] / bc['train']:>8.2f}x"
+        )
+    lines.append(
+        "ratio: native tokens/s over transformers' (train: same tokens, so seconds inverted); "
+        "fp8-e2e line: its seconds over bf16's (below 2: within the 2x target)"
+    )
+    return lines
 
 
 def report(model: str = "tiny", device: str = "auto", **options: Any) -> str:
     """``run`` and ``format_table``: what ``fp8rl bench`` prints."""
-    device_, rows = run(model, device, **options)
-    return format_table(device_, rows, model)
+    device_, rows, base = run(model, device, **options)
+    return format_table(device_, rows, model, base)

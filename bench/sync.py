@@ -1,13 +1,20 @@
 """``fp8rl bench sync``: the weight sync's FP8 payload against BF16, and against a raw broadcast.
 
 Two processes over torch.distributed (NCCL between two GPUs when there are two; gloo otherwise):
-rank 0 builds a trainer of the preset model and sends its weight-sync payload with
-:class:`~workers.weight_sync.BroadcastWeightSync`, rank 1 receives and unpacks it on its device.
+rank 0 builds a trainer of the model (a preset, or ``smollm2`` / a Hugging Face directory: the
+real model as ``examples/smollm2-addition.yaml`` runs it) and sends its weight-sync payload with
+:class:`~workers.weight_sync.BroadcastWeightSync`; rank 1 builds a generator, receives, unpacks
+and loads it, as the product's workers do (:mod:`workers.actors`).
 Payloads: ``bf16`` (a ``bf16`` job: every weight in BF16) and ``fp8`` (an ``fp8-e2e`` job: decoder
 linears as FP8 data + float32 block scales). The baseline, measured in the same run, is one raw
 ``torch.distributed.broadcast`` of a byte tensor of the same size: ``sync / raw`` is what the
 manifest, packing and unpacking cost on top of moving the bytes. Seconds are the receiver's
 (median of ``repeat`` after a warm-up), GB/s = payload bytes / seconds.
+
+A second table times one whole update end to end, barrier to barrier: the trainer's export, the
+sync, the generator's load, and the precision contract (:mod:`workers.weight_contract`: the
+trainer's report of what it sent and the generator's of what it holds, compared), with each
+side's phases.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import bench_spec
+from bench.common import bench_spec, real_model_dir, real_spec
 
 PAYLOADS = (("bf16", "bf16"), ("fp8", "fp8-e2e"))
 
@@ -32,8 +39,14 @@ PAYLOADS = (("bf16", "bf16"), ("fp8", "fp8-e2e"))
 class SyncRow:
     payload: str
     bytes: int
-    sync_s: float
+    sync_s: float  # the receiver's sync_weights: manifest, buckets over the wire, unpacked
     raw_s: float
+    # one whole update as the product runs it, barrier to barrier (median): the trainer's export,
+    # the sync, the generator's load and both sides' precision-contract reports, compared
+    end_to_end_s: float = 0.0
+    export_s: float = 0.0  # the trainer's export_weights
+    load_s: float = 0.0  # the generator's load_weights (its held report's checksums included)
+    report_s: float = 0.0  # the trainer's sent_report (checksums of what it sent)
 
     @property
     def gb_per_s(self) -> float:
@@ -44,9 +57,21 @@ class SyncRow:
         return self.bytes / self.raw_s / 1e9
 
 
+def _spec(model: str, recipe: str, dev: torch.device) -> Any:
+    path = real_model_dir(model)
+    return bench_spec(model, recipe, dev) if path is None else real_spec(path, recipe, dev)
+
+
+def _vocab(model: str) -> int:
+    from workers.tokenizer import ByteTokenizer, HfTokenizer
+
+    path = real_model_dir(model)
+    return ByteTokenizer().vocab_size if path is None else HfTokenizer(str(path)).vocab_size
+
+
 def _member(rank: int, model: str, backend: str, init: str, repeat: int, out: str) -> None:
-    from workers.engines.factory import build_trainer
-    from workers.tokenizer import ByteTokenizer
+    from workers.engines.factory import build_generator, build_trainer
+    from workers.weight_contract import compare, kv_cache_dtype, sent_report
     from workers.weight_sync import BroadcastWeightSync
 
     dev = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
@@ -55,6 +80,7 @@ def _member(rank: int, model: str, backend: str, init: str, repeat: int, out: st
     torch.set_num_threads(1)
     sync = BroadcastWeightSync(rank, 2, init, backend, timeout_s=600)
     sync.init_communicator()
+    vocab = _vocab(model)
 
     def wait() -> None:
         if dev.type == "cuda":
@@ -64,15 +90,46 @@ def _member(rank: int, model: str, backend: str, init: str, repeat: int, out: st
     rows = []
     try:
         for name, recipe in PAYLOADS:
-            payload: dict[str, Any] | None = None
-            if rank == 0:
-                spec = bench_spec(model, recipe, dev)
-                payload = build_trainer(spec, ByteTokenizer().vocab_size, str(dev)).export_weights()
-            times, raw = [], []
-            nbytes = 0
+            spec = _spec(model, recipe, dev)
+            kv_dtype = kv_cache_dtype(spec.precision.fp8_kv_cache)
+            engine: Any = (
+                build_trainer(spec, vocab, str(dev))
+                if rank == 0
+                else build_generator(spec, vocab, [0], 0, str(dev))
+            )
+            box: list[Any] = [engine.fp8_weight_names() if rank == 1 else None]
+            dist.broadcast_object_list(box, src=1)  # the generator's FP8 layers, as the driver asks
+            fp8_names = box[0]
+            phases = ("sync", "raw", "e2e", "export", "load", "report")
+            times: dict[str, list[float]] = {k: [] for k in phases}
+            nbytes, held = 0, None
             for i in range(repeat + 1):
                 wait()
-                result = sync.sync_weights(payload if rank == 0 else None)
+                t0 = time.perf_counter()
+                t: dict[str, float] = {}
+                if rank == 0:
+                    payload = engine.export_weights(fp8_names)
+                    t["export"] = time.perf_counter() - t0
+                    result = sync.sync_weights(payload)
+                    t1 = time.perf_counter()
+                    sent = sent_report(payload, kv_dtype)
+                    t["report"] = time.perf_counter() - t1
+                    box = [sent]
+                else:
+                    result = sync.sync_weights(None)
+                    assert result.payload is not None
+                    t1 = time.perf_counter()
+                    engine.load_weights(result.payload)
+                    held = engine.weight_report()
+                    t["load"] = time.perf_counter() - t1
+                    box = [None]
+                dist.broadcast_object_list(box, src=0)  # the trainer's report, to compare with
+                if rank == 1:
+                    assert held is not None
+                    compare(box[0], held).raise_if_failed()
+                wait()
+                t["e2e"] = time.perf_counter() - t0
+                t["sync"] = result.seconds
                 nbytes = result.bytes
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
                 wait()
@@ -80,11 +137,29 @@ def _member(rank: int, model: str, backend: str, init: str, repeat: int, out: st
                 dist.broadcast(buf, src=0)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-                raw_s = time.perf_counter() - t0
+                t["raw"] = time.perf_counter() - t0
                 if i > 0:
-                    times.append(result.seconds)
-                    raw.append(raw_s)
-            rows.append(SyncRow(name, nbytes, statistics.median(times), statistics.median(raw)))
+                    for k, v in t.items():
+                        times[k].append(v)
+            # each rank knows its own phases: gather them on the receiver
+            mine = {k: statistics.median(v) for k, v in times.items() if v}
+            both: list[Any] = [None, None]
+            dist.all_gather_object(both, mine)
+            # the receiver's wall times; each side's own phases
+            med = {**both[0], **both[1]}
+            rows.append(
+                SyncRow(
+                    name,
+                    nbytes,
+                    both[1]["sync"],
+                    both[1]["raw"],
+                    both[1]["e2e"],
+                    med["export"],
+                    med["load"],
+                    med["report"],
+                )
+            )
+            del engine
     finally:
         sync.shutdown()
     if rank == 1:
@@ -122,6 +197,20 @@ def format_table(note: str, rows: list[SyncRow], model: str) -> str:
             f"{r.raw_gb_per_s:>9.2f} {r.sync_s / r.raw_s:>8.2f}x {r.bytes / base.bytes:>13.2f}x "
             f"{r.sync_s / base.sync_s:>12.2f}x"
         )
+    lines += [
+        "",
+        "one whole update (barrier to barrier: export, sync, load, contract reports compared)",
+        f"{'payload':<8} {'end-to-end s':>13} {'export s':>9} {'sync s':>9} {'load s':>9} {'report s':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.payload:<8} {r.end_to_end_s:>13.4f} {r.export_s:>9.4f} {r.sync_s:>9.4f} "
+            f"{r.load_s:>9.4f} {r.report_s:>9.4f}"
+        )
+    lines.append(
+        "load: the generator's load_weights with its held report (checksums); report: the trainer's "
+        "sent_report, which runs while the generator loads"
+    )
     return "\n".join(lines)
 
 

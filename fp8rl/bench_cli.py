@@ -235,6 +235,7 @@ def bench_step(
             steps=steps,
             recipes=names,
             baseline=baseline,
+            progress=lambda msg: typer.echo(msg, err=True),
         )
     )
 

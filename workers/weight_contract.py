@@ -36,12 +36,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+import numpy as np
 import torch
 
 from workers.fp8.quant import Fp8Tensor
 
 _MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)
-_CHUNK_BYTES = 1 << 24  # 16 MiB of a weight at a time: 128 MiB of int64 temporaries
+_CHUNK_BYTES = 1 << 24  # 16 MiB of a weight at a time: at most 64 MiB of int32 temporaries
 # vLLM's names of FP8 KV-cache formats -> the element dtype (torch's name)
 _KV_CACHE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
@@ -110,16 +111,29 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def checksum(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> torch.Tensor:
     """Position-weighted checksum of ``t``'s bytes in memory order: a 0-d int64 tensor on ``t``'s
-    device (no host sync). Contiguous layout: a view is checksummed in its logical order. Works
-    through the bytes ``chunk_bytes`` at a time, so the int64 temporaries stay bounded (8 bytes
-    per byte of a chunk) however large the weight."""
+    device (no host sync). Contiguous layout: a view is checksummed in its logical order.
+
+    Byte ``i`` weighs ``1 + i mod 65521``, so the bytes are summed per weight first: seen as rows of
+    65521 bytes, column ``j`` of every row weighs ``j + 1``, and the sum is ``sum_j (j + 1) *
+    colsum_j``, one multiply per column instead of an int64 product (and modulo) per byte: the
+    same integer. The column sums run ``chunk_bytes`` of rows at a time in int32 (a chunk's column
+    sum is at most 255 x rows < 2^31), so temporaries stay bounded; on CPU through numpy, whose
+    uint8 -> int32 reduce ran 0.7 GB/s on one thread where torch's ran 0.1. Measured on 56 MB
+    (SmolLM2's embedding in BF16), 2 shared cores: 7.8 s for the per-byte form this replaced."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [n]
-    total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), chunk_bytes):
-        part = flat[start : start + chunk_bytes].to(torch.int64)  # [c]
-        weights = (torch.arange(part.numel(), device=flat.device, dtype=torch.int64) + start) % _MODULUS + 1
-        total = total + (part * weights).sum()
-    return total
+    rows = flat.numel() // _MODULUS
+    weight = torch.arange(1, _MODULUS + 1, device=flat.device, dtype=torch.int64)  # [M]: 1 + (i mod M)
+    cols = torch.zeros(_MODULUS, dtype=torch.int64, device=flat.device)  # [M]
+    full = flat[: rows * _MODULUS].view(rows, _MODULUS)  # [rows, M]
+    step = min(max(1, chunk_bytes // _MODULUS), 2**31 // 256)
+    for r in range(0, rows, step):
+        part = full[r : r + step]
+        if part.device.type == "cpu":  # numpy's widening reduce: ~7x torch's on CPU (1 thread)
+            cols += torch.from_numpy(np.add.reduce(part.numpy(), axis=0, dtype=np.int32))
+        else:
+            cols += part.sum(0, dtype=torch.int32)
+    tail = flat[rows * _MODULUS :]  # [< M]: the last, partial row
+    return (cols * weight).sum() + (tail.to(torch.int64) * weight[: tail.numel()]).sum()
 
 
 def _read(values: list[torch.Tensor]) -> list[int]:

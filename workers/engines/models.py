@@ -7,7 +7,10 @@ trainer's weights over the weight sync before their first rollout anyway.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,15 +86,49 @@ def build_policy(
     return moved.to(device).eval()
 
 
+CPU_BF16_GEMM_ENV = "FP8RL_CPU_BF16_GEMM"
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # compiled: the answer, no file read
+def cpu_bf16_gemm() -> str:
+    """:func:`detect_cpu_bf16_gemm`, once per process."""
+    return detect_cpu_bf16_gemm()
+
+
+@functools.cache
+def detect_cpu_bf16_gemm() -> str:
+    """How a BF16 GEMM runs on this CPU: ``native`` (torch's own BF16 GEMM, oneDNN on BF16 matrix
+    instructions: AMX-BF16 or AVX512-BF16) or ``float32`` (a float32 GEMM on the BF16 values).
+
+    Both compute what a BF16 GEMM computes (exact products of BF16 values, float32 accumulation,
+    one rounding of the output to BF16); they differ only in the order of the float32 sums, as
+    any two GEMM kernels do. Which is faster depends on the CPU, measured on 2 cores at SmolLM2's
+    shapes (``[3648, 576] x [576, 1536]``): with AMX-BF16 the native GEMM ran ~2300 GFLOP/s
+    against ~250 for float32 (10x); on an AVX2 host without BF16 instructions torch's BF16 GEMM
+    was 8-13x *slower* than float32. Decided once per process from ``/proc/cpuinfo``'s flags, so
+    a trainer and a generator on one host compute the same function; ``FP8RL_CPU_BF16_GEMM=native
+    |float32`` forces one (read on first use)."""
+    forced = os.environ.get(CPU_BF16_GEMM_ENV, "").strip().lower()
+    if forced in ("native", "float32"):
+        return forced
+    if forced:
+        raise ValueError(f"{CPU_BF16_GEMM_ENV}={forced!r}: use native, float32 or leave it unset")
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux: keep the float32 GEMM, right on any CPU
+        return "float32"
+    return "native" if flags & {"amx_bf16", "avx512_bf16"} else "float32"
+
+
 class CpuBf16Linear(nn.Linear):
-    """``nn.Linear`` whose BF16 GEMM runs as a float32 GEMM on the BF16 values, output rounded to
-    BF16: what a BF16 GEMM computes (exact products, float32 accumulation, one rounding at the
-    end), at float32 speed on CPUs without BF16 matrix instructions, where torch's BF16 GEMM is
-    8-13x slower than float32 (measured on an AVX2 host). Both engines use it on CPU, so they still
-    compute the same function. Other dtypes pass through unchanged."""
+    """``nn.Linear`` whose BF16 GEMM on CPU runs as :func:`cpu_bf16_gemm` says: torch's own BF16
+    GEMM where the CPU has BF16 matrix instructions, else a float32 GEMM on the BF16 values,
+    output rounded to BF16. Either is what a BF16 GEMM computes (exact products, float32
+    accumulation, one rounding at the end), at the fastest speed the CPU offers. Both engines use
+    it on CPU, so they still compute the same function. Other dtypes pass through unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or cpu_bf16_gemm() == "native":
             return super().forward(x)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.weight.float(), bias).to(torch.bfloat16)
@@ -115,10 +152,11 @@ def cpu_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's eager attention, step for step (scores rounded to the activation dtype and
     scaled, the additive mask added, softmax in float32 rounded back, the weighted sum), with its
-    two batched GEMMs done as :class:`CpuBf16Linear` does its GEMM: float32 on the BF16 values,
-    one rounding of the output. Torch's BF16 ``bmm`` on CPUs without BF16 matrix instructions
-    walks the batch one small matrix at a time (~30x slower than float32 for the example's
-    256 x 4 heads of 12 x 32, measured on an AVX2 host). Both engines use it on CPU.
+    two batched GEMMs done as :class:`CpuBf16Linear` does its GEMM (:func:`cpu_bf16_gemm`): without
+    BF16 matrix instructions float32 on the BF16 values, one rounding of the output, since torch's
+    BF16 ``bmm`` there walks the batch one small matrix at a time (~30x slower than float32 for
+    the example's 256 x 4 heads of 12 x 32, measured on an AVX2 host); with them torch's own BF16
+    ``matmul``, i.e. Hugging Face's eager attention as it is. Both engines use it on CPU.
 
     ``query [B, H, q, D]``, ``key``/``value [B, Hkv, T, D]`` (GQA: head ``h`` reads kv head
     ``h // (H / Hkv)``), ``attention_mask [B, 1, q, T]`` additive
@@ -128,7 +166,10 @@ def cpu_attention(
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     dtype = query.dtype
-    wide = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    narrow = dtype in (torch.bfloat16, torch.float16) and not (
+        dtype == torch.bfloat16 and cpu_bf16_gemm() == "native"
+    )
+    wide = torch.float32 if narrow else dtype
     scores = torch.matmul(query.to(wide), key.to(wide).transpose(2, 3)).to(dtype) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask

@@ -1,26 +1,59 @@
-"""build_policy's CPU details: the BF16 GEMMs (linear layers and attention) as float32 on BF16
-values, float32 RoPE frequencies, and the trainer's BF16 compute parameters."""
+"""build_policy's CPU details: the BF16 GEMMs (linear layers and attention) as torch's BF16 GEMM or
+as float32 on BF16 values (whichever the CPU runs faster), float32 RoPE frequencies, and the
+trainer's BF16 compute parameters."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
+import pytest
 import torch
 from torch import nn
 
 from rljob.spec import parse_spec
 from workers.engines.models import (
     CPU_ATTENTION,
+    CPU_BF16_GEMM_ENV,
     CpuBf16Linear,
     attention_mask_4d,
     build_policy,
     compute_params,
     cpu_attention,
+    cpu_bf16_gemm,
+    detect_cpu_bf16_gemm,
 )
 from workers.fp8.linear import Fp8Linear
 
 
-def test_cpu_bf16_linear_is_a_bf16_gemm_within_its_rounding(seed: int) -> None:
+@pytest.fixture(params=["native", "float32"])
+def gemm_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each way a BF16 GEMM may run on a CPU (:func:`cpu_bf16_gemm`), forced for one test."""
+    monkeypatch.setenv(CPU_BF16_GEMM_ENV, request.param)
+    detect_cpu_bf16_gemm.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    detect_cpu_bf16_gemm.cache_clear()
+
+
+def test_cpu_bf16_gemm_is_forced_by_the_environment_and_refuses_other_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    try:
+        monkeypatch.setenv(CPU_BF16_GEMM_ENV, "Float32")
+        detect_cpu_bf16_gemm.cache_clear()
+        assert cpu_bf16_gemm() == "float32"
+        monkeypatch.setenv(CPU_BF16_GEMM_ENV, "amx")
+        detect_cpu_bf16_gemm.cache_clear()
+        with pytest.raises(ValueError, match="FP8RL_CPU_BF16_GEMM='amx': use native, float32"):
+            cpu_bf16_gemm()
+    finally:
+        monkeypatch.undo()
+        detect_cpu_bf16_gemm.cache_clear()
+    assert cpu_bf16_gemm() in ("native", "float32")
+
+
+def test_cpu_bf16_linear_is_a_bf16_gemm_within_its_rounding(seed: int, gemm_mode: str) -> None:
     layer = nn.Linear(200, 48).to(torch.bfloat16)
     x = torch.randn(37, 200).to(torch.bfloat16)
     native = layer(x)
@@ -43,7 +76,7 @@ def test_cpu_bf16_linear_is_a_bf16_gemm_within_its_rounding(seed: int) -> None:
     assert torch.equal(layer32(x32), expected)
 
 
-def test_cpu_attention_is_bf16_eager_attention_within_its_rounding(seed: int) -> None:
+def test_cpu_attention_is_bf16_eager_attention_within_its_rounding(seed: int, gemm_mode: str) -> None:
     """GQA (4 query heads on 2 kv heads), left padding and a causal mask, in BF16."""
     b, h, hkv, q, t, d = 3, 4, 2, 5, 7, 16
     query = torch.randn(b, h, q, d).to(torch.bfloat16)

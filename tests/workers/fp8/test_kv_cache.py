@@ -84,7 +84,7 @@ def test_round_kv_is_what_the_fp8_cache_reads_back_with_a_straight_through_gradi
     assert float(rounded.detach().flatten()[0]) == round(y / step) * step * 2.0**-5
     g = torch.randn_like(rounded)
     rounded.backward(g)
-    assert torch.equal(x.grad, g)
+    assert x.grad is not None and torch.equal(x.grad, g)
 
 
 def test_the_rounding_cache_hands_attention_rounded_kv_and_stores_nothing() -> None:

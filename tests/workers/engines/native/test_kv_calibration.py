@@ -110,7 +110,7 @@ def pair_mismatch(recipe: str, in_training: bool) -> tuple[float, NativeTrainer,
     """The native pair with an FP8 KV cache, after the calibration a job runs before its first
     rollout: token_mult_prob_error of the generator's sampled tokens under the trainer."""
     s = spec("native").model_copy(deep=True)
-    s.precision.recipe = recipe
+    s.precision.recipe = recipe  # type: ignore[assignment]  # a recipe name from the parametrization
     s.precision.fp8_kv_cache_in_training = in_training
     trainer = NativeTrainer(s, TOK.vocab_size)
     gen = NativeGenerator(s, TOK.vocab_size, TOK.eos_ids, TOK.pad_id)
@@ -133,6 +133,7 @@ def test_a_trainer_that_reads_kv_as_the_cache_holds_it_agrees_with_the_generator
     # same values, bit for bit.
     same, trainer, gen = pair_mismatch(recipe, in_training=True)
     held = gen.weight_report()["kv"]
+    assert trainer.kv_scales is not None
     assert held["k_scales"] and held["k_scales"] == trainer.kv_scales.k.tolist()  # the trainer's scales
     assert same == 1.0
     apart, _, _ = pair_mismatch(recipe, in_training=False)

@@ -1,0 +1,109 @@
+"""``fp8rl bench step`` (bench/step.py) and ``bench sync`` on a real model's workload: the options
+parse, every row and ratio is printed, on models small enough to run in seconds. No timing is
+asserted (this machine is shared); what the rows are, is."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bench import hf_baseline, step
+from fp8rl.cli import app
+from workers.engines.protocols import Rollouts
+
+TINY = ["--steps", "1", "--prompts", "2", "--group-size", "2", "--new-tokens", "2"]
+
+
+def test_recipes_option_picks_the_rows_and_bad_options_exit_2() -> None:
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["bench", "step", "--model", "tiny", "--device", "cpu", "--recipes", "fp8-e2e", *TINY]
+    )
+    assert out.exit_code == 0, out.output
+    labels = [line.split()[0] for line in out.output.splitlines() if line[:1].isalpha()]
+    assert "fp8-e2e" in labels and "fp8-e2e+exact" in labels and "bf16" not in labels
+    assert "against plain transformers" not in out.output  # no baseline for a random-init preset
+    bad = runner.invoke(app, ["bench", "step", "--model", "tiny", "--recipes", "fp4"])
+    assert bad.exit_code == 2 and "'fp4' is not a recipe" in bad.output
+    bad = runner.invoke(app, ["bench", "step", "--model", "tiny", "--baseline"])
+    assert bad.exit_code == 2 and "--baseline needs a real model" in bad.output
+    bad = runner.invoke(app, ["bench", "step", "--model", "/no/such/model"])
+    assert bad.exit_code == 2 and "config.json" in bad.output
+
+
+def test_hf_train_pass_counts_the_response_tokens_and_leaves_no_gradient() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    config.update({"num_attention_heads": 2, "num_key_value_heads": 1})
+    model: Any = LlamaForCausalLM(config)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    batch = Rollouts(
+        prompt_ids=torch.tensor([[0, 5, 6], [7, 8, 9]]),
+        prompt_mask=torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        response_ids=torch.tensor([[1, 2, 0], [3, 0, 0]]),
+        response_mask=mask,
+        logprobs=torch.zeros(2, 3),
+    )
+    assert hf_baseline.train_pass(model, batch) == 3
+    assert all(p.grad is None for p in model.parameters())
+    # generate(): tokens up to and with each row's first stop id (here: stop at every id < 20)
+    bf16: Any = model.to(torch.bfloat16)
+    n = hf_baseline.generate(bf16, [[5, 6], [7]], 3, tuple(range(20)), 0, seed=1)
+    assert 2 <= n <= 6
+
+
+@pytest.fixture(scope="module")
+def small_real_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer and chat template: the real-model path of
+    the benchmarks (HF tokenizer, chat prompts, the example's task) in seconds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("small-real")
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    config.update({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 49152
+    return out
+
+
+@pytest.mark.slow
+def test_a_real_model_directory_runs_the_examples_batch_with_the_baseline(small_real_model: Path) -> None:
+    runner = CliRunner()
+    args = ["bench", "step", "--model", str(small_real_model), "--device", "cpu", *TINY]
+    out = runner.invoke(app, args)
+    assert out.exit_code == 0, out.output
+    table = out.output[out.output.index("device:") :]  # transformers' loading bars come first
+    labels = [line.split()[0] for line in table.splitlines() if line[:1].isalpha()]
+    assert labels[:4] == ["device:", "recipe", "bf16", "fp8-e2e"]  # no exact rows for a real model
+    for row in ("train: bf16 vs float32", "generation: bf16 vs generate()", "train seconds: fp8-e2e / bf16"):
+        assert row in out.output
+    sync = runner.invoke(app, ["bench", "sync", "--model", str(small_real_model), "--repeat", "1"])
+    assert sync.exit_code == 0, sync.output
+    assert "end-to-end s" in sync.output and sync.output.count("\nfp8 ") == 2
+
+
+def test_the_real_workload_is_the_examples_batch() -> None:
+    from bench.common import REAL_EXAMPLE
+    from rljob.spec import load_spec
+
+    spec = load_spec(REAL_EXAMPLE)
+    r = spec.rollout
+    assert {
+        "prompts": r.prompts_per_step,
+        "group_size": r.group_size,
+        "new_tokens": r.max_new_tokens,
+    } == step.REAL_SHAPE
+    assert spec.optimizer.micro_batch_size == 64  # what the benchmark's trainers use
