@@ -154,7 +154,9 @@ def _split_message(layer: str, which: str, size: int, tp: int) -> str:
         f"{layer}: its {which} size {size} split over tensor_parallel_size {tp} gives {per} per GPU, "
         f"not a multiple of {WEIGHT_BLOCK[0]} (vLLM's block-FP8 weights need whole "
         f"{WEIGHT_BLOCK[0]}x{WEIGHT_BLOCK[1]} blocks per GPU); use a tensor_parallel_size that gives "
-        "multiples of 128, or keep the layer in BF16 (precision.keep_bf16_layers)"
+        "multiples of 128 if one does; else this model cannot be FP8 on vLLM (precision.keep_bf16_layers "
+        "keeps whole decoder layers: enough only when the layer is one of those): precision.recipe bf16, "
+        "or resources.generator_engine native, which runs partial blocks"
     )
 
 
