@@ -71,7 +71,11 @@ def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
         missing = [k for k in REQUIRED_KEYS if k not in row]
         assert not missing, missing
         assert 0.0 <= row["reward/mean"] <= 1.0
-        assert row["mismatch/token_mult_prob_error"] >= 1.0
+        # the native pair on the CPU: bf16 and fp8-e2e compute what the generator computed (the
+        # trainer reads K/V as fp8-e2e's FP8 cache holds them), fp8-gen samples with FP8 weights
+        # against a BF16 trainer (docs/precision.md)
+        tmpe = row["mismatch/token_mult_prob_error"]
+        assert tmpe == 1.0 if recipe != "fp8-gen" else 1.0 < tmpe < 2.0, tmpe
         assert row["weight_sync/bytes"] > 0 and row["throughput/generation_tokens_per_s"] > 0
     audit = json.loads((tmp_path / recipe / "quantization_audit.json").read_text())
     fp8_gen = audit["generator"]["summary"]["fp8_layers"]

@@ -147,3 +147,13 @@ def test_inputs_with_grad_and_bad_arguments() -> None:
         mismatch_metrics(logp, logp, torch.ones(1, 3))
     with pytest.raises(ValueError, match="mode must be one of"):
         mismatch_metrics(logp, logp, torch.ones(1, 2), mode="seq-is")
+
+
+def test_the_multiplicative_error_counts_either_direction() -> None:
+    # the hand example with trainer and generator swapped: every d changes sign, and
+    # exp(|d|) stays 2, 1, 4 -> 7/3 (without the absolute value it would be (1/2 + 1 + 1/4) / 3 = 7/12);
+    # the two KL directions trade places
+    out = mismatch_metrics(torch.tensor(GEN), torch.tensor(PREV), torch.tensor(MASK))
+    assert out["mismatch/token_mult_prob_error"] == pytest.approx(7 / 3, rel=1e-6)
+    assert out["mismatch/gen_kl_error"] == pytest.approx(COMMON["mismatch/policy_kl_error"], rel=1e-6)
+    assert out["mismatch/policy_kl_error"] == pytest.approx(COMMON["mismatch/gen_kl_error"], rel=1e-6)
