@@ -131,7 +131,7 @@ def test_mismatch_panel_draws_a_red_line_at_the_bf16_and_fp8_e2e_threshold() -> 
         assert {"color": "red", "value": 1.1} in defaults["thresholds"]["steps"], p["title"]
         if p["type"] == "timeseries":
             assert defaults["custom"]["thresholdsStyle"]["mode"] == "line", p["title"]
-            assert "1.1" in p["description"] and "1.5" in p["description"]
+            assert "1.1" in p["description"] and "1.7" in p["description"]
 
 
 def test_validation_panels_show_accuracy_and_reward_per_job_and_recipe() -> None:
