@@ -146,18 +146,19 @@ def test_nan_input_raises() -> None:
 
 def test_inference_quantizes_activations_once(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # Under no_grad (generation) only the 1x128 activation copy is made: no wgrad copy of x.T.
-    from workers.fp8 import quantize as real
+    # Counted where every CPU quantization checks its input for NaN/inf, once per tensor made
+    # (quantize_dual makes x's two layouts in one pass, but checks each).
+    from workers.fp8.guard import check_input as real
 
     calls: list[tuple[tuple[int, ...], tuple[int, int] | None]] = []
 
-    def counting(x: torch.Tensor, fmt: str = "e4m3", block: object = None, **kw: object) -> object:
-        calls.append((tuple(x.shape), block))  # type: ignore[arg-type]
-        return real(x, fmt, block, **kw)  # type: ignore[arg-type]
+    def counting(x: torch.Tensor, amax: torch.Tensor, block: tuple[int, int] | None, where: str) -> None:
+        calls.append((tuple(x.shape), block))
+        real(x, amax, block, where)
 
     layer = Fp8Linear(128, 16)
     layer.fp8_weight()
-    monkeypatch.setattr("workers.fp8.linear_gemm.quantize", counting)  # the training GEMMs' own calls
-    monkeypatch.setattr("workers.fp8.quant.quantize", counting)  # quantize_rows' CPU path
+    monkeypatch.setattr("workers.fp8.quant.check_input", counting)
     with torch.no_grad():
         y = layer(torch.randn(3, 128))
     assert calls == [((3, 128), (1, 128))] and y.requires_grad is False
