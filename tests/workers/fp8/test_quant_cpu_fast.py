@@ -232,11 +232,12 @@ def test_emulated_gemms_match_padded_operands(rows: int) -> None:
     da1 = deq(g, "e4m3", (1, 128)) @ w_down
     d_t, s_t = ref_quantize(a1.t(), "e4m3", (1, 128))
     dw_down = deq(g.t(), "e4m3", (1, 128)) @ ref_dequantize(d_t.t(), s_t.t(), (128, 1))
-    assert torch.equal(down.weight.grad, dw_down)
+    assert down.weight.grad is not None and torch.equal(down.weight.grad, dw_down)
     dh = da1 * (h_ref > 0)
     dx = deq(dh, "e4m3", (1, 128)) @ w_up
     x_t, sx_t = ref_quantize(x0.t(), "e4m3", (1, 128))
     dw_up = deq(dh.t(), "e4m3", (1, 128)) @ ref_dequantize(x_t.t(), sx_t.t(), (128, 1))
+    assert up.weight.grad is not None and x.grad is not None
     assert torch.equal(up.weight.grad, dw_up) and torch.equal(x.grad, dx)
     # and the GEMM entry point itself, with a column-major second operand
     qa, qb = quantize(dh.t(), "e4m3", (1, 128)), quantize(x0.t(), "e4m3", (1, 128)).t()
