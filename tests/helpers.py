@@ -1,4 +1,5 @@
-"""What many test files share: the tiny job they run, and waiting for something to happen.
+"""What many test files share: the tiny job they run, a short run of the SmolLM2 example, and
+waiting for something to happen.
 
 ``wait_for`` is the one way a test waits: it polls a public view (an API answer, a store read, a
 file a run writes) until a predicate holds, and on a deadline fails saying what it waited for and
@@ -9,8 +10,12 @@ test to one implementation.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -62,3 +67,36 @@ def wait_for(
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; last value: {value!r}")
         time.sleep(every)
+
+
+SMOLLM2_EXAMPLE = Path(__file__).parents[1] / "examples" / "smollm2-addition.yaml"
+
+
+def run_smollm2_example(
+    model_dir: Path, out: Path, recipe: str, timeout: int, **sets: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``fp8rl run`` of the SmolLM2 example as a user runs it (the console script of this
+    environment), two steps with a smaller batch and validation set (2 prompts x 4 samples, 8
+    held-out problems every 2 steps), plus ``sets`` (``--set`` overrides, dots as ``__``).
+    Asserts exit 0, steps 1 and 2 and the validations at 0 and 2; returns (every metrics line,
+    the step lines)."""
+    overrides = {
+        "model.name": str(model_dir),
+        "rollout.prompts_per_step": 2,
+        "rollout.group_size": 4,
+        "validation.size": 8,
+        "validation.interval": 2,
+    } | {k.replace("__", "."): v for k, v in sets.items()}
+    args = [a for k, v in overrides.items() for a in ("--set", f"{k}={v}")]
+    cli = [str(Path(sys.executable).parent / "fp8rl")]
+    proc = subprocess.run(
+        [*cli, "run", str(SMOLLM2_EXAMPLE), "--recipe", recipe, "--steps", "2", "--output", str(out),
+         "--no-progress", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 2]
+    return rows, steps

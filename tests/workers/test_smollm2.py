@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rljob.spec import JobSpec, load_spec
+from tests.helpers import SMOLLM2_EXAMPLE, run_smollm2_example
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import sequence_logprobs
 from workers.engines.protocols import Rollouts
@@ -25,7 +26,7 @@ from workers.tokenizer import HfTokenizer, build_tokenizer
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "smollm2-addition.yaml"
+EXAMPLE = SMOLLM2_EXAMPLE
 HELD_OUT = 48  # of the example's held-out problems (all 100 would triple the time)
 IM_END = 2  # SmolLM2's <|im_end|>: the end of an assistant turn
 
@@ -151,29 +152,9 @@ def test_a_two_step_fp8_e2e_run_of_the_example(smollm2_dir: Path, tmp_path: Path
     """``fp8rl run`` of the example as a user runs it (a smaller batch and validation set), in
     fp8-e2e: exit 0, two steps and the validations logged, every decoder linear in FP8."""
     import json
-    import subprocess
-    import sys
 
     out = tmp_path / "run"
-    sets = {
-        "model.name": str(smollm2_dir),
-        "rollout.prompts_per_step": 2,
-        "rollout.group_size": 4,
-        "validation.size": 8,
-        "validation.interval": 2,
-    }
-    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    cli = [str(Path(sys.executable).parent / "fp8rl")]  # the console script of this environment
-    proc = subprocess.run(
-        [*cli, "run", str(EXAMPLE), "--recipe", "fp8-e2e", "--steps", "2", "--output", str(out),
-         "--no-progress", *args],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 2]
+    _, steps = run_smollm2_example(smollm2_dir, out, "fp8-e2e", timeout=900)
     for r in steps:
         assert 0.0 <= r["response/truncated_fraction"] <= 1.0 and 0.0 <= r["reward/mean"] <= 1.0
         assert r["response_length/mean"] <= 12

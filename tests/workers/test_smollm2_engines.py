@@ -13,15 +13,13 @@ checked per sync.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.helpers import run_smollm2_example
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "smollm2-addition.yaml"
+pytestmark = pytest.mark.slow
 
 
 def test_a_two_step_run_on_vllm_and_megatron(smollm2_dir: Path, tmp_path: Path) -> None:
@@ -29,27 +27,8 @@ def test_a_two_step_run_on_vllm_and_megatron(smollm2_dir: Path, tmp_path: Path) 
     mismatch of two BF16 engines with the same weights (a stale or wrong weight shows as >> 1.1:
     vLLM's tied output layer that kept its dummy weights gave 2.4e4)."""
     out = tmp_path / "run"
-    sets = {
-        "model.name": str(smollm2_dir),
-        "resources.generator_engine": "vllm",
-        "resources.trainer_engine": "megatron",
-        "rollout.prompts_per_step": 2,
-        "rollout.group_size": 4,
-        "validation.size": 8,
-        "validation.interval": 2,
-    }
-    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    cli = [str(Path(sys.executable).parent / "fp8rl")]  # the console script of this environment
-    proc = subprocess.run(
-        [*cli, "run", str(EXAMPLE), "--recipe", "bf16", "--steps", "2", "--output", str(out),
-         "--no-progress", *args],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "reward/mean" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert [r["step"] for r in rows if "val/accuracy" in r] == [0, 2]
+    engines = {"resources__generator_engine": "vllm", "resources__trainer_engine": "megatron"}
+    _, steps = run_smollm2_example(smollm2_dir, out, "bf16", timeout=600, **engines)
     for r in steps:
         print(f"step {r['step']}: token_mult_prob_error {r['mismatch/token_mult_prob_error']:.4f}")
         # 30 layers x 9 weights, the embedding and the final norm (the output layer is tied)
