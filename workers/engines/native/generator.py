@@ -111,8 +111,6 @@ class NativeGenerator:
             self.kv_scales = KvScales(
                 torch.tensor(k, device=self.device), torch.tensor(v, device=self.device), get_format("e4m3")
             )
-            if self.static is not None:
-                self.static.kv_scales = self.kv_scales
         load_weights(self.model, {n: t for n, t in payload.items() if not is_kv_scale(n)})
         self._report = self._held(payload)
 
@@ -198,7 +196,7 @@ class NativeGenerator:
         """
         if self.static is not None:
             out = self.static.generate(
-                ids, attn, max_new_tokens, temperature, top_p, seed, self.eos_ids, self.pad_id
+                ids, attn, max_new_tokens, temperature, top_p, seed, self.eos_ids, self.pad_id, self.kv_scales
             )
             self.kv_cache_bytes = self.static.kv_cache_bytes
             return out

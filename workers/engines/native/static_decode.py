@@ -214,7 +214,6 @@ class StaticDecoder:
             cfg._attn_implementation = decode_attention.ATTENTION_NAME
         self.impl = str(cfg._attn_implementation)
         self.dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]
-        self.kv_scales: KvScales | None = None  # the FP8 cache's scales, if received with the weights
         self.sessions: OrderedDict[DecodeShape, _Session] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
 
@@ -244,8 +243,10 @@ class StaticDecoder:
         seed: int,
         eos: StopIds,
         pad_id: int,
+        kv_scales: KvScales | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What :meth:`NativeGenerator.generate_on_device` returns, for left-padded ``ids``/``attn``."""
+        """What :meth:`NativeGenerator.generate_on_device` returns, for left-padded ``ids``/``attn``;
+        an FP8 cache uses ``kv_scales`` (the trainer's), or without them calibrates on the prefill."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be positive")
         extra = -ids.shape[1] % PROMPT_MULTIPLE  # more left padding: a shared prompt length
@@ -258,7 +259,7 @@ class StaticDecoder:
         if s.gen is not None:
             s.gen.manual_seed(seed)
         cache = s.cache
-        cache.use_scales(self.kv_scales)
+        cache.use_scales(kv_scales)
         cache.start(p, extra)
         with finite_guard():  # the prefill and the first token, eagerly
             pos = positions(attn)  # [B, P]
