@@ -135,11 +135,19 @@ class ResourcesSpec(StrictModel):
                     f"gpus_per_generator ({self.gpus_per_generator}): vLLM splits the model over every "
                     "GPU of its generator"
                 )
-        elif self.generator_tensor_parallel_size != 1:
-            problems.append(
-                "generator_tensor_parallel_size > 1 needs generator_engine vllm (the native generator "
-                "runs one GPU per generator: raise generators instead)"
-            )
+        else:
+            if self.gpus_per_generator > 1:
+                problems.append(
+                    f"gpus_per_generator ({self.gpus_per_generator}) > 1 with generator_engine native, "
+                    "which runs on one GPU and would leave the others idle: set gpus_per_generator 1 and "
+                    "raise generators, or set generator_engine vllm with generator_tensor_parallel_size "
+                    "equal to gpus_per_generator"
+                )
+            if self.generator_tensor_parallel_size != 1:
+                problems.append(
+                    "generator_tensor_parallel_size > 1 needs generator_engine vllm (the native generator "
+                    "runs one GPU per generator: raise generators instead)"
+                )
         if self.trainer_engine == "megatron":
             model_parallel = self.trainer_tensor_parallel_size * self.trainer_pipeline_parallel_size
             if self.gpus_per_trainer > 1:
@@ -153,11 +161,19 @@ class ResourcesSpec(StrictModel):
                     f"trainer_pipeline_parallel_size ({model_parallel}); the quotient is the "
                     "data-parallel size"
                 )
-        elif self.trainer_tensor_parallel_size != 1 or self.trainer_pipeline_parallel_size != 1:
-            problems.append(
-                "trainer_tensor_parallel_size and trainer_pipeline_parallel_size > 1 need trainer_engine "
-                "megatron (the native trainer is data parallel only: raise trainers instead)"
-            )
+        else:
+            if self.gpus_per_trainer > 1:
+                problems.append(
+                    f"gpus_per_trainer ({self.gpus_per_trainer}) > 1 with trainer_engine native, which "
+                    "runs on one GPU and would leave the others idle: set gpus_per_trainer 1 and raise "
+                    "trainers (data parallel), or set trainer_engine megatron with trainers = the training "
+                    "GPUs and trainer_tensor_parallel_size > 1 to split the model"
+                )
+            if self.trainer_tensor_parallel_size != 1 or self.trainer_pipeline_parallel_size != 1:
+                problems.append(
+                    "trainer_tensor_parallel_size and trainer_pipeline_parallel_size > 1 need trainer_engine "
+                    "megatron (the native trainer is data parallel only: raise trainers instead)"
+                )
         if self.share_gpu and (self.generator_engine != "native" or self.trainer_engine != "native"):
             problems.append(
                 "share_gpu is for the native engines: vLLM and Megatron each need GPUs of their own"

@@ -237,7 +237,9 @@ def test_driver_actors_ask_for_what_their_group_advertises(monkeypatch: pytest.M
 
 def test_a_pod_asking_more_gpus_than_the_default_pool_has_is_refused() -> None:
     settings = OperatorSettings(generation_max_gpus_per_pod=4, training_max_gpus_per_pod=8)
-    job = {"resources": {"generators": 2, "trainers": 1, "gpus_per_generator": 8, "gpus_per_trainer": 8}}
+    # vLLM splits its model over every GPU of a generator; a trainer uses one GPU, whatever its engine
+    tp8 = {"generator_engine": "vllm", "gpus_per_generator": 8, "generator_tensor_parallel_size": 8}
+    job = {"resources": {"generators": 2, "trainers": 1, **tp8, "gpus_per_trainer": 1}}
     spec = rl.RLJobSpec.model_validate({"job": job})
     [problem] = builders.placement_problems(spec, settings)
     assert problem.startswith("spec.job.resources.gpus_per_generator: 8 GPUs in one pod")
@@ -246,9 +248,9 @@ def test_a_pod_asking_more_gpus_than_the_default_pool_has_is_refused() -> None:
     own = rl.RLJobSpec.model_validate({"job": job, "cluster": {"generation": {"nodeSelector": {"p": "big"}}}})
     assert builders.placement_problems(own, settings) == []
     # at the limit, and with no limit configured: fine
-    job["resources"]["gpus_per_generator"] = 4
+    job["resources"].update(gpus_per_generator=4, generator_tensor_parallel_size=4)
     assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), settings) == []
-    job["resources"]["gpus_per_trainer"] = 16
+    job["resources"].update(gpus_per_generator=16, generator_tensor_parallel_size=16)
     assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), OperatorSettings()) == []
 
 

@@ -193,11 +193,12 @@ def cases() -> dict[str, Case]:
     done = rljob(status("Succeeded", "Completed", "the driver finished", STARTED))
     deleting = rljob(RUN_STATUS)
     deleting["metadata"]["deletionTimestamp"] = "2025-06-02T11:00:00Z"
-    small_pool = OperatorSettings(training_max_gpus_per_pod=4)
-    big = rljob(resources={"gpus_per_trainer": 8})
+    small_pool = OperatorSettings(generation_max_gpus_per_pod=4)
+    tp8 = {"generator_engine": "vllm", "gpus_per_generator": 8, "generator_tensor_parallel_size": 8}
+    big = rljob(resources=tp8)
     big_message = (
-        "spec.job.resources.gpus_per_trainer: 8 GPUs in one pod, but nodes of the training pool have 4; "
-        "ask for at most 4, or name a larger pool in spec.cluster.training.nodeSelector"
+        "spec.job.resources.gpus_per_generator: 8 GPUs in one pod, but nodes of the generation pool have "
+        "4; ask for at most 4, or name a larger pool in spec.cluster.generation.nodeSelector"
     )
     held = "the RayJob is still suspended (resuming, or queued)"
     return {

@@ -234,6 +234,27 @@ def test_a_stored_spec_validates_again() -> None:
         JobSpec.model_validate({"task": {"dataset": "/data/qa.jsonl", "reasoning_gym": "chain_sum"}})
 
 
+@pytest.mark.parametrize(
+    ("resources", "named", "fix"),
+    [
+        ({"gpus_per_generator": 2}, "gpus_per_generator (2) > 1 with generator_engine native", "vllm"),
+        ({"gpus_per_trainer": 4}, "gpus_per_trainer (4) > 1 with trainer_engine native", "raise trainers"),
+    ],
+)
+def test_more_than_one_gpu_per_native_actor_is_refused(
+    resources: dict[str, int], named: str, fix: str
+) -> None:
+    """The pods would ask for N GPUs and the native actor use one of them (issue 42)."""
+    (p,) = problems({"resources": resources})
+    assert p.startswith("resources: ") and named in p and fix in p
+    parse_spec({"resources": dict.fromkeys(resources, 1)})  # one GPU each: what the native actor uses
+
+
+def test_both_native_actors_with_several_gpus_are_reported_at_once() -> None:
+    (p,) = problems({"resources": {"gpus_per_generator": 3, "gpus_per_trainer": 3}})
+    assert "gpus_per_generator (3) > 1" in p and "gpus_per_trainer (3) > 1" in p
+
+
 def test_engines_and_parallel_sizes_that_fit() -> None:
     spec = parse_spec(
         {

@@ -131,7 +131,7 @@ def test_list_pages_and_filters(api: TestClient) -> None:
 
 def test_tenant_limits(tmp_path: Path) -> None:
     api = client(tmp_path, max_concurrent_jobs=2, max_gpus=4)
-    gpu_job = {"resources": {"gpus_per_generator": 1, "gpus_per_trainer": 2}}  # 1*1 + 1*2 = 3 GPUs
+    gpu_job = {"resources": {"gpus_per_generator": 1, "trainers": 2, "gpus_per_trainer": 1}}  # 1*1 + 2*1 = 3
     assert api.post("/v1/jobs", json={"name": "a", "spec": gpu_job}, headers=auth(ALICE)).status_code == 201
     r = api.post("/v1/jobs", json={"name": "b", "spec": gpu_job}, headers=auth(ALICE))
     assert (

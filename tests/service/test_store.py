@@ -120,12 +120,13 @@ def test_a_refused_write_fails_alone_and_a_database_error_fails_its_group(tmp_pa
 
 def test_tenant_usage_is_counted_from_the_index_alone(tmp_path: Path) -> None:
     store = SqlJobStore(tmp_path / "jobs.sqlite")
-    gpu = JobSpec.model_validate({"resources": {"gpus_per_generator": 1, "gpus_per_trainer": 2}})
+    two_trainers = {"gpus_per_generator": 1, "trainers": 2, "gpus_per_trainer": 1}
+    gpu = JobSpec.model_validate({"resources": two_trainers})
     for name, spec in (("a", gpu), ("b", gpu), ("c", JobSpec())):
         store.create("t", name, spec)
     store.create("u", "other", gpu)
     store.update("t", "b", lambda s: s.moved(Phase.CANCELLED, "UserCancelled"))
-    # active: a (1 generator x 1 + 1 trainer x 2 = 3 GPUs, the default one of each) and c (0)
+    # active: a (1 generator x 1 + 2 trainers x 1 = 3 GPUs) and c (0)
     assert store.usage("t") == (2, 3)
     plan = " ".join(
         str(r[-1])
@@ -144,7 +145,7 @@ def test_concurrent_creates_never_take_a_tenant_over_its_limits(tmp_path: Path) 
     inside it, so the tenant ends at its cap (a check before queueing would have let all five in)."""
     store = SqlJobStore(tmp_path / "jobs.sqlite")
     store.create("t", "old", JobSpec())  # 1 active job, no GPUs (the default runs on CPU)
-    gpu = JobSpec.model_validate({"resources": {"gpus_per_generator": 0, "gpus_per_trainer": 3}})
+    gpu = JobSpec.model_validate({"resources": {"trainers": 3, "gpus_per_trainer": 1}})
     for limits, spec, wanted_ok in ((Limits(jobs=4, gpus=99), JobSpec(), 3), (Limits(99, 7), gpu, 2)):
         before = store.usage("t")[0]
         names = [f"j{before}-{i}" for i in range(5)]

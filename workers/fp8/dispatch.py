@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib.util
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -47,6 +48,8 @@ from typing import Literal, Protocol
 import torch
 
 from workers.fp8.formats import Fp8Format
+
+log = logging.getLogger(__name__)
 
 Kernel = Literal["cublas_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "emulate"]
 KERNELS: tuple[str, ...] = ("cublas_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "emulate")
@@ -292,13 +295,36 @@ def cublas_blockwise_disabled() -> bool:
     return os.environ.get("FP8RL_CUBLAS_BLOCKWISE", "1") == "0"
 
 
-def triton_switch(variable: str, default: str, triton_value: str, device: torch.device) -> bool:
+def triton_switch(variable: str, default: str, triton_value: str, device: torch.device, instead: str) -> bool:
     """An opt-in Triton kernel's environment switch: ``variable`` is ``default`` (off) or
     ``triton_value``/``"triton"`` (on); on only for a CUDA device, or a CPU under Triton's
-    interpreter (tests), with Triton installed. Anything else is refused, naming the variable."""
+    interpreter (tests), with Triton installed. Anything else is refused, naming the variable.
+    Asked for where it cannot run, it logs a warning once per process and cause, saying that
+    ``instead`` runs."""
     wanted = os.environ.get(variable, default)
     if wanted not in (default, triton_value):
         raise ValueError(f"{variable}={wanted!r}: use {default} (default) or {triton_value}")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    on_device = device.type == "cuda" or (interpret and device.type == "cpu")
-    return wanted == triton_value and on_device and importlib.util.find_spec("triton") is not None
+    if wanted != triton_value:
+        return False
+    why = _triton_problem(device)
+    if why is not None:
+        _warn_fallback(variable, wanted, why, instead)
+    return why is None
+
+
+def _triton_problem(device: torch.device) -> str | None:
+    """Why a Triton kernel cannot run on ``device`` here, or None."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        no_cuda = "" if torch.cuda.is_available() else " (no CUDA device is visible)"
+        return f"the tensors are on the CPU{no_cuda}"
+    if device.type not in ("cpu", "cuda"):
+        return f"the tensors are on {device.type}, not a CUDA device"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (not importable)"
+    return None
+
+
+@functools.cache
+def _warn_fallback(variable: str, value: str, why: str, instead: str) -> None:
+    # once per process and cause: the switch is read at every weight bind / generator build
+    log.warning("%s=%s is set, but %s: %s runs instead", variable, value, why, instead)

@@ -160,7 +160,8 @@ def small_m_gemm_enabled(device: torch.device) -> bool:
     GEMM (:mod:`workers.fp8.triton_gemm`) on CUDA (or under Triton's interpreter on the CPU, for
     tests); ``cublas`` (the default until a GPU has measured it) leaves it to the dispatch. Read
     when a weight's GEMM is bound."""
-    return triton_switch("FP8RL_SMALL_M_GEMM", "cublas", "triton", device)
+    instead = "the dispatch's GEMM (workers.fp8.dispatch.plan_gemm)"
+    return triton_switch("FP8RL_SMALL_M_GEMM", "cublas", "triton", device, instead)
 
 
 class BoundGemm:

@@ -134,8 +134,9 @@ def test_share_gpu_splits_the_gpu_and_uses_gloo() -> None:
     assert actor_options(shared, "training")["num_gpus"] == 0.25  # 3 trainers + 1 generator
     assert actor_options(shared, "generation")["num_gpus"] == 0.25
     assert collective_backend(shared) == "gloo"  # NCCL refuses two ranks on one GPU
-    own = parse_spec({"resources": {"gpus_per_generator": 1, "gpus_per_trainer": 2}})
-    assert collective_backend(own) == "nccl" and actor_options(own, "training")["num_gpus"] == 2
+    tp2 = {"generator_engine": "vllm", "gpus_per_generator": 2, "generator_tensor_parallel_size": 2}
+    own = parse_spec({"resources": {**tp2, "gpus_per_trainer": 1}})
+    assert collective_backend(own) == "nccl" and actor_options(own, "generation")["num_gpus"] == 2
     assert collective_backend(parse_spec({})) == "gloo"  # CPUs
 
 

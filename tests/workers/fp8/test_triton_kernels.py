@@ -5,6 +5,8 @@ and their compilation for SM90 (``tests/workers/triton_sm90.py``). Their speed o
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -109,3 +111,30 @@ def test_the_small_m_switch_is_off_by_default_and_checked(monkeypatch: pytest.Mo
     monkeypatch.setenv("FP8RL_SMALL_M_GEMM", "cutlass")
     with pytest.raises(ValueError, match="FP8RL_SMALL_M_GEMM='cutlass'"):
         small_m_gemm_enabled(torch.device("cuda"))
+
+
+def test_the_small_m_switch_says_once_per_cause_why_it_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Read at every weight bind: each cause (CPU tensors, no Triton) is logged once, not per layer."""
+    from workers.fp8 import dispatch
+    from workers.fp8.linear_gemm import small_m_gemm_enabled
+
+    monkeypatch.setenv("FP8RL_SMALL_M_GEMM", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dispatch._warn_fallback.cache_clear()
+    caplog.set_level(logging.WARNING, logger=dispatch.__name__)
+    assert not small_m_gemm_enabled(torch.device("cpu")) and not small_m_gemm_enabled(torch.device("cpu"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name, *a)
+    )
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    assert not small_m_gemm_enabled(cuda) and not small_m_gemm_enabled(cuda)
+    on_cpu, no_triton = [r.getMessage() for r in caplog.records if "FP8RL_SMALL_M_GEMM" in r.getMessage()]
+    assert on_cpu.startswith("FP8RL_SMALL_M_GEMM=triton is set, but the tensors are on the CPU")
+    assert no_triton.startswith("FP8RL_SMALL_M_GEMM=triton is set, but Triton is not installed")
+    assert all(
+        m.endswith(": the dispatch's GEMM (workers.fp8.dispatch.plan_gemm) runs instead")
+        for m in (on_cpu, no_triton)
+    )

@@ -37,7 +37,8 @@ def enabled(device: torch.device) -> bool:
     """Whether the static decode loop on ``device`` uses this kernel (see the module docstring)."""
     from workers.fp8.dispatch import triton_switch
 
-    return triton_switch("FP8RL_DECODE_ATTENTION", "sdpa", "triton", device)
+    instead = "torch SDPA over the whole masked cache"
+    return triton_switch("FP8RL_DECODE_ATTENTION", "sdpa", "triton", device, instead)
 
 
 def splits_for(batch: int, kv_heads: int, length: int, device: torch.device) -> int:

@@ -8,6 +8,7 @@ only a GPU shows (``make gpu-check``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -62,6 +63,23 @@ def test_the_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert da.enabled(torch.device("cuda")) and not da.enabled(torch.device("cpu"))
+
+
+def test_the_switch_on_the_cpu_says_once_that_sdpa_runs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked for where it cannot run, the kernel is not silently skipped: one warning per process
+    (the switch is read at every generator build), naming the variable, the cause and SDPA."""
+    from workers.fp8 import dispatch
+
+    monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dispatch._warn_fallback.cache_clear()
+    caplog.set_level(logging.WARNING, logger=dispatch.__name__)
+    assert not da.enabled(torch.device("cpu")) and not da.enabled(torch.device("cpu"))
+    [message] = [r.getMessage() for r in caplog.records if "FP8RL_DECODE_ATTENTION" in r.getMessage()]
+    assert message.startswith("FP8RL_DECODE_ATTENTION=triton is set, but the tensors are on the CPU")
+    assert message.endswith(": torch SDPA over the whole masked cache runs instead")
 
 
 @pytest.mark.parametrize("cache", ["bf16", "e4m3"])
