@@ -36,8 +36,8 @@ from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.async_rl import AsyncLoop
-from workers.engines.factory import calibrates_kv
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
+from workers.fp8.kv_cache import calibrates_kv
 from workers.job_actors import JobActors
 from workers.metrics import PromExporter
 from workers.rl_step import (

@@ -183,7 +183,7 @@ def calibrate_kv(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, 
     the K/V-cache scales the next sync carries on the prompts step ``step`` will sample, so that
     vLLM's FP8 KV cache never generates with its default scale 1.0. Each prompt's last token
     stands as the response (its K and V are observed like the rest). A no-op on trainers that do
-    not calibrate (``workers.engines.factory.calibrates_kv``); every later sync carries the
+    not calibrate (``workers.fp8.kv_cache.calibrates_kv``); every later sync carries the
     scales the trainers calibrate after their update."""
     r = spec.rollout
     prompts = [tok.encode(task.prompt(p)) for p in task.sample(step, r.prompts_per_step, r.seed)]

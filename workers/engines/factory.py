@@ -60,15 +60,6 @@ def uses_weight_channel(spec: JobSpec) -> bool:
     return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
 
 
-def calibrates_kv(spec: JobSpec) -> bool:
-    """Whether the trainer calibrates K/V-cache scales (before the first rollout and after every
-    update) and sends them with the weights: with an FP8 KV cache, on either generator. vLLM
-    computes its scales at most once; the native generator could calibrate each prefill, but
-    then its decode tokens and the trainer's forward (``precision.fp8_kv_cache_in_training``)
-    would not see the same scales. Every trainer engine asks this, and only this."""
-    return spec.precision.fp8_kv_cache
-
-
 def weight_receivers(spec: JobSpec) -> int:
     """Ranks one generator takes in the weight channel: one per vLLM tensor-parallel worker."""
     return spec.resources.generator_tensor_parallel_size if engine_for(spec, "generator") == "vllm" else 1

@@ -36,11 +36,21 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rljob.spec import JobSpec
 from workers.fp8.formats import Fp8Format, get_format, to_float32
 from workers.fp8.guard import check_input
 from workers.fp8.quant import Fp8Tensor, cast_to_fp8
 
 KV_MARGIN = 1.0  # headroom above the calibrated amax, before the power-of-two rounding (module docstring)
+
+
+def calibrates_kv(spec: JobSpec) -> bool:
+    """Whether the trainer calibrates K/V-cache scales (before the first rollout and after every
+    update) and sends them with the weights: with an FP8 KV cache, on either generator. vLLM
+    computes its scales at most once; the native generator could calibrate each prefill, but
+    then its decode tokens and the trainer's forward (``precision.fp8_kv_cache_in_training``)
+    would not see the same scales. Every trainer engine asks this, and only this."""
+    return spec.precision.fp8_kv_cache
 
 
 def abs_percentile(x: torch.Tensor, percentile: float, where: str = "KV calibration") -> torch.Tensor:

@@ -8,7 +8,7 @@ scales (:class:`~workers.fp8.kv_cache.KvScaleCalibrator`'s rule, max-reduced ove
 go out with the weights, as the native side does (:mod:`workers.engines.native.kv_calibration`).
 With ``precision.fp8_kv_cache_in_training`` a second pre-hook rounds K and V with those scales in
 every other forward, as the generators' cache holds them. The trainer holds one only when
-:func:`workers.engines.factory.calibrates_kv` says so.
+:func:`workers.fp8.kv_cache.calibrates_kv` says so.
 """
 
 from __future__ import annotations

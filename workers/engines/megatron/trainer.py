@@ -37,7 +37,6 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units_tensor
-from workers.engines.factory import calibrates_kv
 from workers.engines.megatron.convert import hf_payload, hf_to_megatron, megatron_to_hf
 from workers.engines.megatron.kv import MegatronKvCalibration
 from workers.engines.megatron.model import MegatronModel
@@ -47,6 +46,7 @@ from workers.engines.protocols import Payload, Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit
 from workers.fp8.guard import finite_guard
+from workers.fp8.kv_cache import calibrates_kv
 
 
 class MegatronTrainer:

@@ -30,7 +30,6 @@ from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.batching import positions
-from workers.engines.factory import calibrates_kv
 from workers.engines.logprobs import token_logprobs
 from workers.engines.models import (
     COMPUTE_DTYPE,
@@ -52,7 +51,7 @@ from workers.fp8.convert import Fp8Audit, weight_bytes
 from workers.fp8.export import export_weights
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
-from workers.fp8.kv_cache import KvRoundingCache, KvScaleCalibrator, KvScales
+from workers.fp8.kv_cache import KvRoundingCache, KvScaleCalibrator, KvScales, calibrates_kv
 from workers.fp8.weights import WeightBatch
 
 
@@ -257,7 +256,7 @@ class NativeTrainer:
     def calibrate_kv(self, batch: Rollouts) -> None:
         """K/V-cache scales of the current weights, observed on ``batch`` (a host batch) and
         max-reduced over the trainers; sent with the next export. A no-op unless this trainer
-        calibrates for vLLM's FP8 KV cache (:func:`~workers.engines.factory.calibrates_kv`)."""
+        calibrates for vLLM's FP8 KV cache (:func:`~workers.fp8.kv_cache.calibrates_kv`)."""
         if self.kv_calibrator is None:
             return
         self.kv_calibrator.reset()
