@@ -92,7 +92,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def probe() -> str:
     """Call each FP8 kernel kind directly on this GPU; compare with the emulated product."""
     from workers.fp8 import quantize
-    from workers.fp8.matmul import _blockwise, lay_out, matmul_emulated
+    from workers.fp8.matmul import blockwise_scaled_mm, lay_out, matmul_emulated
 
     dev = torch.device("cuda")
     m, k, n = 256, 512, 384
@@ -126,7 +126,7 @@ def probe() -> str:
                 a, b = quantize(g, "e5m2", (1, 128)), quantize(w, "e4m3", (128, 128))
                 b = type(b)(b.data.t().contiguous().t(), b.scale, b.block, b.fmt)
             a2, b2 = lay_out(a, b, 128)
-            return _blockwise(a2, b2, out)[: a.shape[0]], matmul_emulated(a, b)
+            return blockwise_scaled_mm(a2, b2, out)[: a.shape[0]], matmul_emulated(a, b)
 
         return run
 
@@ -298,7 +298,7 @@ def _pieces(m: int, k: int, n: int) -> list[tuple[str, Callable[[], object]]]:
     from torch import nn
 
     from workers.fp8.linear import Fp8Linear
-    from workers.fp8.matmul import _blockwise, fp8_matmul
+    from workers.fp8.matmul import blockwise_scaled_mm, fp8_matmul
     from workers.fp8.quant import quantize_rows
 
     bf16 = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
@@ -320,7 +320,7 @@ def _pieces(m: int, k: int, n: int) -> list[tuple[str, Callable[[], object]]]:
             "  fp8_matmul (plans and lays out per call)",
             lambda: fp8_matmul(xq, w.t(), out_dtype=torch.bfloat16),
         ),
-        ("  F.scaled_mm alone", lambda: _blockwise(xq, w.t(), torch.bfloat16)),
+        ("  F.scaled_mm alone", lambda: blockwise_scaled_mm(xq, w.t(), torch.bfloat16)),
     ]
 
 

@@ -35,7 +35,7 @@ from functools import partial
 import torch
 
 from workers.fp8.linear_gemm import SMALL_M_MAX
-from workers.fp8.matmul import _blockwise, lay_out
+from workers.fp8.matmul import blockwise_scaled_mm, lay_out
 from workers.fp8.quant import quantize, quantize_rows
 
 TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
@@ -121,7 +121,7 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
         elif kind == "blockwise":
             xq, wq = quantize_rows(x, "e4m3", rows_multiple=16), quantize(w, "e4m3", (128, 128))
             a, b = lay_out(xq, wq.t(), 128)
-            calls.append(partial(_blockwise, a, b, torch.bfloat16))
+            calls.append(partial(blockwise_scaled_mm, a, b, torch.bfloat16))
         elif kind in ("rowwise", "tensorwise"):
             block = (1, k) if kind == "rowwise" else None
             a, b = lay_out(quantize(x, "e4m3", block), quantize(w, "e4m3", block).t())
@@ -133,7 +133,7 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             a = quantize(dy.t().contiguous(), "e4m3", (1, 128))  # [N, M]
             b = quantize(x.t().contiguous(), "e4m3", (1, 128)).t()  # [M, K] in 128x1 tiles
             a, b = lay_out(a, b, 128)
-            calls.append(partial(_blockwise, a, b, torch.bfloat16))
+            calls.append(partial(blockwise_scaled_mm, a, b, torch.bfloat16))
         elif kind == "quantize":
             calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
         elif kind == "small_m":

@@ -8,13 +8,21 @@ Bounds (tiny 2-layer Llama, random init, one RL batch with fixed mixed rewards):
   three GEMMs, so each layer's gradient is off by a few % to ~10% (cos ~0.997); cos > 0.95 per layer
   and > 0.99 for the whole model are loose, and the error must be visibly larger than BF16's.
 - ``float32`` is the reference recomputed: the same operations on the same inputs on one CPU,
-  so exactly equal (cos 1, rel 0).
+  so exactly equal (cos 1, rel 0). That checks determinism only, not that the reference is right.
+- The reference itself is checked against a float64 gradient taken by another route
+  (:func:`float64_gradient`): each sequence alone without padding, HF's own eager attention, one
+  piece instead of micro-batches, advantages and the on-policy loss written out by hand. The two
+  differ only by float32 rounding: measured rel 2-5e-7 per parameter (a few float32 units
+  u = 2^-24 ~ 6e-8, grown through two layers); rel < 1e-5 is 20x loose. A wrong reference is far
+  outside it: computed in BF16, rel 5e-3 to 1e-2; the last response token dropped, ~0.5; the loss
+  share of the batch doubled, 1; the advantages' sign flipped, 2.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,6 +33,8 @@ from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
 from workers.checkpoint import load_master_weights
 from workers.engines.native.trainer import NativeTrainer
+from workers.engines.protocols import Rollouts
+from workers.fp8.linear import Fp8Linear
 from workers.tokenizer import ByteTokenizer
 
 
@@ -112,15 +122,82 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# a random policy scores 0 everywhere: mixed rewards by hand, so every group has a signal
+REWARDS = [1.0, 0.0, 0.0, 1.0] * 4  # [16]: 4 groups of 4 (group_size), each [1, 0, 0, 1]
+
+
+@dataclass
+class AuditRun:
+    """One ``audit_batch`` call, its inputs, and the reference gradient it compared against."""
+
+    audit: ga.GradientAudit
+    reference: dict[str, torch.Tensor]  # float32, as audit_batch computed it
+    state: dict[str, torch.Tensor]
+    batch: Rollouts
+
+
 # 13-28 s on a shared 2-core machine (measured): the tests that use it are marked slow
 @pytest.fixture(scope="module")
-def audited(checkpoint: Path) -> ga.GradientAudit:
+def audit_run(checkpoint: Path) -> AuditRun:
     spec = tiny_spec()
     state = load_master_weights(checkpoint)
     batch, _ = ga.rl_batch(spec, state)
-    # a random policy scores 0 everywhere: mixed rewards by hand, so every group has a signal
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0] * 4)  # [16]
-    return ga.audit_batch(spec, state, batch, rewards, ("bf16", "e4m3", "float32"), keep_bf16_layers=(0, 0))
+    rewards = torch.tensor(REWARDS)  # [16]
+    # record each gradient audit_batch computes; it computes the float32 reference first
+    computed: list[dict[str, torch.Tensor]] = []
+    real = ga.policy_gradient
+
+    def recorded(*args: object, **kwargs: object) -> dict[str, torch.Tensor]:
+        computed.append(real(*args, **kwargs))  # type: ignore[arg-type]
+        return computed[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ga, "policy_gradient", recorded)
+        audit = ga.audit_batch(
+            spec, state, batch, rewards, ("bf16", "e4m3", "float32"), keep_bf16_layers=(0, 0)
+        )
+    return AuditRun(audit, computed[0], state, batch)
+
+
+@pytest.fixture(scope="module")
+def audited(audit_run: AuditRun) -> ga.GradientAudit:
+    return audit_run.audit
+
+
+def float64_gradient(
+    spec: JobSpec, state: dict[str, torch.Tensor], batch: Rollouts
+) -> dict[str, torch.Tensor]:
+    """The GRPO gradient of ``batch`` with :data:`REWARDS`, in float64, by a route of its own.
+
+    On-policy the PPO ratio is exp(logp - logp_old) = 1 with gradient d logp, inside the clip range,
+    and the IS weights are 1, so the token-mean loss is
+
+        L = -(1 / N) sum_b A_b sum_t logp_bt,    N = the batch's response tokens
+
+    Advantages by hand: every group's rewards are [1, 0, 0, 1], mean 1/2, unbiased std
+    sqrt(4 * (1/2)^2 / 3) = sqrt(1/3), so A = +-(1/2) / (sqrt(1/3) + 1e-6) (eps 1e-6) ~ +-0.866.
+    Each sequence runs alone: its real prompt tokens then its sampled ones, no padding, no mask,
+    positions 0..n-1, through HF's eager attention; log-probs by a plain float64 log-softmax.
+    """
+    plain = spec.model_copy(deep=True)  # the job's model with nn.Linear layers (no FP8) in float32
+    plain.precision.recipe, plain.precision.master_dtype = "bf16", "float32"
+    model = NativeTrainer(plain, ByteTokenizer().vocab_size).model
+    model.load_state_dict(state)
+    model = model.double()
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    model.config._attn_implementation = "eager"  # transformers' own, not fp8rl's CPU kernel
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    advantages = [a if r == 1.0 else -a for r in REWARDS]  # [1, 0, 0, 1] -> [+a, -a, -a, +a]
+    tokens = float(batch.response_mask.sum())  # N
+    for b, advantage in enumerate(advantages):
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b] > 0]  # [p]
+        n = int(batch.response_mask[b].sum())
+        ids = torch.cat([prompt, batch.response_ids[b][:n]])  # [p + n]
+        logits = model(input_ids=ids[None]).logits[0]  # [p + n, V] float64
+        logp = torch.log_softmax(logits[:-1] / spec.rollout.temperature, dim=-1)  # row t predicts t + 1
+        chosen = logp.gather(-1, ids[1:, None])[-n:, 0]  # [n]: the sampled tokens
+        (-advantage * chosen.sum() / tokens).backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.slow
@@ -141,7 +218,24 @@ def test_every_parameter_is_audited_and_fp8_layers_are_marked(audited: ga.Gradie
 
 
 @pytest.mark.slow
-def test_reference_against_itself_is_exact(audited: ga.GradientAudit) -> None:
+def test_the_float32_reference_equals_a_float64_gradient_by_another_route(audit_run: AuditRun) -> None:
+    spec = tiny_spec()
+    assert spec.algorithm.loss_aggregation == "token-mean"  # the loss float64_gradient writes out
+    assert spec.algorithm.advantage_normalization == "std" and spec.rollout.group_size == 4
+    exact = float64_gradient(spec, audit_run.state, audit_run.batch)
+    reference = {n: g.double() for n, g in audit_run.reference.items()}
+    f = ga.compare(reference, exact, fp8=set())
+    assert set(f.layers) == set(audit_run.audit.shapes)
+    worst = {n: (f"1-cos {1 - p.cos:.1e}", f"rel {p.rel:.1e}") for n, p in f.layers.items() if p.rel >= 1e-5}
+    assert not worst, worst
+    assert all(p.cos > 1 - 1e-9 for p in f.layers.values()), f.min_cos
+    assert f.global_rel < 1e-5 and f.global_cos > 1 - 1e-9
+
+
+@pytest.mark.slow
+def test_the_float32_variant_reproduces_the_reference_exactly(audited: ga.GradientAudit) -> None:
+    """Determinism of the reference route (the same operations on one CPU), not its correctness:
+    that is the float64 test above."""
     f = audited.variants["float32"]
     assert all(p.cos == 1.0 and p.rel == 0.0 for p in f.layers.values())
     assert f.global_cos == 1.0 and f.global_rel == 0.0

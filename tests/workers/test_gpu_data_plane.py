@@ -226,7 +226,7 @@ def test_a_gpu_trainers_weights_are_quantized_in_one_launch_bit_for_bit() -> Non
     forward GEMM would derive, a fused group's weight its members' bytes in their storage."""
     from torch.profiler import ProfilerActivity, profile
 
-    from workers.fp8.matmul import _cublas_b_scale
+    from workers.fp8.matmul import cublas_b_scale_layout
     from workers.fp8.quant import quantize
 
     s = parse_spec(
@@ -255,14 +255,14 @@ def test_a_gpu_trainers_weights_are_quantized_in_one_launch_bit_for_bit() -> Non
             m.name
         )
         assert torch.equal(w_q.scale, want.scale), m.name
-        layout, derived = w_q._memo["cublas_scale_t"], _cublas_b_scale(want.t())
+        layout, derived = w_q._memo["cublas_scale_t"], cublas_b_scale_layout(want.t())
         assert torch.equal(layout, derived) and layout.stride() == derived.stride(), m.name
     attn = trainer.model.model.layers[0].self_attn
     stacked = attn.q_proj.fused_train[0].fp8_weight()
     members = torch.cat([m._w_q.data for m in (attn.q_proj, attn.k_proj, attn.v_proj)])
     assert stacked.data.data_ptr() == attn.q_proj._w_q.data.data_ptr()
     assert torch.equal(stacked.data.view(torch.uint8), members.view(torch.uint8))
-    assert torch.equal(stacked._memo["cublas_scale_t"], _cublas_b_scale(stacked.t()))
+    assert torch.equal(stacked._memo["cublas_scale_t"], cublas_b_scale_layout(stacked.t()))
 
 
 @pytest.mark.parametrize("triton", [True, False])

@@ -20,7 +20,8 @@ from torch import nn
 from rljob.spec import JobSpec, PrecisionSpec
 from workers.engines.native.exact import EXACT_ATTENTION, ROW_MULTIPLE, check_device, make_exact
 from workers.fp8.convert import Fp8Audit, convert_model
-from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
+from workers.fp8.linear import Fp8Linear
+from workers.fp8.linear_config import Fp8LinearConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

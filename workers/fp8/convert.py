@@ -26,7 +26,8 @@ from torch import nn
 from rljob.algorithms import RECIPES
 from workers.fp8.dispatch import profile_of
 from workers.fp8.input_stats import InputStats
-from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
+from workers.fp8.linear import Fp8Linear
+from workers.fp8.linear_config import Fp8LinearConfig
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

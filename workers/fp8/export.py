@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.fp8.linear import Fp8Linear, Fp8LinearConfig
+from workers.fp8.linear import Fp8Linear
+from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.quant import Fp8Tensor
 
 # What a trainer exports and a generator loads: name -> Fp8Tensor (an FP8 layer's weight with its

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.linear_gemm import BoundGemm, _fprop, _train_backward, _train_forward
+from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
 from workers.fp8.quant import Fp8Tensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -58,7 +58,7 @@ class FusedGroup:
             # a new input (or a member asking twice: x may have changed in place): compute
             self._x, self._served = x, set()
             name = "+".join(self.names)
-            self._y = _fprop(x2d, self.gemm, self.weight, self.bias, self.first.config, name)
+            self._y = fprop_gemm(x2d, self.gemm, self.weight, self.bias, self.first.config, name)
         y = self._y
         self._served.add(member)
         if len(self._served) == len(self.names):  # every member has its columns: let go of x
@@ -67,9 +67,9 @@ class FusedGroup:
 
     def refresh(self) -> None:
         """After a member's rows were rewritten: the group's derived cuBLAS layout, in place."""
-        from workers.fp8.linear import _refresh_derived
+        from workers.fp8.linear import refresh_derived
 
-        _refresh_derived(self.weight)
+        refresh_derived(self.weight)
 
 
 def _candidates(model: nn.Module) -> Iterator[tuple[tuple[str, ...], list[Fp8Linear]]]:
@@ -156,13 +156,13 @@ class _FusedTrainFn(torch.autograd.Function):
         ctx: Any, x2d: torch.Tensor, bias: torch.Tensor | None, group: TrainFusedGroup, *weights: torch.Tensor
     ) -> torch.Tensor:
         wgrad = any(w.requires_grad for w in weights)
-        return _train_forward(ctx, x2d, group, bias, wgrad, weights[0].dtype)
+        return train_forward(ctx, x2d, group, bias, wgrad, weights[0].dtype)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_y,) = grads  # [M, sum of N]
         need = ctx.needs_input_grad
-        grad_x, grad_w, grad_b = _train_backward(ctx, grad_y, need[0], any(need[3:]), need[1])
+        grad_x, grad_w, grad_b = train_backward(ctx, grad_y, need[0], any(need[3:]), need[1])
         group: TrainFusedGroup = ctx.owner
         parts: tuple[torch.Tensor | None, ...] = (
             torch.split(grad_w, list(group.sizes)) if grad_w is not None else (None,) * len(group.sizes)
@@ -228,7 +228,7 @@ class TrainFusedGroup:
             if grad:
                 y = _FusedTrainFn.apply(x2d, bias, self, *weights)  # type: ignore[no-untyped-call]
             else:
-                y = _fprop(x2d, self.fprop_gemm, self.fp8_weight(), bias, self.config, self.name)
+                y = fprop_gemm(x2d, self.fprop_gemm, self.fp8_weight(), bias, self.config, self.name)
             self._parts = torch.split(y, list(self.sizes), dim=1)
         part = self._parts[member]
         self._served.add(member)

@@ -38,7 +38,6 @@ weight alone (the high-precision one becomes a shape-only placeholder on the ``m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,58 +45,11 @@ from torch import nn
 
 from workers.fp8.dispatch import GemmPlan, OperandSpec, plan_gemm, profile_of
 from workers.fp8.formats import get_format
-from workers.fp8.linear_gemm import BoundGemm, _fprop, _train_backward, _train_forward
-from workers.fp8.matmul import Backend
+from workers.fp8.linear_config import Fp8LinearConfig
+from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
 from workers.fp8.quant import (
-    Block,
-    BLOCK_128x128,
     Fp8Tensor,
-    TILE_1x128,
-    quantize,
 )
-
-# precision.fp8_format -> the gradients' FP8 format (activations and weights are always E4M3)
-GRAD_FORMATS = {"e4m3": "e4m3", "hybrid": "e5m2"}
-
-
-@dataclass(frozen=True)
-class Fp8LinearConfig:
-    """How an :class:`Fp8Linear` quantizes. Defaults: blockwise E4M3 on all three GEMMs (the
-    anchors' recipe, see the module docstring); :meth:`for_format` builds one from a job's
-    ``precision.fp8_format``."""
-
-    weight_block: Block = BLOCK_128x128
-    activation_block: Block = TILE_1x128
-    grad_block: Block = TILE_1x128
-    forward_fmt: str = "e4m3"
-    grad_fmt: str = "e4m3"
-    power_of_two_scales: bool = False
-    backend: Backend = "auto"
-    # fprop pads its rows with zeros to a multiple of this: 16 makes the float32 GEMM's result
-    # for a row independent of M (``precision.exact``, see workers.engines.native.exact); 1 = no padding
-    rows_multiple: int = 1
-
-    @classmethod
-    def for_format(cls, fp8_format: str, **kwargs: Any) -> Fp8LinearConfig:
-        """``e4m3``: E4M3 everywhere; ``hybrid``: E4M3 forward, E5M2 gradients."""
-        if fp8_format not in GRAD_FORMATS:
-            raise ValueError(f"fp8_format must be one of {sorted(GRAD_FORMATS)}, got {fp8_format!r}")
-        return cls(grad_fmt=GRAD_FORMATS[fp8_format], **kwargs)
-
-    def transposed(self, block: Block) -> Block:
-        """``block`` of a tensor seen through its transpose."""
-        return None if block is None else (block[1], block[0])
-
-    def quantize_weight(self, w: torch.Tensor, where: str = "weight") -> Fp8Tensor:
-        """A weight as every FP8 path of fp8rl holds it (an FP8 layer's own copy, an exported or
-        synced weight): ``forward_fmt`` in ``weight_block`` blocks, with this config's scales."""
-        return quantize(
-            w.detach(),
-            self.forward_fmt,
-            self.weight_block,
-            power_of_two=self.power_of_two_scales,
-            where=where,
-        )
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -109,13 +61,13 @@ class _Fp8LinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,  # [N]
         layer: Fp8Linear,
     ) -> torch.Tensor:
-        return _train_forward(ctx, x2d, layer, bias, weight.requires_grad, weight.dtype)
+        return train_forward(ctx, x2d, layer, bias, weight.requires_grad, weight.dtype)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_y,) = grads  # [M, N]
         need = ctx.needs_input_grad
-        return (*_train_backward(ctx, grad_y, need[0], need[1], need[2]), None)
+        return (*train_backward(ctx, grad_y, need[0], need[1], need[2]), None)
 
 
 class Fp8Linear(nn.Module):
@@ -312,7 +264,7 @@ class Fp8Linear(nn.Module):
                 group, member = self.fused
                 y2d = group.output(x, x2d, member)
             else:
-                y2d = _fprop(x2d, self.fprop_gemm, self.fp8_weight(), self.bias, self.config, self.name)
+                y2d = fprop_gemm(x2d, self.fprop_gemm, self.fp8_weight(), self.bias, self.config, self.name)
         else:
             y2d = _Fp8LinearFn.apply(x2d, self.weight, self.bias, self)  # type: ignore[no-untyped-call]
         return y2d.reshape(*lead, self.out_features)
@@ -345,16 +297,16 @@ def _copy_into(held: Fp8Tensor, new: Fp8Tensor) -> None:
     dequantization is dropped (made again on first use)."""
     held.data.copy_(new.data)
     held.scale.copy_(new.scale)
-    _refresh_derived(held)
+    refresh_derived(held)
 
 
-def _refresh_derived(held: Fp8Tensor) -> None:
+def refresh_derived(held: Fp8Tensor) -> None:
     """``held``'s bytes or scales changed in place: rewrite its cuBLAS scale layout in place, drop
     its CPU float32 dequantization."""
     derived = held._memo.get("cublas_scale_t")
     held._memo.clear()
     if derived is not None:
-        from workers.fp8.matmul import _cublas_b_scale
+        from workers.fp8.matmul import cublas_b_scale_layout
 
-        derived.copy_(_cublas_b_scale(held.t()))
+        derived.copy_(cublas_b_scale_layout(held.t()))
         held._memo["cublas_scale_t"] = derived

@@ -5,10 +5,10 @@ their FP8 weight, and the training forward and backward that run them.
   (``q(dy) @ W_q``, the weight as a column-major copy), decided once per weight: the plan, the
   weight's operand view and for cuBLAS blockwise its scale layout and the direct
   ``F.scaled_mm`` call, so a call does no planning (the hot path of eager decode and training).
-- :func:`_fprop`: quantize the input (or take it quantized) and run the bound forward GEMM; for
+- :func:`fprop_gemm`: quantize the input (or take it quantized) and run the bound forward GEMM; for
   at most :data:`SMALL_M_MAX` tokens the Triton GEMM of :mod:`workers.fp8.triton_gemm` where
   ``FP8RL_SMALL_M_GEMM=triton`` asks for it.
-- :func:`_train_forward` / :func:`_train_backward`: what autograd runs; x and dy quantized once
+- :func:`train_forward` / :func:`train_backward`: what autograd runs; x and dy quantized once
   for both layouts (:func:`workers.fp8.quant.quantize_dual`), wgrad from the FP8 ``x.T``.
 
 The numerics, layouts and kernels are described in :mod:`workers.fp8.linear`.
@@ -16,13 +16,14 @@ The numerics, layouts and kernels are described in :mod:`workers.fp8.linear`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from workers.fp8.dispatch import DeviceProfile, OperandSpec, plan_gemm, profile_of, triton_switch
 from workers.fp8.formats import get_format
+from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.matmul import cublas_b_scale, fp8_matmul, is_col_major
 from workers.fp8.quant import (
     Block,
@@ -34,11 +35,8 @@ from workers.fp8.quant import (
     quantize_rows,
 )
 
-if TYPE_CHECKING:
-    from workers.fp8.linear import Fp8LinearConfig
 
-
-def _fprop(
+def fprop_gemm(
     x2d: torch.Tensor,
     gemm: BoundGemm,
     w_q: Fp8Tensor,
@@ -196,7 +194,7 @@ def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig
     return quantize(x, fmt, block, power_of_two=cfg.power_of_two_scales, where=where)
 
 
-def _train_forward(
+def train_forward(
     ctx: Any, x2d: torch.Tensor, owner: Any, bias: torch.Tensor | None, wgrad: bool, w_dtype: torch.dtype
 ) -> torch.Tensor:
     """The forward of an FP8 GEMM autograd will differentiate: ``owner`` (an :class:`Fp8Linear`, or
@@ -217,7 +215,7 @@ def _train_forward(
     elif wgrad:
         where = f"{owner.name}: input (wgrad copy)"
         ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
-    y = _fprop(x2d, owner.fprop_gemm, w_q, bias, cfg, owner.name, x_q)
+    y = fprop_gemm(x2d, owner.fprop_gemm, w_q, bias, cfg, owner.name, x_q)
     ctx.owner = owner
     ctx.w_q = w_q
     ctx.x_dtype = x2d.dtype
@@ -225,10 +223,10 @@ def _train_forward(
     return y
 
 
-def _train_backward(
+def train_backward(
     ctx: Any, grad_y: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dW, db)`` of :func:`_train_forward`'s GEMM for ``grad_y [M, N]`` (None where not
+    """``(dx, dW, db)`` of :func:`train_forward`'s GEMM for ``grad_y [M, N]`` (None where not
     needed): dgrad through the owner's bound GEMM, wgrad from the FP8 ``x.T`` kept in forward."""
     owner = ctx.owner
     cfg = owner.config

@@ -189,13 +189,15 @@ def cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:
     owner = b._transpose_of
     sb = owner._memo.get("cublas_scale_t") if owner is not None else None
     if sb is None:
-        sb = _cublas_b_scale(b)
+        sb = cublas_b_scale_layout(b)
         if owner is not None:
             owner._memo["cublas_scale_t"] = sb
     return sb
 
 
-def _cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:
+def cublas_b_scale_layout(b: Fp8Tensor) -> torch.Tensor:
+    """``b``'s scales laid out for cuBLAS's blockwise GEMM, computed afresh (no memo): what
+    :func:`cublas_b_scale` keeps, and what an in-place weight load writes over the kept copy."""
     if b.block == (128, 128):
         w_scale = b.scale.t()  # [N/128, K/128]: the weight's own block grid
         n_kb = w_scale.shape[1]
@@ -206,7 +208,9 @@ def _cublas_b_scale(b: Fp8Tensor) -> torch.Tensor:
     return b.scale.contiguous().t()  # [N, K/128], strides (1, N)
 
 
-def _blockwise(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` by ``torch.nn.functional.scaled_mm``'s blockwise recipes (cuBLAS on SM90+, 1x128
+    and 128x128 blocks), with no plan or fallback: the kernel itself, for the dispatch and benches."""
     scaling = torch.nn.functional.ScalingType
     recipe = {(1, 128): scaling.BlockWise1x128, (128, 1): scaling.BlockWise1x128}
     recipe[(128, 128)] = scaling.BlockWise128x128
@@ -249,7 +253,7 @@ def fp8_matmul(
 def _run(kernel: str, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """One CUDA-side kernel on operands already laid out (:func:`lay_out`)."""
     if kernel == "cublas_blockwise":
-        return _blockwise(a, b, out_dtype)
+        return blockwise_scaled_mm(a, b, out_dtype)
     if kernel == "scaled_mm_tensorwise":
         return torch._scaled_mm(a.data, b.data, a.scale, b.scale, out_dtype=out_dtype)
     return _rowwise(a, b)

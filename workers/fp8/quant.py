@@ -321,7 +321,7 @@ def amax_to_scale(amax: torch.Tensor, fmt: Fp8Format, power_of_two: bool = False
     return _round_up_pow2(scale) if power_of_two else scale
 
 
-def _use_triton() -> bool:
+def use_triton() -> bool:
     """The one-pass Triton quantizer serves 1x128 tiles on CUDA unless ``FP8RL_TRITON=0``."""
     global _TRITON
     if _TRITON is None:
@@ -362,7 +362,7 @@ def quantize_rows(
     M-major (stride 1 along rows), as cuBLAS's blockwise GEMM reads them.
     """
     f = get_format(fmt)
-    if x.is_cuda and x.dim() == 2 and _use_triton():
+    if x.is_cuda and x.dim() == 2 and use_triton():
         rows = -(-x.shape[0] // rows_multiple) * rows_multiple
         return _quantize_triton(x.detach(), f, power_of_two, True, where, rows)
     return quantize(x, f, TILE_1x128, power_of_two=power_of_two, where=where)
@@ -390,7 +390,7 @@ def quantize_dual(
     no padded copy per call); the scales are the same.
     """
     f = get_format(fmt)
-    if x.is_cuda and x.dim() == 2 and _use_triton():
+    if x.is_cuda and x.dim() == 2 and use_triton():
         from workers.fp8.guard import active_guard
         from workers.fp8.triton_quant import quantize_1x128_dual
 
@@ -480,7 +480,7 @@ def quantize(
     f = get_format(fmt)
     _check_quantizable(x)
     blk = _check_block(block, x)
-    if blk == TILE_1x128 and x.dim() == 2 and x.is_cuda and _use_triton():
+    if blk == TILE_1x128 and x.dim() == 2 and x.is_cuda and use_triton():
         return _quantize_triton(x.detach(), f, power_of_two, check_finite, where, x.shape[0])
     if blk is not None and x.device.type == "cpu":
         return _quantize_blocks_cpu(x, f, blk, power_of_two, check_finite, where)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fp8.triton_quant import _amax, _fold_bad_tiles, _scale_of, _to_fp8
+from workers.fp8.triton_quant import fold_bad_tiles, scale_of, tile_amax, to_fp8
 
 MAX_M = 64  # tokens per call this kernel takes; more go to cuBLAS
 _BLOCK = 128
@@ -82,15 +82,15 @@ def _small_m_kernel(
         x_in = (m[:, None] < m_rows) & (k[None, :] < k_len)
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :] * stride_xk, mask=x_in, other=0.0)
         x = x.to(tl.float32)
-        amax = _amax(x, 1)
-        sa = _scale_of(amax, FMT_MAX, False)
-        qa = _to_fp8(tl.math.div_rn(x, sa[:, None]), FMT_MAX, True)  # [BLOCK_M, BLOCK] E4M3
+        amax = tile_amax(x, 1)
+        sa = scale_of(amax, FMT_MAX, False)
+        qa = to_fp8(tl.math.div_rn(x, sa[:, None]), FMT_MAX, True)  # [BLOCK_M, BLOCK] E4M3
         w_in = (k[:, None] < k_len) & (n[None, :] < n_cols)
         w = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None] * stride_wk, mask=w_in, other=0.0)
         sw = tl.load(ws_ptr + pid_n * stride_sn + kb * stride_sk)  # the 128x128 block's scale
         acc += tl.dot(qa, w) * (sa[:, None] * sw)  # [BLOCK_M, BLOCK], float32
         if CHECK:
-            _fold_bad_tiles(code_ptr, amax, m, rows_checked, n_kblocks, kb, call_code)
+            fold_bad_tiles(code_ptr, amax, m, rows_checked, n_kblocks, kb, call_code)
     out = (m[:, None] < m_rows) & (n[None, :] < n_cols)
     tl.store(part_ptr + pid_s * m_rows * n_cols + m[:, None] * n_cols + n[None, :], acc, mask=out)
 

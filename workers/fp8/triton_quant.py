@@ -64,7 +64,7 @@ def _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c):
 
 
 @triton.jit
-def _amax(x, AXIS: tl.constexpr):
+def tile_amax(x, AXIS: tl.constexpr):
     """max |x| along ``AXIS``; NaN where a NaN is (max() may drop NaN; torch's amax keeps it)."""
     amax = tl.max(tl.abs(x), axis=AXIS)
     nans = tl.sum((x != x).to(tl.int32), axis=AXIS)
@@ -79,19 +79,19 @@ def _write_rows(
     """The tile ``x [r, c]`` in 1x128 tiles along ``c``: FP8 bytes into ``data [rows_out, cols]``
     (row-major), one scale per row into ``scale`` (M-major: ``[n_tiles_c, rows_out]``); rows in
     ``[rows, rows_out)`` are padding (x loaded as 0 gives data 0; their scale is 1)."""
-    amax = _amax(x, 1)
-    scale = _scale_of(amax, FMT_MAX, POW2)
-    q8 = _to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
+    amax = tile_amax(x, 1)
+    scale = scale_of(amax, FMT_MAX, POW2)
+    q8 = to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
     scale = tl.where(r < rows, scale, 1.0)
     written = (r[:, None] < rows_out) & (c[None, :] < cols)
     tl.store(data_ptr + r[:, None] * cols + c[None, :], q8, mask=written)
     tl.store(scale_ptr + pid_c * rows_out + r, scale, mask=r < rows_out)
     if CHECK:
-        _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
+        fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
 
 
 @triton.jit
-def _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code) -> None:
+def fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code) -> None:
     """Fold the first non-finite tile among rows ``r`` (column tile ``pid_c``) into the guard's
     code with an atomic min, issued only by a program that has one: finite tiles cost no atomic."""
     bad = (amax != amax) | (amax == float("inf"))
@@ -102,7 +102,7 @@ def _fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code) -> Non
 
 
 @triton.jit
-def _scale_of(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
+def scale_of(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
     """amax -> scale, as :func:`workers.fp8.quant.amax_to_scale` (NaN stays NaN)."""
     scale = tl.math.div_rn(amax, FMT_MAX)
     scale = tl.where(scale < 1.1754943508222875e-38, 1.1754943508222875e-38, scale)
@@ -115,7 +115,8 @@ def _scale_of(amax, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _to_fp8(q, FMT_MAX: tl.constexpr, E4M3: tl.constexpr):
+def to_fp8(q, FMT_MAX: tl.constexpr, E4M3: tl.constexpr):
+    """Scaled values -> E4M3 (``E4M3``) or E5M2, saturated at ``FMT_MAX``, rounded to nearest."""
     q = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
     if E4M3:  # noqa: SIM108 - a constexpr branch, compiled away
         q8 = q.to(tl.float8e4nv)
@@ -160,8 +161,8 @@ def _quantize_1x128_dual(
     _write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
                 FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
     # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
-    scale_t = _scale_of(_amax(x, 0), FMT_MAX, POW2)
-    q8_t = tl.trans(_to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [cols tile, rows tile]
+    scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)
+    q8_t = tl.trans(to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [cols tile, rows tile]
     inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)  # x is 0 past rows: data 0
     tl.store(data_t_ptr + c[:, None] * rows_t_out + r[None, :], q8_t, mask=inside_t)
     tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
@@ -309,9 +310,9 @@ def _quantize_128x128_many(
     else:
         x_ptr = src.to(tl.pointer_type(tl.float16))
     x = _load_tile(x_ptr, r, c, rows, cols, tl.load(row + 3), tl.load(row + 4))  # zeros past the edges
-    amax = _amax(_amax(x, 1), 0)  # the rows' amax, then theirs: a NaN anywhere stays NaN
-    scale = _scale_of(amax, FMT_MAX, POW2)
-    q8 = _to_fp8(tl.math.div_rn(x, scale), FMT_MAX, E4M3)
+    amax = tile_amax(tile_amax(x, 1), 0)  # the rows' amax, then theirs: a NaN anywhere stays NaN
+    scale = scale_of(amax, FMT_MAX, POW2)
+    q8 = to_fp8(tl.math.div_rn(x, scale), FMT_MAX, E4M3)
     inside = (r[:, None] < rows) & (c[None, :] < cols)
     tl.store(data_ptr + tl.load(row + 7) + r[:, None] * cols + c[None, :], q8, mask=inside)
     tl.store(scale_ptr + tl.load(row + 8) + local, scale)

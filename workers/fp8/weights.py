@@ -37,7 +37,7 @@ from workers.fp8.formats import Fp8Format, get_format
 from workers.fp8.fused import TrainFusedGroup
 from workers.fp8.guard import active_guard
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, _use_triton
+from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, use_triton
 
 _DATA_ALIGN = 256  # bytes: where each unit's FP8 bytes start (cuBLAS wants 16)
 _SCALE_ALIGN = 4  # floats: where each unit's scales start (16 bytes)
@@ -141,7 +141,7 @@ class _Lane:
             torch.zeros(self.cublas_size, dtype=torch.float32, device=dev) if dev.type == "cuda" else None
         )
         weights = [self._tensor(data, scale, cublas, p, p.layer.out_features) for p in self.parts]
-        if dev.type == "cuda" and _use_triton():
+        if dev.type == "cuda" and use_triton():
             from workers.fp8.triton_quant import quantize_128x128_many
 
             guard = active_guard()

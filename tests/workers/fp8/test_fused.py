@@ -65,14 +65,14 @@ def test_fused_groups_keep_the_bytes_and_give_the_separate_layers_outputs(
     # each member's weight is a view of its rows of the group's one weight
     assert attn.k_proj.fp8_weight().data.data_ptr() == group.weight.data[256:384].data_ptr()
     calls = []
-    real = linear_gemm._fprop
+    real = linear_gemm.fprop_gemm
 
     def counting(*args: Any) -> Any:
         calls.append(args[-1])
         return real(*args)
 
-    monkeypatch.setattr(fused_mod, "_fprop", counting)
-    monkeypatch.setattr(linear_mod, "_fprop", counting)
+    monkeypatch.setattr(fused_mod, "fprop_gemm", counting)
+    monkeypatch.setattr(linear_mod, "fprop_gemm", counting)
     got = logits(gen.model)
     # per decoder layer: q+k+v, o, gate+up, down: 4 GEMMs instead of 7
     assert len(calls) == 2 * 4 and calls[0] == "q_proj+k_proj+v_proj"

@@ -41,7 +41,7 @@ from workers.engines.megatron.config import (
     megatron_state_shapes,
 )
 from workers.engines.protocols import Rollouts
-from workers.fp8.linear import Fp8LinearConfig
+from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.quant import Fp8Tensor
 
 # -- names and layouts (full model) ------------------------------------------------------------------

@@ -45,7 +45,7 @@ from workers.engines.megatron.convert import (
 )
 from workers.engines.native.trainer import sequence_logprobs
 from workers.engines.protocols import Rollouts
-from workers.fp8.linear import Fp8LinearConfig
+from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.quant import quantize
 
 
