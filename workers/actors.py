@@ -6,7 +6,7 @@ data-parallel group for gradient all-reduce.
 
 With vLLM or Megatron in the job (:func:`~workers.engines.factory.uses_weight_channel`), the
 process group holds the trainers only (Megatron builds its parallel groups from it), and weights
-travel over the NCCL weight channel (:mod:`workers.engines.weight_channel`), which trainer 0 and
+travel over the NCCL weight channel (:mod:`workers.weight_sync.channel`), which trainer 0 and
 the generators join after setup (:meth:`TrainerWorker.join_weight_channel`).
 """
 
@@ -25,8 +25,8 @@ from workers.engines.factory import build_generator, build_trainer, uses_weight_
 from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
 from workers.faults import provoke
 from workers.step_actors import Generated
-from workers.weight_contract import kv_cache_dtype, sent_report
-from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
+from workers.weight_sync.broadcast import BroadcastWeightSync, CollectiveWeightSync
+from workers.weight_sync.contract import kv_cache_dtype, sent_report
 
 
 def _threads(spec: JobSpec) -> None:
@@ -103,7 +103,7 @@ class TrainerWorker(_Member):
     def join_weight_channel(self, address: str, world_size: int) -> None:
         """Trainer 0 opens the NCCL weight channel as its sender (rank 0)."""
         if self.rank == 0:
-            from workers.engines.weight_channel import WeightChannel
+            from workers.weight_sync.channel import WeightChannel
 
             self.sync = WeightChannel(address, 0, world_size, self.engine.device)
             self.sync.init_communicator()
@@ -124,7 +124,7 @@ class TrainerWorker(_Member):
 
     def send_weights(self, fp8_names: list[str]) -> dict[str, Any]:
         """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends, and
-        reports what it sent (:func:`~workers.weight_contract.sent_report`)."""
+        reports what it sent (:func:`~workers.weight_sync.contract.sent_report`)."""
         payload = self.engine.export_weights(fp8_names)
         if self.rank != 0:
             return {}

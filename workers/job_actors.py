@@ -24,10 +24,10 @@ from rljob.spec import JobSpec
 from workers.engines.factory import uses_weight_channel, weight_receivers
 from workers.engines.native.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.engines.weight_channel import channel_ranks
 from workers.faults import ActorFault, CallTimeouts, Role, first_line, is_engine_failure
 from workers.step_actors import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
+from workers.weight_sync.channel import channel_ranks
 
 
 def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from workers.faults import ActorFault
 from workers.step_actors import Generated, PendingRollouts, StepActors
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import Tokenizer
-from workers.weight_contract import compare
+from workers.weight_sync.contract import compare
 
 
 def sft_batch(task: Task, tok: Tokenizer, problems: list[Problem]) -> Rollouts:
@@ -201,8 +201,8 @@ def prompt_batch(prompts: list[list[int]], pad_id: int) -> Rollouts:
 
 def sync_weights(actors: StepActors) -> SyncMetrics:
     """Trainer 0 sends the new weights to every generator; each generator's report of what it holds
-    is checked against what was sent (:mod:`workers.weight_contract`): a difference fails the step
-    with :class:`~workers.weight_contract.WeightContractError`, naming the generator and weight."""
+    is checked against what was sent (:mod:`workers.weight_sync.contract`): a difference fails the step
+    with :class:`~workers.weight_sync.contract.WeightContractError`, naming the generator and weight."""
     transfer = actors.send_and_receive_weights()
     checks = [compare(transfer.sent, held) for held in transfer.received]
     for i, check in enumerate(checks):

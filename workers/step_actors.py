@@ -23,7 +23,7 @@ import torch
 
 from workers.engines.native.layer_diff import Trace
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.weight_contract import WeightReport
+from workers.weight_sync.data import WeightReport
 
 
 class Generated(NamedTuple):
@@ -49,7 +49,7 @@ class WeightTransfer(NamedTuple):
     """One weight sync: what trainer 0 sent, and what each generator holds after it."""
 
     bytes: int  # bytes trainer 0 sent (each generator receives the same)
-    sent: WeightReport  # trainer 0's report of what it sent (:func:`~workers.weight_contract.sent_report`)
+    sent: WeightReport  # trainer 0's report of what it sent (workers.weight_sync.contract.sent_report)
     received: list[WeightReport]  # [G] each generator's report of what it holds, in generator order
 
 

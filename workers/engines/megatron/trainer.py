@@ -42,11 +42,12 @@ from workers.engines.megatron.kv import MegatronKvCalibration
 from workers.engines.megatron.model import MegatronModel
 from workers.engines.megatron.schedule import MegatronSchedule
 from workers.engines.models import fp8_config
-from workers.engines.protocols import Payload, Rollouts, TrainStats
+from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import calibrates_kv
+from workers.weight_sync.data import Payload
 
 
 class MegatronTrainer:

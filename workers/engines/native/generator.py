@@ -38,23 +38,22 @@ from workers.engines.native.layer_diff import Trace, trace_generation
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
-from workers.engines.protocols import Payload, Rollouts
+from workers.engines.protocols import Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
-from workers.fp8.export import fp8_weight_names, load_weights
 from workers.fp8.formats import get_format
 from workers.fp8.fused import fuse_projections
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, KvScales, kv_cache_bytes
-from workers.weight_contract import (
-    KvHeld,
-    WeightReport,
+from workers.weight_sync.broadcast import CollectiveWeightSync
+from workers.weight_sync.contract import (
     dtype_name,
     is_kv_scale,
     kv_cache_dtype,
     kv_scales_of,
     received_weights,
 )
-from workers.weight_sync import CollectiveWeightSync, SyncResult
+from workers.weight_sync.data import KvHeld, Payload, SyncResult, WeightReport
+from workers.weight_sync.payload import fp8_weight_names, load_weights
 
 
 class NativeGenerator:
@@ -132,7 +131,7 @@ class NativeGenerator:
         return self._report
 
     def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        from workers.engines.weight_channel import WeightChannel
+        from workers.weight_sync.channel import WeightChannel
 
         self.channel = WeightChannel(address, first_rank, world_size, self.device)
         self.channel.init_communicator()

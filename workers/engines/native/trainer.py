@@ -45,14 +45,15 @@ from workers.engines.native.exact import is_exact
 from workers.engines.native.exact import log_softmax as exact_log_softmax
 from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
 from workers.engines.native.layer_diff import ExactMismatchError, Trace, trace_forward
-from workers.engines.protocols import Payload, Rollouts, TrainStats
+from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit, weight_bytes
-from workers.fp8.export import export_weights
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvRoundingCache, KvScaleCalibrator, KvScales, calibrates_kv
 from workers.fp8.weights import WeightBatch
+from workers.weight_sync.data import Payload
+from workers.weight_sync.payload import export_weights
 
 
 def sequence_logprobs(
