@@ -6,7 +6,7 @@ weights that generated, GRPO advantages, IS-corrected update) -> trainer quantiz
 generators; its ``StepMetrics`` row is one line of ``metrics.jsonl``. Prompts and sampling seeds
 are functions of (seed, step), so a resumed step sees the same prompts.
 
-Plain orchestration over :class:`~workers.step_actors.StepActors`: which transport runs the
+Plain orchestration over :class:`~workers.step_protocol.StepActors`: which transport runs the
 trainers and generators (Ray actors in a job, one process in the tests) is not this module's
 business; each actors call says what runs concurrently inside it.
 """
@@ -31,7 +31,7 @@ from workers.engines.batching import concat_rollouts, even_split, left_pad, spli
 from workers.engines.native.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault
-from workers.step_actors import Generated, PendingRollouts, StepActors
+from workers.step_protocol import Generated, PendingRollouts, StepActors
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import Tokenizer
 from workers.weight_sync.contract import compare

@@ -284,7 +284,7 @@ class _Generator:
 def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: None) -> None:
     """Two trainer actors: the first reports the difference is elsewhere (row -1), the second
     finds its row 1 differing; ``JobActors``' gathering raises our error, not Ray's wrapper."""
-    from workers.job_actors import raise_exact_mismatch
+    from workers.actor_group import raise_exact_mismatch
 
     remote: Any = ray.remote
     trainers = [remote(_Trainer).remote(-1), remote(_Trainer).remote(1)]

@@ -1,7 +1,7 @@
 """What one RL step needs from the job's trainers and generators, whatever runs them.
 
 :mod:`workers.rl_step` orchestrates over :class:`StepActors` and never sees the transport:
-:class:`workers.job_actors.JobActors` runs the trainers and generators as Ray actors (the only code
+:class:`workers.actor_group.JobActors` runs the trainers and generators as Ray actors (the only code
 in the RL loop that knows Ray); the tests run the same step on a native trainer and generator in
 one process. Each method says what runs concurrently inside it; a method returns once all of it
 is done, so two calls never overlap, except :meth:`StepActors.start_generate`, which returns at

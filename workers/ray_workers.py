@@ -24,7 +24,7 @@ from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
 from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
 from workers.faults import provoke
-from workers.step_actors import Generated
+from workers.step_protocol import Generated
 from workers.weight_sync.broadcast import BroadcastWeightSync, CollectiveWeightSync
 from workers.weight_sync.contract import kv_cache_dtype, sent_report
 

@@ -2,7 +2,7 @@
 and :class:`JobActors`, the trainers and generators a driver starts, drives and kills.
 
 ``JobActors`` is the only code in the RL loop that knows Ray: it implements
-:class:`~workers.step_actors.StepActors` over actor handles (``.remote`` / ``ray.get``), so
+:class:`~workers.step_protocol.StepActors` over actor handles (``.remote`` / ``ray.get``), so
 :mod:`workers.rl_step` orchestrates plain tensors and typed results. ("Cluster" means the Ray
 cluster the actors run on: a local Ray, or the RayCluster of a KubeRay RayJob.)
 """
@@ -25,7 +25,7 @@ from workers.engines.factory import uses_weight_channel, weight_receivers
 from workers.engines.native.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault, CallTimeouts, Role, first_line, is_engine_failure
-from workers.step_actors import Generated, WeightTransfer
+from workers.step_protocol import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
 from workers.weight_sync.channel import channel_ranks
 
@@ -54,7 +54,7 @@ def collective_backend(spec: JobSpec) -> str:
 class JobActors:
     """The job's actors: trainers (ranks ``0..T-1`` of the job's process group) and generators
     (``T..T+G-1``), started and set up here (each builds its engine and joins the group), with
-    the methods of :class:`~workers.step_actors.StepActors`. Each call sends one request to every
+    the methods of :class:`~workers.step_protocol.StepActors`. Each call sends one request to every
     actor it names at once and waits for all of them: what runs concurrently is what the method
     says."""
 
@@ -68,7 +68,7 @@ class JobActors:
     ) -> None:
         import ray
 
-        from workers.actors import GeneratorWorker, TrainerWorker
+        from workers.ray_workers import GeneratorWorker, TrainerWorker
 
         res = spec.resources
         t, g = res.trainers, res.generators
