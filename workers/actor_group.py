@@ -22,7 +22,7 @@ import torch
 from rljob.resource import RAY_AUTH_MODE_ENV, RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers.engines.factory import uses_weight_channel, weight_receivers
-from workers.engines.native.layer_diff import ExactMismatchError, Trace
+from workers.engines.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault, CallTimeouts, Role, first_line, is_engine_failure
 from workers.step_protocol import Generated, WeightTransfer

@@ -119,8 +119,8 @@ class TrainerWorker(_Member):
         return self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.native.layer_diff`)."""
-        return _traced(self.engine, prompt, response)
+        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.layer_diff`)."""
+        return self.engine.trace_token(prompt, response)
 
     def send_weights(self, fp8_names: list[str]) -> dict[str, Any]:
         """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends, and
@@ -192,8 +192,8 @@ class GeneratorWorker(_Member):
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-module outputs for one token, the generator's way
-        (:mod:`workers.engines.native.layer_diff`)."""
-        return _traced(self.engine, prompt, response)
+        (:mod:`workers.engines.layer_diff`)."""
+        return self.engine.trace_token(prompt, response)
 
     def generate(self, prompts: list[list[int]], seed: int, temperature: float | None = None) -> Generated:
         """Rollouts, and the bytes this generator holds: KV cache (at the end) and weights.
@@ -205,10 +205,3 @@ class GeneratorWorker(_Member):
         self._drill(self.engine)
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes, started, time.time())
-
-
-def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
-    if not hasattr(engine, "trace_token"):
-        raise TypeError(f"per-layer traces need the native engines, not {type(engine).__name__}")
-    trace: dict[str, torch.Tensor] = engine.trace_token(prompt, response)
-    return trace

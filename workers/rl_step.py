@@ -28,7 +28,7 @@ from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.batching import concat_rollouts, even_split, left_pad, split_rows
-from workers.engines.native.layer_diff import ExactMismatchError, compare_traces, describe
+from workers.engines.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault
 from workers.step_protocol import Generated, PendingRollouts, StepActors

@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from workers.engines.native.layer_diff import Trace
+from workers.engines.layer_diff import Trace
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.weight_sync.data import WeightReport
 
@@ -82,7 +82,7 @@ class StepActors(Protocol):
         """Trainer ``i`` takes one RL update on ``parts[i]`` with ``rewards[i]`` (``[B_i]``); the
         trainers run in parallel (gradients all-reduced), so every trainer's stats cover the whole
         batch. Under ``precision.exact`` a trainer that finds a log-prob differing from the
-        generator's raises :class:`~workers.engines.native.layer_diff.ExactMismatchError` before
+        generator's raises :class:`~workers.engines.layer_diff.ExactMismatchError` before
         any update; ``trainer_index`` names it and ``row`` is a row of its own part."""
         ...
 
@@ -98,7 +98,7 @@ class StepActors(Protocol):
     def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> tuple[Trace, Trace]:
         """Per-module outputs at the last token of ``response`` after the unpadded ``prompt``:
         generator 0's way and trainer ``trainer``'s way, the two in parallel
-        (:mod:`workers.engines.native.layer_diff`; native engines only)."""
+        (:mod:`workers.engines.layer_diff`; native engines only)."""
         ...
 
     def send_and_receive_weights(self) -> WeightTransfer:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from rljob.spec import JobSpec
+from workers.engines.layer_diff import Trace
 from workers.engines.native.generator import NativeGenerator
-from workers.engines.native.layer_diff import Trace
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.step_protocol import Generated, WeightTransfer

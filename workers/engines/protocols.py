@@ -79,6 +79,13 @@ class Generator(Protocol):
         scales (:mod:`workers.weight_sync.contract`). Plain data: it crosses Ray."""
         ...
 
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every module's output, float32, at the last token of ``prompt + response`` (a single
+        sequence) computed as :meth:`generate` computes it: prefill, then decode steps
+        (:mod:`workers.engines.layer_diff`). An engine that cannot trace raises
+        :class:`NotImplementedError` saying so."""
+        ...
+
 
 class Trainer(Protocol):
     """What the trainer actor calls. Built by :func:`workers.engines.factory.build_trainer`."""
@@ -107,6 +114,11 @@ class Trainer(Protocol):
     def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload:
         """The payload the generators load (see :mod:`workers.weight_sync.payload`). Called on every
         trainer (a sharded engine gathers here); the first trainer returns it, the others ``{}``."""
+        ...
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As :meth:`Generator.trace_token`, computed as the trainer scores a token: one
+        full-sequence forward. An engine that cannot trace raises :class:`NotImplementedError`."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

@@ -203,6 +203,15 @@ class MegatronTrainer:
         payload.update(kv)
         return payload
 
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Not available: Megatron-Core's modules are not the Hugging Face ones a trace names,
+        so nothing would line up with a generator's trace. ``fp8rl layer-diff`` traces the native
+        engines."""
+        raise NotImplementedError(
+            "per-module traces (fp8rl layer-diff) need the native trainer; this job's trainer is "
+            "Megatron-Core (resources.trainer_engine)"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """On trainer 0 (empty elsewhere; every trainer must call it), Hugging Face names:
         ``{"model": float32 main weights, "optimizer": {"steps": Adam's step count, "exp_avg":

@@ -10,7 +10,7 @@ every update, :mod:`workers.fp8.kv_cache`), or, before any update carried them (
 calibrated on each batch's prefill. Attention reads them dequantized (``data * scale`` in
 float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
-Under ``precision.exact`` the model is built on :mod:`workers.engines.native.exact`: a token's log-prob
+Under ``precision.exact`` the model is built on :mod:`workers.engines.exact`: a token's log-prob
 is then bit for bit the one the trainer computes in its full-sequence forward.
 
 Log-probs are those of the sampled token under the temperature-scaled distribution *before* top-p
@@ -31,10 +31,10 @@ from transformers import DynamicCache
 
 from rljob.spec import JobSpec
 from workers.engines.batching import StopIds, left_pad, positions, stop_ids
+from workers.engines.exact import is_exact
+from workers.engines.exact import log_softmax as exact_log_softmax
+from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
-from workers.engines.native.exact import is_exact
-from workers.engines.native.exact import log_softmax as exact_log_softmax
-from workers.engines.native.layer_diff import Trace, trace_generation
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
@@ -147,7 +147,7 @@ class NativeGenerator:
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
         """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
-        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.native.layer_diff`)."""
+        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.layer_diff`)."""
         cache = self._new_cache()
         return trace_generation(self.model, prompt, response, cache)
 

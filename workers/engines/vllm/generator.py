@@ -297,6 +297,14 @@ class VllmGenerator:
                 )
         return reports[0]
 
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Not available: vLLM runs its model in its own worker processes, out of reach of the
+        forward hooks a trace needs. ``fp8rl layer-diff`` traces the native engines."""
+        raise NotImplementedError(
+            "per-module traces (fp8rl layer-diff) need the native generator; this job's generator "
+            "is vLLM (resources.generator_engine)"
+        )
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int
     ) -> Rollouts:
