@@ -32,12 +32,12 @@ from rljob.run_dir import DRIVER_MODULE, RunDir
 from rljob.spec import JobSpec
 from rljob.status import EXIT_OUT_OF_MEMORY, EXIT_TOO_MANY_FAULTS
 from workers import checkpoint
-from workers.actor_group import ray_init, ray_shutdown
 from workers.engines.factory import check_engines
 from workers.faults import ActorFault, RestartLimitError
 from workers.job_run import JobRun, write_json
 from workers.job_run import RunOptions as RunOptions  # the driver's options, imported from here
 from workers.prom_exporter import PromExporter
+from workers.ray_cluster import ray_init, ray_shutdown
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 

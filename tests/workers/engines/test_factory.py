@@ -126,7 +126,7 @@ def test_share_gpu_needs_one_gpu_per_actor() -> None:
 
 
 def test_share_gpu_splits_the_gpu_and_uses_gloo() -> None:
-    from workers.actor_group import actor_options, collective_backend
+    from workers.ray_cluster import actor_options, collective_backend
 
     shared = parse_spec(
         {"resources": {"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1, "trainers": 3}}
