@@ -4,11 +4,15 @@ through the real driver on a local Ray with one trainer and one generator of one
 thread) each; it prints steps/s of both and their ratio.
 
 What is timed: steps ``skip+1 .. steps`` of each run, from the end of step ``skip`` to the end of the
-last (the rows' wall clock), so Ray's start, the actors' set-up and the first steps (allocator and
-kernel warm-up) are left out. The warm-up, validation and intermediate checkpoints are switched off:
-they are the same in both modes and no part of a step. Overlap is worth most where generation and
-training take similar time: the table also prints each phase's mean seconds in the synchronous run,
-and the overlap the asynchronous one achieved, so a reader sees why the ratio is what it is.
+last (the rows' wall clock), so Ray's start, the actors' set-up, the spec's supervised warm-up and
+the first steps (allocator and kernel warm-up) are left out. The job is the spec as shipped: the
+warm-up runs as it says (each run does it, then is timed after it), because a warmed-up policy
+writes shorter answers and that changes how generation and training balance. Validation and
+intermediate checkpoints are switched off (the same in both modes and no part of a step), and the
+header prints every setting the bench changed. ``--no-warmup`` times an untrained policy instead,
+which writes every token it may. Overlap is worth most where generation and training take similar
+time: the table also prints each phase's mean seconds in the synchronous run, and the overlap the
+asynchronous one achieved, so a reader sees why the ratio is what it is.
 """
 
 from __future__ import annotations
@@ -23,18 +27,40 @@ from rljob import metrics as m
 from rljob.spec import JobSpec, load_spec
 
 
-def bench_variant(spec: JobSpec, k: int, steps: int) -> JobSpec:
+def bench_variant(spec: JobSpec, k: int, steps: int, warmup: bool = True) -> JobSpec:
     """``spec`` run for ``steps`` steps with ``max_staleness`` k, one trainer and one generator of
-    one thread each, no warm-up, validation or intermediate checkpoint."""
+    one thread each, no validation or intermediate checkpoint; its warm-up as it is, or none
+    (``warmup=False``)."""
     data = spec.model_dump(mode="json")
     data["rollout"]["max_staleness"] = k
     data["steps"] = steps
     data["checkpoint_interval"] = steps
-    data["warmup"]["sft_steps"] = 0
+    if not warmup:
+        data["warmup"]["sft_steps"] = 0
     data["validation"]["interval"] = 0
     data["precision"]["exact"] = False
     data["resources"].update(trainers=1, generators=1, cpus_per_actor=1, threads_per_actor=1)
     return JobSpec.model_validate(data)
+
+
+def changed(base: JobSpec, variant: JobSpec) -> list[str]:
+    """``key old -> new`` for every setting of ``variant`` that differs from ``base`` (dotted keys,
+    in the spec's order), ``rollout.max_staleness`` aside: what the bench changed."""
+
+    def flat(data: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(data, dict):
+            return {prefix: data}
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(flat(value, f"{prefix}.{key}" if prefix else key))
+        return out
+
+    old, new = flat(base.model_dump(mode="json")), flat(variant.model_dump(mode="json"))
+    return [
+        f"{key} {old.get(key)!r} -> {value!r}"
+        for key, value in new.items()
+        if key != "rollout.max_staleness" and old.get(key) != value
+    ]
 
 
 def steps_per_s(rows: Sequence[Mapping[str, Any]], skip: int) -> float:
@@ -54,20 +80,20 @@ def overlap_ceiling(gen_s: float, train_s: float, sync_s: float) -> float:
     return (gen_s + train_s + sync_s) / (max(gen_s, train_s) + sync_s)
 
 
-def report(spec_path: str | Path, steps: int = 12, skip: int = 2) -> str:
+def report(spec_path: str | Path, steps: int = 12, skip: int = 2, warmup: bool = True) -> str:
     """The table (module docstring)."""
     from workers import driver
-    from workers.job_actors import ray_init, ray_shutdown
+    from workers.ray_cluster import ray_init, ray_shutdown
 
     if skip < 1:
         raise ValueError("--skip must be >= 1 (the first step's end starts the clock)")
     base = load_spec(spec_path)
     results = {}
-    started = ray_init(bench_variant(base, 0, steps))
+    started = ray_init(bench_variant(base, 0, steps, warmup))
     try:
         with tempfile.TemporaryDirectory(prefix="fp8rl-bench-async-") as tmp:
             for k in (0, 1):
-                spec = bench_variant(base, k, steps)
+                spec = bench_variant(base, k, steps, warmup)
                 out = Path(tmp) / f"k{k}"
                 results[k] = list(driver.run(spec, out, driver.RunOptions(log=lambda line: None)).rows)
     finally:
@@ -78,7 +104,13 @@ def report(spec_path: str | Path, steps: int = 12, skip: int = 2) -> str:
     lines = [
         f"fp8rl bench async {spec_path}: recipe {base.precision.recipe}, {base.rollout.prompts_per_step}x"
         f"{base.rollout.group_size} rollouts of <= {base.rollout.max_new_tokens} tokens a step, "
-        f"1 trainer + 1 generator (1 thread each), steps {skip + 1}..{steps} timed",
+        f"1 trainer + 1 generator (1 thread each), steps {skip + 1}..{steps} timed"
+        + (
+            f" after a warm-up of <= {base.warmup.sft_steps} steps"
+            if warmup and base.warmup.sft_steps
+            else ""
+        ),
+        "changed from the spec: " + "; ".join(changed(base, bench_variant(base, 0, steps, warmup))),
         f"{'mode':<22}{'steps/s':>9}{'gen s':>8}{'train s':>9}{'sync s':>8}{'overlap s':>11}{'lag max':>9}",
     ]
     phases = (m.TIMING_GENERATION_S, m.TIMING_TRAIN_S, m.TIMING_WEIGHT_SYNC_S)

@@ -36,7 +36,7 @@ from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Rollouts
 from workers.tasks import Task, extract_answer
 from workers.tokenizer import ByteTokenizer, build_tokenizer
-from workers.weight_sync import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
+from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ Two processes over torch.distributed (NCCL between two GPUs when there are two; 
 rank 0 builds a trainer of the model (a preset, or ``smollm2`` / a Hugging Face directory: the
 real model as ``examples/smollm2-addition.yaml`` runs it) and sends its weight-sync payload with
 :class:`~workers.weight_sync.BroadcastWeightSync`; rank 1 builds a generator, receives, unpacks
-and loads it, as the product's workers do (:mod:`workers.actors`).
+and loads it, as the product's workers do (:mod:`workers.ray_workers`).
 Payloads: ``bf16`` (a ``bf16`` job: every weight in BF16) and ``fp8`` (an ``fp8-e2e`` job: decoder
 linears as FP8 data + float32 block scales). The baseline, measured in the same run, is one raw
 ``torch.distributed.broadcast`` of a byte tensor of the same size: ``sync / raw`` is what the
@@ -12,7 +12,7 @@ manifest, packing and unpacking cost on top of moving the bytes. Seconds are the
 (median of ``repeat`` after a warm-up), GB/s = payload bytes / seconds.
 
 A second table times one whole update end to end, barrier to barrier: the trainer's export, the
-sync, the generator's load, and the precision contract (:mod:`workers.weight_contract`: the
+sync, the generator's load, and the precision contract (:mod:`workers.weight_sync.contract`: the
 trainer's report of what it sent and the generator's of what it holds, compared), with each
 side's phases.
 """
@@ -71,8 +71,8 @@ def _vocab(model: str) -> int:
 
 def _member(rank: int, model: str, backend: str, init: str, repeat: int, out: str) -> None:
     from workers.engines.factory import build_generator, build_trainer
-    from workers.weight_contract import compare, kv_cache_dtype, sent_report
-    from workers.weight_sync import BroadcastWeightSync
+    from workers.weight_sync.broadcast import BroadcastWeightSync
+    from workers.weight_sync.contract import compare, kv_cache_dtype, sent_report
 
     dev = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if dev.type == "cuda":

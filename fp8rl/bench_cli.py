@@ -81,12 +81,16 @@ def bench_async(
     spec: Annotated[Path, typer.Argument(help="job spec file (YAML/JSON)")],
     steps: Annotated[int, typer.Option(help="steps of each run")] = 12,
     skip: Annotated[int, typer.Option(help="first steps left out of the timing")] = 2,
+    warmup: Annotated[
+        bool, typer.Option(help="run the spec's supervised warm-up first, as shipped (--no-warmup: none)")
+    ] = True,
 ) -> None:
     """Steps/s of SPEC synchronously and with rollout.max_staleness 1 (generation overlapping
-    training), one trainer and one generator of one core each, and the ratio."""
+    training), one trainer and one generator of one core each, and the ratio; the spec as
+    shipped, warm-up included and timed after it, and every setting it changed printed."""
     from bench import async_rl
 
-    _echo_report(lambda: async_rl.report(spec, steps=steps, skip=skip))
+    _echo_report(lambda: async_rl.report(spec, steps=steps, skip=skip, warmup=warmup))
 
 
 @bench_app.command("rollout")

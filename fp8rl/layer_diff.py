@@ -3,7 +3,7 @@
 Builds the job's native trainer (initial weights or a checkpoint's) and a native generator loaded
 from it as after a weight sync, samples one batch of the task's prompts, takes the token whose
 log-probs differ most between the two engines, and traces that token through both
-(:mod:`workers.engines.native.layer_diff`): the generator's prefill + KV-cache decode against the
+(:mod:`workers.engines.layer_diff`): the generator's prefill + KV-cache decode against the
 trainer's full-sequence forward. The first module whose output differs is where the mismatch that
 importance sampling corrects comes from; under ``precision.exact`` no token and no module differs.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from rljob.spec import JobSpec
 from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_pair
-from workers.engines.native.layer_diff import compare_traces, describe
+from workers.engines.layer_diff import compare_traces, describe
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 

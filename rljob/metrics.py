@@ -66,7 +66,7 @@ TIMING_WEIGHT_SYNC_S: Final = "timing/weight_sync_s"
 TIMING_VALIDATION_S: Final = "timing/validation_s"
 TIMING_STEP_S: Final = "timing/step_s"
 WEIGHT_SYNC_BYTES: Final = "weight_sync/bytes"
-# the precision contract of each weight sync (workers.weight_contract): weights checked over all
+# the precision contract of each weight sync (workers.weight_sync.contract): weights checked over all
 # generators, and those that differed (a difference fails the step, so a recorded row holds 0)
 SYNC_LAYERS_CHECKED: Final = "sync/layers_checked"
 SYNC_LAYERS_MISMATCHED: Final = "sync/layers_mismatched"

@@ -8,7 +8,7 @@ job on this machine). ``--store kubernetes``: ``KubernetesJobStore`` (RLJobs) + 
 
 The API port answers callers without a token only with what holds no tenant data (``/healthz``,
 ``/readyz``, ``/docs``, ``/openapi.json``). The Prometheus series, which name every tenant, are on
-the metrics port (:mod:`service.metrics`), which ``fp8rl serve`` opens beside it.
+the metrics port (:mod:`service.metrics_port`), which ``fp8rl serve`` opens beside it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastapi.routing import APIRoute
 
 from rljob.jobs import InvalidRecord, JobStore
 from rljob.version import __version__
-from service import metrics, middleware, problems
+from service import metrics_port, middleware, problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
 from service.local_executor import LocalExecutor
@@ -125,8 +125,10 @@ def create_app(
     store = store if store is not None else build_store(settings)
     owned = build_executor(settings, store) if run_jobs and executor is None else None
     auth = TokenAuth(tokens)
-    registry = metrics.registry(store, lambda: auth.tenants)
-    exporter = metrics.MetricsServer(registry, settings.host, settings.metrics_port) if run_jobs else None
+    registry = metrics_port.registry(store, lambda: auth.tenants)
+    exporter = (
+        metrics_port.MetricsServer(registry, settings.host, settings.metrics_port) if run_jobs else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -65,3 +65,102 @@ def test_the_check_sees_an_upward_a_sideways_and_a_lazy_import(tmp_path: Path) -
     (tmp_path / "bench" / "r.py").write_text("from . import y\n")
     with pytest.raises(AssertionError, match="relative import"):
         violations(tmp_path)
+
+
+def module_imports(root: Path) -> dict[str, list[tuple[int, str, list[str]]]]:
+    """Project module -> (line, imported project module, names taken) of each of its imports, at
+    any level. ``from pkg import mod`` counts as importing ``pkg.mod`` when that is a module."""
+    modules = {}
+    for package in FLOORS:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            modules[name] = path
+    out: dict[str, list[tuple[int, str, list[str]]]] = {}
+    for name, path in modules.items():
+        edges: list[tuple[int, str, list[str]]] = []
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges += [(node.lineno, a.name, []) for a in node.names if a.name in modules]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                taken = []
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in modules:
+                        edges.append((node.lineno, f"{node.module}.{a.name}", []))
+                    else:
+                        taken.append(a.name)
+                if taken and node.module in modules:
+                    edges.append((node.lineno, node.module, taken))
+        out[name] = edges
+    return out
+
+
+def import_circles(imports: dict[str, list[tuple[int, str, list[str]]]]) -> list[list[str]]:
+    """The modules that import each other in a loop (strongly connected components of more than
+    one module, or a module importing itself), each sorted. A package's ``__init__`` counts as a
+    module like any other."""
+    graph = {m: {t for _, t, _ in edges if t in imports} for m, edges in imports.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm, recursive: the graph is a few hundred modules
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def private_imports(imports: dict[str, list[tuple[int, str, list[str]]]]) -> list[str]:
+    """``module:line takes _name from other`` for every private name imported across modules."""
+    return [
+        f"{m}:{line} takes {n} from {target}"
+        for m, edges in sorted(imports.items())
+        for line, target, names in edges
+        for n in names
+        if n.startswith("_") and not n.startswith("__") and target != m
+    ]
+
+
+def test_no_import_circle_and_no_private_name_across_modules() -> None:
+    imports = module_imports(ROOT)
+    assert len(imports) > 100, "the module scan is broken"
+    assert import_circles(imports) == []
+    assert private_imports(imports) == []
+
+
+def test_the_checks_see_a_circle_and_a_private_import(tmp_path: Path) -> None:
+    """The two checks on a tree made for them: a three-module loop through a lazy import, a
+    module importing itself, and a private name taken across modules; a straight chain passes."""
+    for package in FLOORS:
+        (tmp_path / package).mkdir()
+    (tmp_path / "workers" / "a.py").write_text("from workers.b import f\n")
+    (tmp_path / "workers" / "b.py").write_text("def f():\n    from workers import c\n")
+    (tmp_path / "workers" / "c.py").write_text("import workers.a\nfrom workers.d import _g, h\n")
+    (tmp_path / "workers" / "d.py").write_text("from rljob.e import x\n")
+    (tmp_path / "rljob" / "e.py").write_text("x = 1\n")
+    (tmp_path / "rljob" / "s.py").write_text("from rljob.s import y\ny = 2\n")
+    imports = module_imports(tmp_path)
+    assert import_circles(imports) == [["rljob.s"], ["workers.a", "workers.b", "workers.c"]]
+    assert private_imports(imports) == ["workers.c:2 takes _g from workers.d"]

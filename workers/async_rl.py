@@ -43,7 +43,7 @@ from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
 from workers.faults import ActorFault
 from workers.rl_step import Batch, start_batch, train_and_sync
-from workers.step_actors import Generated, StepActors
+from workers.step_protocol import Generated, StepActors
 from workers.tasks import Task
 from workers.tokenizer import Tokenizer
 

@@ -1,6 +1,6 @@
 """The job driver: one per job, on the laptop (``fp8rl run``) or in a KubeRay RayJob.
 
-It starts the job's actors (``workers.job_actors``, the one object that knows Ray) and runs the
+It starts the job's actors (``workers.actor_group``, the one object that knows Ray) and runs the
 steps (``workers.rl_step``). Every
 ``validation.interval`` steps (and at the last) the generators then answer the task's held-out
 problems, and the step's line gets ``val/accuracy`` and ``val/reward_mean``; the policy RL starts
@@ -34,10 +34,10 @@ from rljob.status import EXIT_OUT_OF_MEMORY, EXIT_TOO_MANY_FAULTS
 from workers import checkpoint
 from workers.engines.factory import check_engines
 from workers.faults import ActorFault, RestartLimitError
-from workers.job_actors import ray_init, ray_shutdown
 from workers.job_run import JobRun, write_json
 from workers.job_run import RunOptions as RunOptions  # the driver's options, imported from here
-from workers.metrics import PromExporter
+from workers.prom_exporter import PromExporter
+from workers.ray_cluster import ray_init, ray_shutdown
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 

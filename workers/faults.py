@@ -2,7 +2,7 @@
 
 A fault is an actor of the job lost or stuck: its process died (SIGKILL, OOM killer, a node
 drained), its engine died (vLLM's ``EngineDeadError``, a CUDA error such as an Xid), or a call to
-it did not return within its bound. :class:`workers.job_actors.JobActors` turns each into an
+it did not return within its bound. :class:`workers.actor_group.JobActors` turns each into an
 :class:`ActorFault` naming the actor and the call; the driver recovers in place
 (:class:`workers.job_run.JobRun`): a generator fault starts fresh actors with the trainers'
 current state and regenerates the step; a trainer fault starts fresh actors from the last

@@ -35,7 +35,6 @@ from rljob.spec import JobSpec, parse_spec
 from workers.checkpoint import list_checkpoints, load_master_weights
 from workers.engines.factory import native_trainer
 from workers.engines.models import apply_recipe, fp8_config, model_config
-from workers.fp8.export import export_weights, fp8_weight_names
 from workers.fp8.hf_checkpoint import (
     check_tp_partitions,
     checkpoint_tensors,
@@ -45,6 +44,7 @@ from workers.fp8.hf_checkpoint import (
 )
 from workers.fp8.quant import Fp8Tensor
 from workers.tokenizer import Tokenizer, build_tokenizer
+from workers.weight_sync.payload import export_weights, fp8_weight_names
 
 FORMATS: dict[str, str] = {
     "hf-fp8": "block-FP8 E4M3 weights with 128x128 scales (vLLM, SGLang, transformers FineGrainedFP8)",

@@ -1,6 +1,6 @@
 """One driver's run of a job, step by step, and its recovery from data-plane faults in place.
 
-:class:`JobRun` holds the job's actors (:class:`~workers.job_actors.JobActors`), its metrics log
+:class:`JobRun` holds the job's actors (:class:`~workers.actor_group.JobActors`), its metrics log
 and Prometheus exporter. The driver (``run`` in the driver's module) prepares the output
 directory and Ray, then calls :meth:`JobRun.begin` (actors up, checkpoint or warm-up, the first
 sync, the step-0 validation), and for each step :meth:`JobRun.train` (generate, train, sync) and
@@ -35,11 +35,11 @@ from rljob.metrics import (
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
+from workers.actor_group import JobActors
 from workers.async_rl import AsyncLoop
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
 from workers.fp8.kv_cache import calibrates_kv
-from workers.job_actors import JobActors
-from workers.metrics import PromExporter
+from workers.prom_exporter import PromExporter
 from workers.rl_step import (
     METRICS_ROW,
     calibrate_kv,

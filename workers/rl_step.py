@@ -6,7 +6,7 @@ weights that generated, GRPO advantages, IS-corrected update) -> trainer quantiz
 generators; its ``StepMetrics`` row is one line of ``metrics.jsonl``. Prompts and sampling seeds
 are functions of (seed, step), so a resumed step sees the same prompts.
 
-Plain orchestration over :class:`~workers.step_actors.StepActors`: which transport runs the
+Plain orchestration over :class:`~workers.step_protocol.StepActors`: which transport runs the
 trainers and generators (Ray actors in a job, one process in the tests) is not this module's
 business; each actors call says what runs concurrently inside it.
 """
@@ -28,13 +28,13 @@ from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.batching import concat_rollouts, even_split, left_pad, split_rows
-from workers.engines.native.layer_diff import ExactMismatchError, compare_traces, describe
+from workers.engines.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault
-from workers.step_actors import Generated, PendingRollouts, StepActors
+from workers.step_protocol import Generated, PendingRollouts, StepActors
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import Tokenizer
-from workers.weight_contract import compare
+from workers.weight_sync.contract import compare
 
 
 def sft_batch(task: Task, tok: Tokenizer, problems: list[Problem]) -> Rollouts:
@@ -201,8 +201,8 @@ def prompt_batch(prompts: list[list[int]], pad_id: int) -> Rollouts:
 
 def sync_weights(actors: StepActors) -> SyncMetrics:
     """Trainer 0 sends the new weights to every generator; each generator's report of what it holds
-    is checked against what was sent (:mod:`workers.weight_contract`): a difference fails the step
-    with :class:`~workers.weight_contract.WeightContractError`, naming the generator and weight."""
+    is checked against what was sent (:mod:`workers.weight_sync.contract`): a difference fails the step
+    with :class:`~workers.weight_sync.contract.WeightContractError`, naming the generator and weight."""
     transfer = actors.send_and_receive_weights()
     checks = [compare(transfer.sent, held) for held in transfer.received]
     for i, check in enumerate(checks):

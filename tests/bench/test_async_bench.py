@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.async_rl import bench_variant, overlap_ceiling, steps_per_s
+from bench.async_rl import bench_variant, changed, overlap_ceiling, steps_per_s
 from rljob.spec import load_spec
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-cpu.yaml"
@@ -15,7 +15,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arithmetic-cpu.yam
 
 def test_the_variants_differ_in_max_staleness_only_among_what_the_job_computes() -> None:
     base = load_spec(EXAMPLE)
-    sync, async_ = bench_variant(base, 0, 7), bench_variant(base, 1, 7)
+    sync, async_ = bench_variant(base, 0, 7, warmup=False), bench_variant(base, 1, 7, warmup=False)
     assert (sync.rollout.max_staleness, async_.rollout.max_staleness) == (0, 1)
     for spec in (sync, async_):
         res = spec.resources
@@ -44,3 +44,19 @@ def test_the_ceiling_is_the_synchronous_step_over_the_longer_phase() -> None:
     assert overlap_ceiling(0.25, 1.0, 0.05) == pytest.approx(1.30 / 1.05)
     assert overlap_ceiling(1.0, 1.0, 0.0) == pytest.approx(2.0)  # equal phases, free sync: 2x
     assert overlap_ceiling(2.0, 0.5, 0.1) == pytest.approx(2.6 / 2.1)  # generation-bound
+
+
+def test_by_default_the_warm_up_runs_as_shipped_and_every_change_is_named() -> None:
+    """The spec as shipped keeps its warm-up (a warmed-up policy answers in fewer tokens, which
+    changes the balance the ratio depends on); what the bench does change is listed, by key."""
+    base = load_spec(EXAMPLE)
+    assert base.warmup.sft_steps > 0 and base.steps != 7
+    kept = bench_variant(base, 1, 7)
+    assert kept.warmup == base.warmup
+    said = changed(base, kept)
+    assert f"steps {base.steps!r} -> 7" in said
+    assert f"validation.interval {base.validation.interval!r} -> 0" in said
+    assert not any(line.startswith(("warmup.", "rollout.max_staleness")) for line in said)
+    assert f"warmup.sft_steps {base.warmup.sft_steps!r} -> 0" in changed(
+        base, bench_variant(base, 1, 7, False)
+    )

@@ -218,7 +218,7 @@ def test_operator_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
 def test_driver_actors_ask_for_what_their_group_advertises(monkeypatch: pytest.MonkeyPatch) -> None:
     """The builder's rayStartParams and the driver's actor options must meet: same custom resource,
     same GPUs per actor; outside a RayJob built by the operator the actors ask for no group."""
-    from workers.job_actors import actor_options
+    from workers.ray_cluster import actor_options
 
     obj = rljob()
     spec = rl.spec_of(obj)

@@ -25,7 +25,7 @@ from service.main import create_app
 from service.operator_handoff import OperatorHandoff
 from service.settings import Settings
 from tests.helpers import wait_for
-from workers.metrics import PromExporter
+from workers.prom_exporter import PromExporter
 
 NS = "team-a"
 RL = (rl.GROUP, rl.VERSION, NS, rl.PLURAL)

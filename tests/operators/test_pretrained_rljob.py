@@ -106,7 +106,7 @@ def one_real_step(spec: JobSpec) -> dict[str, Any]:
     from workers.tokenizer import build_tokenizer
 
     threads = torch.get_num_threads()
-    # each actor's threads on a 2-core node (workers.actors): oversubscribed OpenMP threads crawl
+    # each actor's threads on a 2-core node (workers.ray_workers): oversubscribed OpenMP threads crawl
     torch.set_num_threads(spec.resources.threads(2))
     try:
         tok = build_tokenizer(spec)

@@ -17,7 +17,7 @@ from rljob import resource as rl
 from rljob.kube import api_client
 from rljob.spec import JobSpec
 from tests.helpers import wait_for
-from workers.metrics import PromExporter
+from workers.prom_exporter import PromExporter
 
 NS = "team-a"
 POLL = 0.3  # seconds between the timer's reconciles

@@ -1,5 +1,5 @@
 """No tenant data on the API port without a token; the control plane's Prometheus series
-(``fp8rl_jobs{namespace, phase}``) on the metrics port (``service.metrics``)."""
+(``fp8rl_jobs{namespace, phase}``) on the metrics port (``service.metrics_port``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rljob.status import Phase
 from service.main import create_app
-from service.metrics import MetricsServer, registry
+from service.metrics_port import MetricsServer, registry
 from service.settings import Settings
 from service.store import SqlJobStore
 from tests.service.servers import serve

@@ -1,14 +1,14 @@
 """The step's actors in this one process, without Ray: :class:`InProcessActors` implements
-:class:`~workers.step_actors.StepActors` over one native trainer and ``G`` native generators, so
+:class:`~workers.step_protocol.StepActors` over one native trainer and ``G`` native generators, so
 the tests run :mod:`workers.rl_step` as the driver does, minus the transport.
 
 What the Ray actors run concurrently runs here one after another (one trainer: no data-parallel
 group to all-reduce over); ``start_generate`` generates at once, with the weights the generators
 hold then, as a Ray generator does before any call made after it. The weight sync is the wire
 format without its collective: trainer 0's export is packed into the same uint8 buckets by the same manifest
-(:mod:`workers.weight_sync`), and each generator loads what it unpacks from them, so the bytes a
+(:mod:`workers.weight_sync.broadcast`), and each generator loads what it unpacks from them, so the bytes a
 generator computes with went through exactly what a broadcast moves; only ``torch.distributed``
-is left out (``tests/workers/test_weight_sync.py`` runs the broadcast itself over gloo).
+is left out (``tests/workers/weight_sync/test_broadcast.py`` runs the broadcast itself over gloo).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from pathlib import Path
 import torch
 
 from rljob.spec import JobSpec
+from workers.engines.layer_diff import Trace
 from workers.engines.native.generator import NativeGenerator
-from workers.engines.native.layer_diff import Trace
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.step_actors import Generated, WeightTransfer
+from workers.step_protocol import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
-from workers.weight_contract import kv_cache_dtype, sent_report
-from workers.weight_sync import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
+from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
+from workers.weight_sync.contract import kv_cache_dtype, sent_report
 
 
 class Done:
-    """A generation already done (:class:`~workers.step_actors.PendingRollouts`)."""
+    """A generation already done (:class:`~workers.step_protocol.PendingRollouts`)."""
 
     def __init__(self, out: list[Generated]) -> None:
         self.out = out

@@ -24,7 +24,7 @@ from workers.async_rl import AsyncLoop, busy_overlap
 from workers.engines.batching import concat_rollouts
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.rl_step import Batch, rl_step, step_seed, sync_weights
-from workers.step_actors import Generated, WeightTransfer
+from workers.step_protocol import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer, build_tokenizer
 
 

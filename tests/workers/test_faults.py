@@ -15,6 +15,7 @@ from rljob.metrics import ACTOR_RESTARTS, FAULT_KEYS
 from rljob.spec import parse_spec
 from service.local_executor import fault_condition
 from tests import helpers
+from workers.actor_group import classify
 from workers.faults import (
     HANG_FACTOR,
     CallTimeouts,
@@ -23,8 +24,7 @@ from workers.faults import (
     is_engine_failure,
     provoke,
 )
-from workers.job_actors import classify
-from workers.metrics import PromExporter
+from workers.prom_exporter import PromExporter
 
 
 def test_drills_parse_and_bad_ones_say_the_form() -> None:

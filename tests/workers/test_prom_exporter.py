@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rljob.metrics import PROMETHEUS
-from workers.metrics import PromExporter
+from workers.prom_exporter import PromExporter
 
 LABELS = {"job": "j", "namespace": "team-a", "recipe": "fp8-e2e"}
 

@@ -6,7 +6,7 @@ relies on (docs/deploy.md, "Security model").
   refuses a submission without the token (401) or with another token (403), and accepts one with
   it; ``ray job submit`` (the submitter of ``ray_auth: secret``) submits with the token from its
   environment; the driver the job runs inherits the token and joins the cluster.
-- ``fp8rl run`` (``workers.job_actors.ray_init``) starts its local Ray with token auth on, says
+- ``fp8rl run`` (``workers.ray_cluster.ray_init``) starts its local Ray with token auth on, says
   so without Ray's warning, and runs tasks.
 
 Each cluster runs under a temporary directory of its own and is stopped by signalling the one
@@ -170,7 +170,7 @@ def test_fp8rl_run_starts_its_local_ray_with_token_auth_and_no_warning() -> None
     script = (
         "import os, ray\n"
         "from rljob.spec import JobSpec\n"
-        "from workers.job_actors import ray_init, ray_shutdown\n"
+        "from workers.ray_cluster import ray_init, ray_shutdown\n"
         "spec = JobSpec.model_validate({'resources': {'trainers': 1, 'generators': 1}})\n"
         "assert ray_init(spec)\n"
         "try:\n"

@@ -37,7 +37,7 @@ from workers.rl_step import (
     validate,
     warmup,
 )
-from workers.step_actors import Generated
+from workers.step_protocol import Generated
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 

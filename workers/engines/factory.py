@@ -55,7 +55,7 @@ def engine_for(spec: JobSpec, role: str) -> str:
 
 
 def uses_weight_channel(spec: JobSpec) -> bool:
-    """True when weights travel over the weight channel (:mod:`workers.engines.weight_channel`):
+    """True when weights travel over the weight channel (:mod:`workers.weight_sync.channel`):
     whenever vLLM or Megatron is in the job. The native pair shares the job's process group."""
     return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
 
@@ -175,7 +175,7 @@ def native_pair(
     """:func:`native_trainer` and a native generator loaded from it, as after a weight sync: the
     pair the offline tools (``bench mismatch``, ``bench gradients``) run."""
     from workers.engines.native.generator import NativeGenerator
-    from workers.fp8.export import fp8_weight_names
+    from workers.weight_sync.payload import fp8_weight_names
 
     trainer = native_trainer(spec, vocab_size, state, device)
     gen = NativeGenerator(spec, vocab_size, eos, pad_id, device)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rljob.spec import JobSpec, PrecisionSpec
-from workers.engines.native.exact import EXACT_ATTENTION, ROW_MULTIPLE, check_device, make_exact
+from workers.engines.exact import EXACT_ATTENTION, ROW_MULTIPLE, check_device, make_exact
 from workers.fp8.convert import Fp8Audit, convert_model
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
@@ -62,7 +62,7 @@ def build_policy(
     spec: JobSpec, vocab_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> Any:
     """The policy model in ``dtype`` on ``device``, in eval mode (no dropout in RL); built on the
-    row-exact blocks of :mod:`workers.engines.native.exact` under ``precision.exact``."""
+    row-exact blocks of :mod:`workers.engines.exact` under ``precision.exact``."""
     from transformers import AutoModelForCausalLM
 
     if spec.model.name is not None and spec.model.pretrained:

@@ -14,9 +14,7 @@ import torch
 
 from rljob import metrics as m
 from workers.fp8.convert import Fp8Audit
-from workers.fp8.export import Payload as Payload  # re-exported: what the engines exchange
-from workers.weight_contract import WeightReport
-from workers.weight_sync import SyncResult
+from workers.weight_sync.data import Payload, SyncResult, WeightReport
 
 
 class Rollouts(NamedTuple):
@@ -67,7 +65,7 @@ class Generator(Protocol):
         ...
 
     def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        """Join the NCCL weight channel of a vLLM/Megatron job (:mod:`workers.engines.weight_channel`)
+        """Join the NCCL weight channel of a vLLM/Megatron job (:mod:`workers.weight_sync.channel`)
         as ranks ``first_rank ..`` (one per receiving process)."""
         ...
 
@@ -78,7 +76,14 @@ class Generator(Protocol):
     def weight_report(self) -> WeightReport:
         """What the generator holds after the last weight update, per weight: the checksums of the
         bytes it received and the precision each layer computes with, and its KV cache's dtype and
-        scales (:mod:`workers.weight_contract`). Plain data: it crosses Ray."""
+        scales (:mod:`workers.weight_sync.contract`). Plain data: it crosses Ray."""
+        ...
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every module's output, float32, at the last token of ``prompt + response`` (a single
+        sequence) computed as :meth:`generate` computes it: prefill, then decode steps
+        (:mod:`workers.engines.layer_diff`). An engine that cannot trace raises
+        :class:`NotImplementedError` saying so."""
         ...
 
 
@@ -107,8 +112,13 @@ class Trainer(Protocol):
         ...
 
     def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload:
-        """The payload the generators load (see :mod:`workers.fp8.export`). Called on every
+        """The payload the generators load (see :mod:`workers.weight_sync.payload`). Called on every
         trainer (a sharded engine gathers here); the first trainer returns it, the others ``{}``."""
+        ...
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As :meth:`Generator.trace_token`, computed as the trainer scores a token: one
+        full-sequence forward. An engine that cannot trace raises :class:`NotImplementedError`."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...

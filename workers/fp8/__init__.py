@@ -1,5 +1,6 @@
 """FP8 numerics for fp8rl: formats, scaled quantization, blockwise GEMM, FP8 linear layers,
-model conversion with a per-layer audit, FP8 KV-cache scales and weight-sync export.
+model conversion with a per-layer audit, FP8 KV-cache scales. (Weights as a weight-sync payload:
+:mod:`workers.weight_sync.payload`.)
 
 Usable on its own::
 
@@ -15,7 +16,6 @@ Usable on its own::
 from rljob.algorithms import RECIPES
 from workers.fp8.convert import AuditRow, Fp8Audit, convert_model
 from workers.fp8.dispatch import PROFILES, DeviceProfile, GemmPlan, parse_profile, plan_gemm, simulate
-from workers.fp8.export import export_weights, fp8_weight_names, load_weights, payload_bytes
 from workers.fp8.formats import E4M3, E5M2, Fp8Format, get_format
 from workers.fp8.guard import FiniteGuard, NonFiniteError, finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, abs_percentile, quantize_kv
@@ -46,16 +46,12 @@ __all__ = [
     "abs_percentile",
     "cast_to_fp8",
     "convert_model",
-    "export_weights",
     "finite_guard",
     "fp8_matmul",
-    "fp8_weight_names",
     "get_format",
-    "load_weights",
     "matmul_emulated",
     "matmul_scaled_mm",
     "parse_profile",
-    "payload_bytes",
     "plan_for",
     "plan_gemm",
     "quantize",

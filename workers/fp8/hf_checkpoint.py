@@ -94,7 +94,7 @@ def _check_fp8_weight(name: str, value: Fp8Tensor) -> None:
 
 
 def checkpoint_tensors(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A weight-sync payload (:func:`~workers.fp8.export.export_weights`) as checkpoint tensors.
+    """A weight-sync payload (:func:`~workers.weight_sync.payload.export_weights`) as checkpoint tensors.
 
     ``Fp8Tensor`` at ``X.weight`` -> ``X.weight`` (its float8 data, unchanged) and
     ``X.weight_scale_inv`` (its float32 scale, unchanged). Floating tensors -> bfloat16, except

@@ -31,7 +31,7 @@ class Fp8LinearConfig:
     power_of_two_scales: bool = False
     backend: Backend = "auto"
     # fprop pads its rows with zeros to a multiple of this: 16 makes the float32 GEMM's result
-    # for a row independent of M (``precision.exact``, see workers.engines.native.exact); 1 = no padding
+    # for a row independent of M (``precision.exact``, see workers.engines.exact); 1 = no padding
     rows_multiple: int = 1
 
     @classmethod

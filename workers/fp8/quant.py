@@ -32,6 +32,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.fp8.block_ops import (
+    abs_cpu,
+    all_finite,
+    apply_block_scale,
+    block_grid,
+    block_max_cpu,
+    dequantize_blocks_cpu,
+    scaled_cast_cpu,
+)
 from workers.fp8.formats import Fp8Format, get_format, to_float32
 from workers.fp8.guard import check_input
 
@@ -94,9 +103,9 @@ class Fp8Tensor:
         if cache and "f32" in self._memo:
             return self._memo["f32"].to(dtype)
         if self.block is not None and self.data.device.type == "cpu":
-            out = _dequantize_blocks_cpu(self.data, self.scale, self.block)
+            out = dequantize_blocks_cpu(self.data, self.scale, self.block)
         else:
-            out = _apply_block_scale(to_float32(self.data), self.scale, self.block, divide=False)
+            out = apply_block_scale(to_float32(self.data), self.scale, self.block, divide=False)
         if cache:
             self._memo["f32"] = out
         return out.to(dtype)
@@ -118,149 +127,6 @@ class Fp8Tensor:
     def with_dequant_cache(self) -> Fp8Tensor:
         """The same tensor, keeping its float32 dequantization once computed (for weights)."""
         return Fp8Tensor(self.data, self.scale, self.block, self.fmt, True)
-
-
-def _apply_block_scale(
-    x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, divide: bool
-) -> torch.Tensor:
-    """``x / scale`` or ``x * scale`` with the scale broadcast over its blocks (float32 x).
-
-    Works on a ``[*lead, nR, br, nC, bc]`` view of x (padded when the shape is not a multiple of
-    the block), so no full-size scale tensor is ever built.
-    """
-    if block is None:
-        return x / scale if divide else x * scale
-    br, bc = block
-    rows, cols = x.shape[-2:]
-    n_r, n_c = scale.shape[-2:]
-    padded = n_r * br != rows or n_c * bc != cols
-    xp = F.pad(x, (0, n_c * bc - cols, 0, n_r * br - rows)) if padded else x
-    blocks = xp.reshape(*x.shape[:-2], n_r, br, n_c, bc)
-    s = scale.reshape(*scale.shape[:-2], n_r, 1, n_c, 1)
-    out = (blocks / s if divide else blocks * s).reshape(*x.shape[:-2], n_r * br, n_c * bc)
-    return out[..., :rows, :cols] if padded else out
-
-
-# --- The CPU path: whole blocks through views, the partial tail block apart -------------------
-#
-# Bit for bit the padded formula above (held to an independent padded reference in
-# tests/workers/fp8/test_quant_cpu_fast.py): a max is exact in any order, and every element meets
-# the same one IEEE division or product by its block's scale; only the copies go. On SmolLM2's
-# hidden size 576 (4.5 blocks of 128) the padded formula copied every activation and gradient
-# twice to quantize (amax, scaling) and once more to dequantize, and read x through its transpose
-# for wgrad's copy.
-
-
-def _spans(n: int, b: int) -> list[tuple[int, int, int, int]]:
-    """``(start, stop, n_blocks, length)`` of the whole blocks of ``b`` in ``n``, then the partial one."""
-    whole = n // b
-    spans = [(0, whole * b, whole, b)] if whole else []
-    if n > whole * b:
-        spans.append((whole * b, n, 1, n - whole * b))
-    return spans
-
-
-def _block_pieces(x: torch.Tensor, block: tuple[int, int]) -> list[tuple[torch.Tensor, tuple[slice, slice]]]:
-    """``x [*lead, R, C]`` as at most four views ``[*lead, nr, lr, nc, lc]`` (whole blocks; the
-    last row of blocks; the last column; the corner), each with the slices of its scales."""
-    br, bc = block
-    lead = x.shape[:-2]
-    pieces = []
-    for r0, r1, nr, lr in _spans(x.shape[-2], br):
-        for c0, c1, nc, lc in _spans(x.shape[-1], bc):
-            view = x[..., r0:r1, c0:c1].reshape(*lead, nr, lr, nc, lc)  # a view: dims only split
-            pieces.append((view, (slice(r0 // br, r0 // br + nr), slice(c0 // bc, c0 // bc + nc))))
-    return pieces
-
-
-def _grid(x: torch.Tensor, block: tuple[int, int]) -> tuple[int, int]:
-    """Blocks along ``x``'s last two dims: ``(ceil(R / br), ceil(C / bc))``."""
-    return -(-x.shape[-2] // block[0]), -(-x.shape[-1] // block[1])
-
-
-def _scale_piece(scale: torch.Tensor, at: tuple[slice, slice]) -> torch.Tensor:
-    """The scales of one piece of :func:`_block_pieces`, as ``[*lead, nr, 1, nc, 1]`` (a view)."""
-    s = scale[..., at[0], at[1]]
-    return s.unsqueeze(-1).unsqueeze(-3)
-
-
-def _all_finite(amax: torch.Tensor) -> bool:
-    """Whether the CPU path may go on. A NaN or inf (an error the finite guard reports) takes the
-    padded formula instead: torch's vectorized max turns a NaN into the all-ones NaN and its
-    scalar one keeps the input's, so a NaN's sign and payload, and the bytes divided by it, hang
-    on how the reduction was split. Bit for bit with the padded formula, even then. (A host read
-    of a small CPU tensor; its max is NaN or inf where any element is: NaN propagates.)"""
-    return amax.numel() == 0 or math.isfinite(float(amax.max()))
-
-
-def _abs_cpu(x: torch.Tensor) -> torch.Tensor:
-    """|x| in x's dtype (exact), float64 and others in float32 first, as the padded formula."""
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        x = x.to(torch.float32)
-    return x.abs()
-
-
-def _block_max_cpu(a: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Max of every ``block`` of ``a = |x|`` (:func:`_abs_cpu`) without a padded copy:
-    ``[*lead, ceil(R/br), ceil(C/bc)]`` float32."""
-    out = torch.empty(*a.shape[:-2], *_grid(a, block), dtype=torch.float32, device=a.device)
-    for view, at in _block_pieces(a, block):
-        out[..., at[0], at[1]] = view.amax(dim=(-3, -1))  # [*lead, nr, nc]
-    return out
-
-
-def _scaled_cast_cpu(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int],
-    f: Fp8Format,
-    saturate: bool = True,
-    scratch: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``clamp(x / scale) -> f.dtype`` per block, row-major: the bytes of :func:`cast_to_fp8`.
-
-    ``saturate=False`` leaves out the clamp, for scales made from x's own block maxima
-    (:func:`quantize`), where it changes no byte: with ``s = max(RN(amax / max), tiny)`` (or that
-    rounded up to 2^k), |x| / s <= max * (1 + 2^-23) rounded, far below the first value torch's
-    cast does not round down to ``max`` (464 = 448 + half a step for E4M3, a tie to even that
-    stays at 448; 61440 for E5M2: checked over every float32 of [max / 2, that) in the tests);
-    NaN and inf scales give the same NaN or 0 either way. One pass fewer over the activation.
-
-    ``scratch``: a float32 buffer of x's shape, row-major, free to overwrite (e.g. |x| once its
-    maxima are taken): fresh memory costs a page fault per 4 KiB on the first write.
-    """
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        x = x.to(torch.float32)  # BF16/FP16 are widened inside the division, exactly
-    out = scratch if scratch is not None else torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    out_pieces = _block_pieces(out, block)
-    for (xv, at), (ov, _) in zip(_block_pieces(x, block), out_pieces, strict=True):
-        torch.div(xv, _scale_piece(scale, at), out=ov)
-    if saturate:
-        out.clamp_(-f.max, f.max)
-    return out.to(f.dtype)
-
-
-def _dequantize_blocks_cpu(data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """``data * scale`` per block in float32, in the memory layout the padded formula gives (the
-    emulated GEMM's operand: a float32 GEMM need not sum alike over another layout): with a
-    partial block, a view into a row-major buffer padded to whole blocks (its bytes are padded
-    here, 1 byte an element, and decoded there); else ``data``'s own layout. Scaled in place."""
-    rows, cols = data.shape[-2:]
-    n_r, n_c = scale.shape[-2:]
-    if n_r * block[0] != rows or n_c * block[1] != cols:
-        padded = torch.zeros(*data.shape[:-2], n_r * block[0], n_c * block[1], dtype=data.dtype)
-        if data.element_size() == 1:  # bytes copied as bytes (not every float8 copy has a kernel)
-            padded.view(torch.uint8)[..., :rows, :cols] = data.view(torch.uint8)
-        else:
-            padded[..., :rows, :cols] = data
-        out = to_float32(padded)[..., :rows, :cols]
-    else:
-        out = to_float32(data)
-        if out.data_ptr() == data.data_ptr():  # data was float32 already: do not scale it in place
-            out = out.clone()
-    for ov, at in _block_pieces(out, block):
-        ov.mul_(_scale_piece(scale, at))
-    return out
 
 
 def _check_block(block: Block, x: torch.Tensor) -> tuple[int, int] | None:
@@ -294,8 +160,8 @@ def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """Max |x| of every ``block`` of the last two dims: ``[*lead, ceil(R/br), ceil(C/bc)]``."""
     if x.device.type == "cpu":
-        amax = _block_max_cpu(_abs_cpu(x), block)
-        if _all_finite(amax):
+        amax = block_max_cpu(abs_cpu(x), block)
+        if all_finite(amax):
             return amax
     return _block_amax_padded(x, block)
 
@@ -416,18 +282,18 @@ def _quantize_dual_cpu(
     tiles are x's 128x1 tiles, scaled in x's layout and transposed as bytes."""
     _check_quantizable(x)
     x = x.detach()
-    a = _abs_cpu(x)  # [M, K], read by both amaxes
-    amax = _block_max_cpu(a, TILE_1x128)  # [M, ceil(K/128)]
-    amax_t = _block_max_cpu(a, (128, 1)).t().contiguous()  # [K, ceil(M/128)]
-    if not (_all_finite(amax) and _all_finite(amax_t)):  # the two calls, as they were
+    a = abs_cpu(x)  # [M, K], read by both amaxes
+    amax = block_max_cpu(a, TILE_1x128)  # [M, ceil(K/128)]
+    amax_t = block_max_cpu(a, (128, 1)).t().contiguous()  # [K, ceil(M/128)]
+    if not (all_finite(amax) and all_finite(amax_t)):  # the two calls, as they were
         pad = (_quantize_padded(y, f, TILE_1x128, power_of_two, True, where) for y in (x, x.t()))
         return next(pad), next(pad)
     check_input(x, amax, TILE_1x128, where)
     check_input(x.t(), amax_t, TILE_1x128, where)
     scale, scale_t = amax_to_scale(amax, f, power_of_two), amax_to_scale(amax_t, f, power_of_two)
     scratch = a if a.dtype == torch.float32 and a.is_contiguous() else None  # |x| is spent
-    data = _scaled_cast_cpu(x, scale, TILE_1x128, f, False, scratch)  # [M, K]
-    data_t = _scaled_cast_cpu(x, scale_t.t(), (128, 1), f, False, scratch).t().contiguous()  # [K, M]
+    data = scaled_cast_cpu(x, scale, TILE_1x128, f, False, scratch)  # [M, K]
+    data_t = scaled_cast_cpu(x, scale_t.t(), (128, 1), f, False, scratch).t().contiguous()  # [K, M]
     return Fp8Tensor(data, scale, TILE_1x128, f), Fp8Tensor(data_t, scale_t, TILE_1x128, f)
 
 
@@ -436,13 +302,13 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str | Fp8Format, bloc
     f = get_format(fmt)
     blk = _check_block(block, x)
     scale = scale.to(device=x.device, dtype=torch.float32)
-    if blk is not None and x.device.type == "cpu" and tuple(scale.shape[-2:]) == _grid(x, blk):
-        return Fp8Tensor(_scaled_cast_cpu(x, scale, blk, f), scale, blk, f)
+    if blk is not None and x.device.type == "cpu" and tuple(scale.shape[-2:]) == block_grid(x, blk):
+        return Fp8Tensor(scaled_cast_cpu(x, scale, blk, f), scale, blk, f)
     return _cast_padded(x, scale, f, blk)
 
 
 def _cast_padded(x: torch.Tensor, scale: torch.Tensor, f: Fp8Format, blk: Block) -> Fp8Tensor:
-    scaled = _apply_block_scale(x.to(torch.float32), scale, blk, divide=True)
+    scaled = apply_block_scale(x.to(torch.float32), scale, blk, divide=True)
     q = scaled.clamp_(-f.max, f.max).to(f.dtype)
     return Fp8Tensor(q.contiguous(), scale, blk, f)
 
@@ -491,16 +357,16 @@ def _quantize_blocks_cpu(
     x: torch.Tensor, f: Fp8Format, blk: tuple[int, int], power_of_two: bool, check_finite: bool, where: str
 ) -> Fp8Tensor:
     """:func:`quantize` with blocks on the CPU: no padded copies, no clamp (see
-    :func:`_scaled_cast_cpu`), |x| reused as the scaling pass's buffer."""
-    a = _abs_cpu(x.detach())
-    amax = _block_max_cpu(a, blk)
-    if not _all_finite(amax):
+    :func:`scaled_cast_cpu`), |x| reused as the scaling pass's buffer."""
+    a = abs_cpu(x.detach())
+    amax = block_max_cpu(a, blk)
+    if not all_finite(amax):
         return _quantize_padded(x, f, blk, power_of_two, check_finite, where)
     if check_finite:
         check_input(x, amax, blk, where)
     scale = amax_to_scale(amax, f, power_of_two)
     scratch = a if a.dtype == torch.float32 and a.is_contiguous() else None
-    return Fp8Tensor(_scaled_cast_cpu(x.detach(), scale, blk, f, False, scratch), scale, blk, f)
+    return Fp8Tensor(scaled_cast_cpu(x.detach(), scale, blk, f, False, scratch), scale, blk, f)
 
 
 def _quantize_padded(

@@ -109,8 +109,8 @@ def test_adapters_are_not_imported_with_workers() -> None:
     import sys
 
     code = (
-        "import sys, workers.driver, workers.job_actors, workers.step_actors, workers.rl_step, "
-        "workers.actors, workers.engines.factory; "
+        "import sys, workers.driver, workers.actor_group, workers.step_protocol, workers.rl_step, "
+        "workers.ray_workers, workers.engines.factory; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'transformer_engine') "
         "or m in ('workers.engines.vllm.generator', 'workers.engines.megatron.trainer', "
         "'workers.engines.megatron.model', 'workers.engines.megatron.schedule', "
@@ -126,7 +126,7 @@ def test_share_gpu_needs_one_gpu_per_actor() -> None:
 
 
 def test_share_gpu_splits_the_gpu_and_uses_gloo() -> None:
-    from workers.job_actors import actor_options, collective_backend
+    from workers.ray_cluster import actor_options, collective_backend
 
     shared = parse_spec(
         {"resources": {"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1, "trainers": 3}}

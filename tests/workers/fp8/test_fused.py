@@ -17,10 +17,10 @@ from workers.engines.native.trainer import NativeTrainer
 from workers.fp8 import fused as fused_mod
 from workers.fp8 import linear as linear_mod
 from workers.fp8 import linear_gemm
-from workers.fp8.export import export_weights, fp8_weight_names
 from workers.fp8.fused import fuse_projections
 from workers.fp8.linear import Fp8Linear
 from workers.tokenizer import ByteTokenizer
+from workers.weight_sync.payload import export_weights, fp8_weight_names
 
 TOK = ByteTokenizer()
 # head_dim 128, one KV head: q 256 rows, k and v 128 each, gate and up 512: whole 128-row blocks

@@ -21,11 +21,11 @@ from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
 from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
-from workers.fp8.export import fp8_weight_names
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.quant import quantize
 from workers.fp8.weights import WeightBatch
 from workers.tokenizer import ByteTokenizer
+from workers.weight_sync.payload import fp8_weight_names
 
 TOK = ByteTokenizer()
 # head_dim 128, one KV head: q 256 rows, k and v 128 each, gate and up 512: whole 128-row blocks

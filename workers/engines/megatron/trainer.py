@@ -42,11 +42,12 @@ from workers.engines.megatron.kv import MegatronKvCalibration
 from workers.engines.megatron.model import MegatronModel
 from workers.engines.megatron.schedule import MegatronSchedule
 from workers.engines.models import fp8_config
-from workers.engines.protocols import Payload, Rollouts, TrainStats
+from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import calibrates_kv
+from workers.weight_sync.data import Payload
 
 
 class MegatronTrainer:
@@ -201,6 +202,15 @@ class MegatronTrainer:
         payload: Payload = dict(hf_payload(hf, fp8_names, fp8_config(self.spec.precision)))
         payload.update(kv)
         return payload
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Not available: Megatron-Core's modules are not the Hugging Face ones a trace names,
+        so nothing would line up with a generator's trace. ``fp8rl layer-diff`` traces the native
+        engines."""
+        raise NotImplementedError(
+            "per-module traces (fp8rl layer-diff) need the native trainer; this job's trainer is "
+            "Megatron-Core (resources.trainer_engine)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """On trainer 0 (empty elsewhere; every trainer must call it), Hugging Face names:

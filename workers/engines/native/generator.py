@@ -10,7 +10,7 @@ every update, :mod:`workers.fp8.kv_cache`), or, before any update carried them (
 calibrated on each batch's prefill. Attention reads them dequantized (``data * scale`` in
 float32, then the model's dtype), layer by layer, so the cache holds 1 byte per element.
 
-Under ``precision.exact`` the model is built on :mod:`workers.engines.native.exact`: a token's log-prob
+Under ``precision.exact`` the model is built on :mod:`workers.engines.exact`: a token's log-prob
 is then bit for bit the one the trainer computes in its full-sequence forward.
 
 Log-probs are those of the sampled token under the temperature-scaled distribution *before* top-p
@@ -31,30 +31,29 @@ from transformers import DynamicCache
 
 from rljob.spec import JobSpec
 from workers.engines.batching import StopIds, left_pad, positions, stop_ids
+from workers.engines.exact import is_exact
+from workers.engines.exact import log_softmax as exact_log_softmax
+from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
-from workers.engines.native.exact import is_exact
-from workers.engines.native.exact import log_softmax as exact_log_softmax
-from workers.engines.native.layer_diff import Trace, trace_generation
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
-from workers.engines.protocols import Payload, Rollouts
+from workers.engines.protocols import Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
-from workers.fp8.export import fp8_weight_names, load_weights
 from workers.fp8.formats import get_format
 from workers.fp8.fused import fuse_projections
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, KvScales, kv_cache_bytes
-from workers.weight_contract import (
-    KvHeld,
-    WeightReport,
+from workers.weight_sync.broadcast import CollectiveWeightSync
+from workers.weight_sync.contract import (
     dtype_name,
     is_kv_scale,
     kv_cache_dtype,
     kv_scales_of,
     received_weights,
 )
-from workers.weight_sync import CollectiveWeightSync, SyncResult
+from workers.weight_sync.data import KvHeld, Payload, SyncResult, WeightReport
+from workers.weight_sync.payload import fp8_weight_names, load_weights
 
 
 class NativeGenerator:
@@ -132,7 +131,7 @@ class NativeGenerator:
         return self._report
 
     def join_weight_channel(self, address: str, first_rank: int, world_size: int) -> None:
-        from workers.engines.weight_channel import WeightChannel
+        from workers.weight_sync.channel import WeightChannel
 
         self.channel = WeightChannel(address, first_rank, world_size, self.device)
         self.channel.init_communicator()
@@ -148,7 +147,7 @@ class NativeGenerator:
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
         """Every module's output at the query predicting ``response[-1]`` after ``prompt``, computed
-        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.native.layer_diff`)."""
+        as :meth:`generate` does (prefill, then decode steps; :mod:`workers.engines.layer_diff`)."""
         cache = self._new_cache()
         return trace_generation(self.model, prompt, response, cache)
 

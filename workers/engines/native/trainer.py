@@ -8,7 +8,7 @@ holding the synced BF16 weights computes; only the final log-softmax is float32,
 Under ``fp8-e2e`` the decoder linears are :class:`~workers.fp8.linear.Fp8Linear` (E4M3 blockwise
 on all three GEMMs by default, ``precision.fp8_format``), and the FP8 weights they computed with
 are what :meth:`export_weights` sends to the generators. Under ``precision.exact`` the model is
-built on :mod:`workers.engines.native.exact`, as the generator's is, and the log-probs of sampled tokens
+built on :mod:`workers.engines.exact`, as the generator's is, and the log-probs of sampled tokens
 equal the generator's bit for bit.
 
 One RL step may hold several optimizer steps (``algorithm.minibatches``); each minibatch runs in
@@ -30,6 +30,9 @@ from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.batching import positions
+from workers.engines.exact import is_exact
+from workers.engines.exact import log_softmax as exact_log_softmax
+from workers.engines.layer_diff import ExactMismatchError, Trace, trace_forward
 from workers.engines.logprobs import token_logprobs
 from workers.engines.models import (
     COMPUTE_DTYPE,
@@ -41,18 +44,16 @@ from workers.engines.models import (
     fp8_config,
     to_device,
 )
-from workers.engines.native.exact import is_exact
-from workers.engines.native.exact import log_softmax as exact_log_softmax
 from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
-from workers.engines.native.layer_diff import ExactMismatchError, Trace, trace_forward
-from workers.engines.protocols import Payload, Rollouts, TrainStats
+from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit, weight_bytes
-from workers.fp8.export import export_weights
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvRoundingCache, KvScaleCalibrator, KvScales, calibrates_kv
 from workers.fp8.weights import WeightBatch
+from workers.weight_sync.data import Payload
+from workers.weight_sync.payload import export_weights
 
 
 def sequence_logprobs(
@@ -280,7 +281,7 @@ class NativeTrainer:
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> Trace:
         """Every module's output at the query predicting ``response[-1]`` after ``prompt``, in the
-        trainer's full-sequence forward (:mod:`workers.engines.native.layer_diff`)."""
+        trainer's full-sequence forward (:mod:`workers.engines.layer_diff`)."""
         return trace_forward(self.model, prompt, response, compute_params(self.model))
 
     def sft_step(self, batch: Rollouts) -> float:

@@ -30,7 +30,7 @@ with is decided in :mod:`workers.engines.vllm.config`.
   the protocol says. With ``top_p < 1`` vLLM renormalises over the kept tokens; the native
   generator does not.
 - **Precision report** (:meth:`VllmGenerator.weight_report`): each worker's account of the last
-  update (:mod:`workers.weight_contract`).
+  update (:mod:`workers.weight_sync.contract`).
 
 vLLM is imported in :class:`VllmGenerator` only.
 """
@@ -50,7 +50,7 @@ import torch
 from rljob.spec import JobSpec
 from workers.engines.batching import StopIds, left_pad, stop_ids
 from workers.engines.models import model_config
-from workers.engines.protocols import Payload, Rollouts
+from workers.engines.protocols import Rollouts
 from workers.engines.vllm.config import VLLM_VERSION as VLLM_VERSION  # where bench and tests read it
 from workers.engines.vllm.config import (
     CpuFeatures,
@@ -66,8 +66,7 @@ from workers.engines.vllm.config import (
     vllm_environment,
 )
 from workers.fp8.convert import Fp8Audit
-from workers.weight_contract import WeightReport
-from workers.weight_sync import SyncResult
+from workers.weight_sync.data import Payload, SyncResult, WeightReport
 
 # the Hugging Face class vLLM must build for a config without ``architectures`` (a tiny model
 # from the spec); without it vLLM picks the bare ``LlamaModel``, which has no lm_head
@@ -280,7 +279,7 @@ class VllmGenerator:
         return SyncResult(version, int(first["bytes"]), time.perf_counter() - start, int(first["buckets"]))
 
     def weight_report(self) -> WeightReport:
-        """What the workers hold after the last update (:mod:`workers.weight_contract`). Under
+        """What the workers hold after the last update (:mod:`workers.weight_sync.contract`). Under
         tensor parallelism every worker received the whole payload and holds the same
         precisions and scales, so their reports must be equal: worker 0's is returned."""
         reports: list[WeightReport] = self.llm.collective_rpc("fp8rl_weight_report")
@@ -297,6 +296,14 @@ class VllmGenerator:
                     f"({', '.join((kv + differ)[:5])}); a tensor-parallel worker loaded another update"
                 )
         return reports[0]
+
+    def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Not available: vLLM runs its model in its own worker processes, out of reach of the
+        forward hooks a trace needs. ``fp8rl layer-diff`` traces the native engines."""
+        raise NotImplementedError(
+            "per-module traces (fp8rl layer-diff) need the native generator; this job's generator "
+            "is vLLM (resources.generator_engine)"
+        )
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int

@@ -36,7 +36,8 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from workers.fp8.kv_cache import quantize_kv
-from workers.weight_contract import KvHeld, dtype_name, kv_dtype_name, kv_scales_of
+from workers.weight_sync.contract import dtype_name, kv_dtype_name, kv_scales_of
+from workers.weight_sync.data import KvHeld
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

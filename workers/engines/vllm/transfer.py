@@ -13,9 +13,9 @@ would arrive as a list); the weights themselves come over the weight channel.
 One update, in each worker:
 - ``start``: vLLM's layerwise reload (``initialize_layerwise_reload``): parameters go back to
   their checkpoint-format shapes, loaders are wrapped so each layer is processed once whole;
-- ``update``: receive one version over :class:`~workers.engines.weight_channel.WeightChannel` (as
+- ``update``: receive one version over :class:`~workers.weight_sync.channel.WeightChannel` (as
   rank ``first_rank`` + the worker's rank; gloo on CPU, NCCL on GPU), checksum what arrived
-  (:func:`~workers.weight_contract.received_weights`), turn it into checkpoint tensors
+  (:func:`~workers.weight_sync.contract.received_weights`), turn it into checkpoint tensors
   (:func:`~workers.fp8.hf_checkpoint.checkpoint_tensors`: FP8 weights stay the trainer's bytes
   plus ``weight_scale_inv``) and load them with the model's ``load_weights``;
 - ``finish``: ``finalize_layerwise_reload`` re-runs vLLM's post-load processing and copies into
@@ -56,10 +56,11 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from workers.engines.vllm.kv_scales import AttentionLayers
-from workers.engines.weight_channel import WeightChannel
 from workers.fp8.hf_checkpoint import checkpoint_tensors
-from workers.weight_contract import HeldWeight, WeightReport, dtype_name, is_kv_scale, received_weights
-from workers.weight_sync import DEFAULT_BUCKET_BYTES
+from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES
+from workers.weight_sync.channel import WeightChannel
+from workers.weight_sync.contract import dtype_name, is_kv_scale, received_weights
+from workers.weight_sync.data import HeldWeight, WeightReport
 
 BACKEND = "fp8rl"  # the name in LLM(weight_transfer_config={"backend": BACKEND})
 

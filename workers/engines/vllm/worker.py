@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from workers.weight_contract import WeightReport
+from workers.weight_sync.data import WeightReport
 
 
 def _register_backend() -> None:
@@ -46,7 +46,7 @@ class WeightChannelExtension:
         return worker_last_sync(self.weight_transfer_engine)
 
     def fp8rl_weight_report(self) -> WeightReport:
-        """What this worker holds after the last update (:mod:`workers.weight_contract`)."""
+        """What this worker holds after the last update (:mod:`workers.weight_sync.contract`)."""
         from workers.engines.vllm.transfer import worker_report
 
         return worker_report(self.weight_transfer_engine)

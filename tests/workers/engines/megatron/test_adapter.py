@@ -276,8 +276,8 @@ def test_adapter_trains_like_the_native_trainer(
     from workers.engines.megatron.trainer import MegatronTrainer
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
-    from workers.fp8.export import fp8_weight_names
     from workers.tokenizer import ByteTokenizer
+    from workers.weight_sync.payload import fp8_weight_names
 
     tok = ByteTokenizer()
     spec = parse_spec(

@@ -75,7 +75,7 @@ def static_decode_through_the_kernel_samples_what_the_trainer_scores() -> None:
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
     from workers.engines.protocols import Rollouts
-    from workers.fp8.export import fp8_weight_names
+    from workers.weight_sync.payload import fp8_weight_names
 
     os.environ["FP8RL_DECODE_ATTENTION"] = "triton"
     s = spec("fp8-e2e", fp8_kv=True)

@@ -28,9 +28,9 @@ from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.sampling import sample_top_p
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.fp8 import Fp8Linear
-from workers.fp8.export import fp8_weight_names
 from workers.fp8.kv_cache import Fp8KvCache, KvScaleCalibrator, quantize_kv
 from workers.tokenizer import ByteTokenizer
+from workers.weight_sync.payload import fp8_weight_names
 
 TOK = ByteTokenizer()
 

@@ -14,11 +14,10 @@ import torch
 
 from rljob import JobSpec, parse_spec
 from workers.engines.native.trainer import NativeTrainer
-from workers.engines.protocols import Payload
 from workers.engines.vllm.generator import VllmGenerator
-from workers.engines.weight_channel import WeightChannel
 from workers.tokenizer import ByteTokenizer
-from workers.weight_sync import SyncResult
+from workers.weight_sync.channel import WeightChannel
+from workers.weight_sync.data import Payload, SyncResult
 
 TOK = ByteTokenizer()
 # hidden 128, 4 heads of 32 (FP8 KV on vLLM's CPU needs head_dim % 32 == 0), 2 KV heads, 2 layers

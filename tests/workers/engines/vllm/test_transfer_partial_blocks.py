@@ -40,7 +40,7 @@ from tests.workers.fp8 import reference as ref
 from workers.engines.vllm.transfer import ChannelTransferEngine, ChannelUpdateInfo
 from workers.fp8 import Fp8Tensor, quantize
 from workers.fp8.hf_checkpoint import check_tp_partitions
-from workers.weight_sync import SyncResult
+from workers.weight_sync.data import SyncResult
 
 HIDDEN, INTERMEDIATE = 576, 1536  # SmolLM2-135M
 PREFIX = "model.layers.0"

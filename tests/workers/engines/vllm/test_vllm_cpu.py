@@ -29,10 +29,10 @@ from tests.workers.engines.vllm.engine import (
     sharpened_trainer,
 )
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
-from workers.engines.protocols import Payload, Rollouts
+from workers.engines.protocols import Rollouts
 from workers.engines.vllm.generator import VllmGenerator
-from workers.weight_contract import KvHeld, compare, sent_report
-from workers.weight_sync import SyncResult
+from workers.weight_sync.contract import compare, sent_report
+from workers.weight_sync.data import KvHeld, Payload, SyncResult
 
 pytestmark = pytest.mark.slow
 

@@ -32,11 +32,12 @@ from workers.engines.batching import positions
 from workers.engines.models import COMPUTE_DTYPE, attention_mask_4d, compute_params
 from workers.engines.native.kv_calibration import observe_kv
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
-from workers.engines.protocols import Payload, Rollouts
+from workers.engines.protocols import Rollouts
 from workers.engines.vllm.config import CpuFeatures
 from workers.engines.vllm.generator import VllmGenerator
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name, quantize_kv
-from workers.weight_contract import compare, sent_report
+from workers.weight_sync.contract import compare, sent_report
+from workers.weight_sync.data import Payload
 
 pytestmark = pytest.mark.slow
 if not (CpuFeatures.detect().avx512 or CpuFeatures.detect().amx):

@@ -34,43 +34,18 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict
 
 import numpy as np
 import torch
 
 from workers.fp8.quant import Fp8Tensor
+from workers.weight_sync.data import HeldWeight, KvHeld, WeightReport
 
 _MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)
 _CHUNK_BYTES = 1 << 24  # 16 MiB of a weight at a time: at most 64 MiB of int32 temporaries
 # vLLM's names of FP8 KV-cache formats -> the element dtype (torch's name)
 _KV_CACHE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
-
-
-class HeldWeight(TypedDict):
-    """One weight of a report (see the module docstring)."""
-
-    dtype: str
-    holds: str
-    data: int
-    scale: int
-
-
-class KvHeld(TypedDict):
-    """The KV cache as the generator holds it: element dtype and per-layer scales (empty lists
-    when the generator calibrates its own scales per batch)."""
-
-    dtype: str
-    k_scales: list[float]
-    v_scales: list[float]
-
-
-class WeightReport(TypedDict):
-    """What one side of a sync says about the weights of one version."""
-
-    weights: dict[str, HeldWeight]
-    kv: KvHeld
 
 
 class WeightContractError(RuntimeError):

@@ -6,7 +6,7 @@ data-parallel group for gradient all-reduce.
 
 With vLLM or Megatron in the job (:func:`~workers.engines.factory.uses_weight_channel`), the
 process group holds the trainers only (Megatron builds its parallel groups from it), and weights
-travel over the NCCL weight channel (:mod:`workers.engines.weight_channel`), which trainer 0 and
+travel over the NCCL weight channel (:mod:`workers.weight_sync.channel`), which trainer 0 and
 the generators join after setup (:meth:`TrainerWorker.join_weight_channel`).
 """
 
@@ -24,9 +24,9 @@ from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
 from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
 from workers.faults import provoke
-from workers.step_actors import Generated
-from workers.weight_contract import kv_cache_dtype, sent_report
-from workers.weight_sync import BroadcastWeightSync, CollectiveWeightSync
+from workers.step_protocol import Generated
+from workers.weight_sync.broadcast import BroadcastWeightSync, CollectiveWeightSync
+from workers.weight_sync.contract import kv_cache_dtype, sent_report
 
 
 def _threads(spec: JobSpec) -> None:
@@ -103,7 +103,7 @@ class TrainerWorker(_Member):
     def join_weight_channel(self, address: str, world_size: int) -> None:
         """Trainer 0 opens the NCCL weight channel as its sender (rank 0)."""
         if self.rank == 0:
-            from workers.engines.weight_channel import WeightChannel
+            from workers.weight_sync.channel import WeightChannel
 
             self.sync = WeightChannel(address, 0, world_size, self.engine.device)
             self.sync.init_communicator()
@@ -119,12 +119,12 @@ class TrainerWorker(_Member):
         return self.engine.train_step(batch, rewards, self.spec.rollout.temperature)
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.native.layer_diff`)."""
-        return _traced(self.engine, prompt, response)
+        """Per-module outputs for one token, the trainer's way (:mod:`workers.engines.layer_diff`)."""
+        return self.engine.trace_token(prompt, response)
 
     def send_weights(self, fp8_names: list[str]) -> dict[str, Any]:
         """Every trainer exports (Megatron gathers its shards to rank 0); trainer 0 sends, and
-        reports what it sent (:func:`~workers.weight_contract.sent_report`)."""
+        reports what it sent (:func:`~workers.weight_sync.contract.sent_report`)."""
         payload = self.engine.export_weights(fp8_names)
         if self.rank != 0:
             return {}
@@ -192,8 +192,8 @@ class GeneratorWorker(_Member):
 
     def trace_token(self, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-module outputs for one token, the generator's way
-        (:mod:`workers.engines.native.layer_diff`)."""
-        return _traced(self.engine, prompt, response)
+        (:mod:`workers.engines.layer_diff`)."""
+        return self.engine.trace_token(prompt, response)
 
     def generate(self, prompts: list[list[int]], seed: int, temperature: float | None = None) -> Generated:
         """Rollouts, and the bytes this generator holds: KV cache (at the end) and weights.
@@ -205,10 +205,3 @@ class GeneratorWorker(_Member):
         self._drill(self.engine)
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes, started, time.time())
-
-
-def _traced(engine: Any, prompt: torch.Tensor, response: torch.Tensor) -> dict[str, torch.Tensor]:
-    if not hasattr(engine, "trace_token"):
-        raise TypeError(f"per-layer traces need the native engines, not {type(engine).__name__}")
-    trace: dict[str, torch.Tensor] = engine.trace_token(prompt, response)
-    return trace

@@ -23,18 +23,18 @@ from rljob import JobSpec, SpecError, parse_spec
 from rljob.metrics import MetricsLog
 from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL
 from workers.driver import RunOptions, run
+from workers.engines import exact
 from workers.engines.batching import concat_rollouts, left_pad
 from workers.engines.factory import native_pair
-from workers.engines.models import compute_params
-from workers.engines.native import exact
-from workers.engines.native.generator import NativeGenerator
-from workers.engines.native.layer_diff import (
+from workers.engines.layer_diff import (
     ExactMismatchError,
     compare_traces,
     first_divergence,
     trace_forward,
     trace_generation,
 )
+from workers.engines.models import compute_params
+from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
 from workers.tokenizer import ByteTokenizer
@@ -284,7 +284,7 @@ class _Generator:
 def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: None) -> None:
     """Two trainer actors: the first reports the difference is elsewhere (row -1), the second
     finds its row 1 differing; ``JobActors``' gathering raises our error, not Ray's wrapper."""
-    from workers.job_actors import raise_exact_mismatch
+    from workers.actor_group import raise_exact_mismatch
 
     remote: Any = ray.remote
     trainers = [remote(_Trainer).remote(-1), remote(_Trainer).remote(1)]
@@ -334,3 +334,22 @@ def test_the_step_names_the_token_and_the_first_differing_module() -> None:
     assert actors.traced == [(1, [11], [3, 3, 3])]
     assert "first differing module: norm (max |diff| 1)" in str(err.value)
     assert "at row 3, response position 2" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("module", "cls", "says"),
+    [
+        ("workers.engines.vllm.generator", "VllmGenerator", "generator is vLLM"),
+        ("workers.engines.megatron.trainer", "MegatronTrainer", "trainer is Megatron-Core"),
+    ],
+)
+def test_an_engine_that_cannot_trace_says_so(module: str, cls: str, says: str) -> None:
+    """trace_token is part of both protocols; vLLM's generator and Megatron's trainer cannot trace
+    (their modules are out of reach or not Hugging Face's) and say which engine to use."""
+    import importlib
+
+    engine_cls = getattr(importlib.import_module(module), cls)
+    engine = object.__new__(engine_cls)  # no model needed to be refused
+    token = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match=f"need the native .*{says}"):
+        engine.trace_token(token, token)

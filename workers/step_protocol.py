@@ -1,7 +1,7 @@
 """What one RL step needs from the job's trainers and generators, whatever runs them.
 
 :mod:`workers.rl_step` orchestrates over :class:`StepActors` and never sees the transport:
-:class:`workers.job_actors.JobActors` runs the trainers and generators as Ray actors (the only code
+:class:`workers.actor_group.JobActors` runs the trainers and generators as Ray actors (the only code
 in the RL loop that knows Ray); the tests run the same step on a native trainer and generator in
 one process. Each method says what runs concurrently inside it; a method returns once all of it
 is done, so two calls never overlap, except :meth:`StepActors.start_generate`, which returns at
@@ -21,9 +21,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from workers.engines.native.layer_diff import Trace
+from workers.engines.layer_diff import Trace
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.weight_contract import WeightReport
+from workers.weight_sync.data import WeightReport
 
 
 class Generated(NamedTuple):
@@ -49,7 +49,7 @@ class WeightTransfer(NamedTuple):
     """One weight sync: what trainer 0 sent, and what each generator holds after it."""
 
     bytes: int  # bytes trainer 0 sent (each generator receives the same)
-    sent: WeightReport  # trainer 0's report of what it sent (:func:`~workers.weight_contract.sent_report`)
+    sent: WeightReport  # trainer 0's report of what it sent (workers.weight_sync.contract.sent_report)
     received: list[WeightReport]  # [G] each generator's report of what it holds, in generator order
 
 
@@ -82,7 +82,7 @@ class StepActors(Protocol):
         """Trainer ``i`` takes one RL update on ``parts[i]`` with ``rewards[i]`` (``[B_i]``); the
         trainers run in parallel (gradients all-reduced), so every trainer's stats cover the whole
         batch. Under ``precision.exact`` a trainer that finds a log-prob differing from the
-        generator's raises :class:`~workers.engines.native.layer_diff.ExactMismatchError` before
+        generator's raises :class:`~workers.engines.layer_diff.ExactMismatchError` before
         any update; ``trainer_index`` names it and ``row`` is a row of its own part."""
         ...
 
@@ -98,7 +98,7 @@ class StepActors(Protocol):
     def trace_token(self, trainer: int, prompt: torch.Tensor, response: torch.Tensor) -> tuple[Trace, Trace]:
         """Per-module outputs at the last token of ``response`` after the unpadded ``prompt``:
         generator 0's way and trainer ``trainer``'s way, the two in parallel
-        (:mod:`workers.engines.native.layer_diff`; native engines only)."""
+        (:mod:`workers.engines.layer_diff`; native engines only)."""
         ...
 
     def send_and_receive_weights(self) -> WeightTransfer:

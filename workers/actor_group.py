@@ -1,8 +1,8 @@
-"""The job's Ray actors: where each runs (``actor_options``), how they talk (``collective_backend``),
-and :class:`JobActors`, the trainers and generators a driver starts, drives and kills.
+"""The job's actor group, :class:`JobActors`: the trainers and generators a driver starts, drives
+and kills (where each runs and how they talk: :mod:`workers.ray_cluster`).
 
 ``JobActors`` is the only code in the RL loop that knows Ray: it implements
-:class:`~workers.step_actors.StepActors` over actor handles (``.remote`` / ``ray.get``), so
+:class:`~workers.step_protocol.StepActors` over actor handles (``.remote`` / ``ray.get``), so
 :mod:`workers.rl_step` orchestrates plain tensors and typed results. ("Cluster" means the Ray
 cluster the actors run on: a local Ray, or the RayCluster of a KubeRay RayJob.)
 """
@@ -10,8 +10,6 @@ cluster the actors run on: a local Ray, or the RayCluster of a KubeRay RayJob.)
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import re
 import time
 from pathlib import Path
@@ -19,42 +17,21 @@ from typing import Any
 
 import torch
 
-from rljob.resource import RAY_AUTH_MODE_ENV, RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 from workers.engines.factory import uses_weight_channel, weight_receivers
-from workers.engines.native.layer_diff import ExactMismatchError, Trace
+from workers.engines.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.engines.weight_channel import channel_ranks
 from workers.faults import ActorFault, CallTimeouts, Role, first_line, is_engine_failure
-from workers.step_actors import Generated, WeightTransfer
+from workers.ray_cluster import actor_options, collective_backend
+from workers.step_protocol import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
-
-
-def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:
-    """Ray options of a generator or trainer actor. In a RayJob built by the operator
-    (``FP8RL_RAY_GROUPS=1``) each also asks for its worker group's custom resource."""
-    res = spec.resources
-    gpus: float = res.gpus_per_generator if role == "generation" else res.gpus_per_trainer
-    if res.share_gpu:  # every actor on the one GPU
-        gpus = 1.0 / (res.trainers + res.generators)
-    opts: dict[str, Any] = {"num_cpus": res.cpus_per_actor, "num_gpus": gpus}
-    if os.environ.get(RAY_GROUPS_ENV) == "1":
-        opts["resources"] = {RAY_GROUP_RESOURCES[role]: 1}
-    return opts
-
-
-def collective_backend(spec: JobSpec) -> str:
-    """NCCL when every actor has GPUs of its own; gloo on CPUs and on a shared GPU (NCCL refuses
-    two ranks on one device). Collectives always run on the tensors' own device."""
-    res = spec.resources
-    own_gpus = res.gpus_per_trainer > 0 and res.gpus_per_generator > 0 and not res.share_gpu
-    return "nccl" if own_gpus else "gloo"
+from workers.weight_sync.channel import channel_ranks
 
 
 class JobActors:
     """The job's actors: trainers (ranks ``0..T-1`` of the job's process group) and generators
     (``T..T+G-1``), started and set up here (each builds its engine and joins the group), with
-    the methods of :class:`~workers.step_actors.StepActors`. Each call sends one request to every
+    the methods of :class:`~workers.step_protocol.StepActors`. Each call sends one request to every
     actor it names at once and waits for all of them: what runs concurrently is what the method
     says."""
 
@@ -68,7 +45,7 @@ class JobActors:
     ) -> None:
         import ray
 
-        from workers.actors import GeneratorWorker, TrainerWorker
+        from workers.ray_workers import GeneratorWorker, TrainerWorker
 
         res = spec.resources
         t, g = res.trainers, res.generators
@@ -375,49 +352,3 @@ def _exact_errors(refs: list[Any]) -> list[ExactMismatchError | None]:
             cause = err if isinstance(err, ExactMismatchError) else getattr(err, "cause", None)
             out.append(cause if isinstance(cause, ExactMismatchError) else None)
     return out
-
-
-def ray_init(spec: JobSpec, address: str | None = None) -> bool:
-    """Start a local Ray (or join ``address``, else ``RAY_ADDRESS``); True when this call started it.
-
-    A local Ray requires Ray's auth token (``RAY_AUTH_MODE=token``) unless the user's environment
-    says otherwise: the token is ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or Ray's own
-    ``~/.ray/auth_token`` (made on first use). Ray 2.60 turns this on for local clusters by
-    itself but warns on every start when the mode is left unset; setting it says it is meant. A
-    cluster that is joined brings its own mode and token (a RayJob's pods have both)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:
-        _token_auth_unless_set()
-        res = spec.resources
-        need = (res.trainers + res.generators) * res.cpus_per_actor
-        ray.init(
-            num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-        )
-    return True
-
-
-def _token_auth_unless_set() -> None:
-    """``RAY_AUTH_MODE=token`` for a local Ray when the environment does not choose a mode. Ray
-    reads the mode into its config when it is imported, so the config is read again (as Ray's own
-    default does when it turns token auth on); its processes inherit the variable."""
-    if RAY_AUTH_MODE_ENV in os.environ:
-        return
-    from ray._raylet import Config  # type: ignore[attr-defined]  # compiled; not in its stub
-
-    os.environ[RAY_AUTH_MODE_ENV] = "token"
-    Config.initialize("")
-
-
-def ray_shutdown() -> None:
-    """Stop the Ray that :func:`ray_init` started."""
-    import ray
-
-    ray.shutdown()

@@ -3,8 +3,8 @@
 :class:`CollectiveWeightSync` is the wire format below over any broadcast primitive (every member
 calls ``sync_weights`` once per version). :class:`BroadcastWeightSync` runs it over the job's
 torch.distributed group (gloo on CPU, NCCL on GPU) for native engines;
-:class:`~workers.engines.weight_channel.WeightChannel` over an NCCL group of its own for vLLM and
-Megatron. Which one a job uses is the actors' business (:mod:`workers.actors`), never the step's.
+:class:`~workers.weight_sync.channel.WeightChannel` over an NCCL group of its own for vLLM and
+Megatron. Which one a job uses is the actors' business (:mod:`workers.ray_workers`), never the step's.
 
 Wire format of one sync, from the trainer (rank 0 of the sync group) to every generator:
 1. a manifest (``broadcast_object_list``): version and, per parameter, its kind (``fp8``: data +
@@ -28,22 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.fp8.export import Payload
 from workers.fp8.formats import get_format
 from workers.fp8.quant import Fp8Tensor
+from workers.weight_sync.data import Payload, SyncResult
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-
-
-@dataclass
-class SyncResult:
-    """One sync as one end saw it: the payload (receivers), its version, bytes moved and seconds."""
-
-    version: int
-    bytes: int
-    seconds: float
-    buckets: int
-    payload: Payload | None = None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The precision contract of a weight sync (workers/weight_contract.py).
+"""The precision contract of a weight sync (workers/weight_sync/contract.py).
 
 The checksum is ``sum(byte_i * (1 + i mod 65521))`` over a tensor's bytes in memory order; the
 expected values below are worked out by hand from the bytes, or by a plain Python loop over
@@ -12,12 +12,9 @@ import struct
 import pytest
 import torch
 
-from workers.fp8.export import Payload
 from workers.fp8.kv_cache import kv_scale_name
 from workers.fp8.quant import Fp8Tensor, quantize
-from workers.weight_contract import (
-    KvHeld,
-    WeightReport,
+from workers.weight_sync.contract import (
     checksum,
     compare,
     kv_dtype_name,
@@ -25,6 +22,7 @@ from workers.weight_contract import (
     received_weights,
     sent_report,
 )
+from workers.weight_sync.data import KvHeld, Payload, WeightReport
 
 
 def python_checksum(data: bytes) -> int:
@@ -189,7 +187,7 @@ def test_the_native_generator_reports_what_it_loaded(recipe: str) -> None:
     from tests.helpers import TWO_LAYER_MODEL, tiny_spec
     from workers.engines.factory import native_trainer
     from workers.engines.native.generator import NativeGenerator
-    from workers.fp8.export import fp8_weight_names
+    from workers.weight_sync.payload import fp8_weight_names
 
     spec = JobSpec.model_validate(
         tiny_spec(model={"tiny": TWO_LAYER_MODEL}, precision={"recipe": recipe, "keep_bf16_layers": [1, 0]})

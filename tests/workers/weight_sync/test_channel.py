@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.engines.weight_channel import WeightChannel, channel_ranks, split_address
 from workers.fp8.quant import Fp8Tensor, quantize
-from workers.weight_sync import CollectiveWeightSync, SyncResult
+from workers.weight_sync.broadcast import CollectiveWeightSync
+from workers.weight_sync.channel import WeightChannel, channel_ranks, split_address
+from workers.weight_sync.data import SyncResult
 
 
 def test_rank_layout_and_addresses() -> None:

@@ -15,7 +15,6 @@ shapes and kinds are checked; an error names the parameter and says what to do.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,10 +22,7 @@ from torch import nn
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.quant import Fp8Tensor
-
-# What a trainer exports and a generator loads: name -> Fp8Tensor (an FP8 layer's weight with its
-# scales) or Tensor (everything else). One alias for the engines, the weight sync and the export.
-Payload = dict[str, Any]
+from workers.weight_sync.data import Payload
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -11,7 +11,7 @@ import torch
 from torch.multiprocessing import start_processes  # type: ignore[attr-defined]
 
 from workers.fp8.quant import Fp8Tensor, quantize
-from workers.weight_sync import BroadcastWeightSync, bucket_sizes, manifest_of, pack, unpack
+from workers.weight_sync.broadcast import BroadcastWeightSync, bucket_sizes, manifest_of, pack, unpack
 
 
 def payload(seed: int) -> dict[str, Any]:

@@ -9,15 +9,8 @@ import torch
 
 from tests.workers.fp8 import reference as ref
 from tests.workers.fp8.models import tiny_model
-from workers.fp8 import (
-    Fp8Linear,
-    Fp8Tensor,
-    convert_model,
-    export_weights,
-    fp8_weight_names,
-    load_weights,
-    payload_bytes,
-)
+from workers.fp8 import Fp8Linear, Fp8Tensor, convert_model
+from workers.weight_sync.payload import export_weights, fp8_weight_names, load_weights, payload_bytes
 
 
 def trained_fp8_model(seed: int) -> Any:

@@ -19,7 +19,7 @@ the device its buckets live on:
 
 Rank 0 is trainer 0, which also hosts the TCP store at the channel's address; each generator
 takes as many consecutive ranks as it has receiving processes (one for the native generator, one
-per tensor-parallel worker for vLLM). The wire format is the one of :mod:`workers.weight_sync`
+per tensor-parallel worker for vLLM). The wire format is the one of :mod:`workers.weight_sync.broadcast`
 (manifest, then uint8 buckets), so the trainer's FP8 bytes arrive unchanged. Every member of one
 channel must use the same transport: trainer 0 and the generators' receivers all on GPUs, or all
 on CPUs (a receiver on a GPU can take the CPU transport: ``device="cpu"``).
@@ -37,8 +37,8 @@ import torch
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed.distributed_c10d import PrefixStore, ProcessGroupGloo
 
-from workers.fp8.export import Payload
-from workers.weight_sync import DEFAULT_BUCKET_BYTES, CollectiveWeightSync, SyncResult
+from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, CollectiveWeightSync
+from workers.weight_sync.data import Payload, SyncResult
 
 STORE_PREFIX = "fp8rl-weight-channel"  # keys of the channel in its TCP store
 

@@ -1,0 +1,79 @@
+"""The Ray cluster a job's actors run on: starting or joining it (:func:`ray_init`, token auth
+on for a local one), where each actor runs (:func:`actor_options`) and how they talk
+(:func:`collective_backend`). "Cluster" is a local Ray, or the RayCluster of a KubeRay RayJob."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from rljob.resource import RAY_AUTH_MODE_ENV, RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
+from rljob.spec import JobSpec
+
+
+def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:
+    """Ray options of a generator or trainer actor. In a RayJob built by the operator
+    (``FP8RL_RAY_GROUPS=1``) each also asks for its worker group's custom resource."""
+    res = spec.resources
+    gpus: float = res.gpus_per_generator if role == "generation" else res.gpus_per_trainer
+    if res.share_gpu:  # every actor on the one GPU
+        gpus = 1.0 / (res.trainers + res.generators)
+    opts: dict[str, Any] = {"num_cpus": res.cpus_per_actor, "num_gpus": gpus}
+    if os.environ.get(RAY_GROUPS_ENV) == "1":
+        opts["resources"] = {RAY_GROUP_RESOURCES[role]: 1}
+    return opts
+
+
+def collective_backend(spec: JobSpec) -> str:
+    """NCCL when every actor has GPUs of its own; gloo on CPUs and on a shared GPU (NCCL refuses
+    two ranks on one device). Collectives always run on the tensors' own device."""
+    res = spec.resources
+    own_gpus = res.gpus_per_trainer > 0 and res.gpus_per_generator > 0 and not res.share_gpu
+    return "nccl" if own_gpus else "gloo"
+
+
+def ray_init(spec: JobSpec, address: str | None = None) -> bool:
+    """Start a local Ray (or join ``address``, else ``RAY_ADDRESS``); True when this call started it.
+
+    A local Ray requires Ray's auth token (``RAY_AUTH_MODE=token``) unless the user's environment
+    says otherwise: the token is ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or Ray's own
+    ``~/.ray/auth_token`` (made on first use). Ray 2.60 turns this on for local clusters by
+    itself but warns on every start when the mode is left unset; setting it says it is meant. A
+    cluster that is joined brings its own mode and token (a RayJob's pods have both)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        _token_auth_unless_set()
+        res = spec.resources
+        need = (res.trainers + res.generators) * res.cpus_per_actor
+        ray.init(
+            num_cpus=max(int(need + 0.999), os.cpu_count() or 1),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    return True
+
+
+def _token_auth_unless_set() -> None:
+    """``RAY_AUTH_MODE=token`` for a local Ray when the environment does not choose a mode. Ray
+    reads the mode into its config when it is imported, so the config is read again (as Ray's own
+    default does when it turns token auth on); its processes inherit the variable."""
+    if RAY_AUTH_MODE_ENV in os.environ:
+        return
+    from ray._raylet import Config  # type: ignore[attr-defined]  # compiled; not in its stub
+
+    os.environ[RAY_AUTH_MODE_ENV] = "token"
+    Config.initialize("")
+
+
+def ray_shutdown() -> None:
+    """Stop the Ray that :func:`ray_init` started."""
+    import ray
+
+    ray.shutdown()
