@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.factory import uses_weight_channel, weight_receivers
 from workers.engines.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault, CallTimeouts, Role, first_line, is_engine_failure
@@ -26,6 +25,7 @@ from workers.ray_cluster import actor_options, collective_backend
 from workers.step_protocol import Generated, WeightTransfer
 from workers.tokenizer import Tokenizer
 from workers.weight_sync.channel import channel_ranks
+from workers.weight_sync.transport import uses_weight_channel, weight_receivers
 
 
 class JobActors:

@@ -1,13 +1,9 @@
 """Ray actor shells around the engines: the only place where engines meet Ray and torch.distributed.
 
-Native engines: the job's process group holds trainers ``0..T-1`` and generators ``T..T+G-1``. The
-weight sync group is trainer 0 plus every generator; with ``T > 1`` the trainers also form a
-data-parallel group for gradient all-reduce.
-
-With vLLM or Megatron in the job (:func:`~workers.engines.factory.uses_weight_channel`), the
-process group holds the trainers only (Megatron builds its parallel groups from it), and weights
-travel over the NCCL weight channel (:mod:`workers.weight_sync.channel`), which trainer 0 and
-the generators join after setup (:meth:`TrainerWorker.join_weight_channel`).
+Each actor joins the job's process group and the weights' transport as
+:mod:`workers.weight_sync.transport` says (the one module that chooses it): the native pair's
+broadcast over the job's group, or the weight channel of a job with vLLM or Megatron-Core, which
+trainer 0 and the generators open after setup (:meth:`TrainerWorker.join_weight_channel`).
 """
 
 from __future__ import annotations
@@ -21,11 +17,12 @@ from typing import Any
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.factory import build_generator, build_trainer, uses_weight_channel
+from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Generator, Rollouts, Trainer, TrainStats
 from workers.faults import provoke
 from workers.step_protocol import Generated
-from workers.weight_sync.broadcast import BroadcastWeightSync, CollectiveWeightSync
+from workers.weight_sync import transport
+from workers.weight_sync.broadcast import CollectiveWeightSync
 from workers.weight_sync.contract import kv_cache_dtype, sent_report
 
 
@@ -70,23 +67,9 @@ class _Member:
         ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         return f"tcp://{ip}:{port}"
 
-    def _join(self, init_method: str, backend: str, trainers: int) -> None:
-        import torch.distributed as dist
-
-        world = list(range(self.world_size))
-        if uses_weight_channel(self.spec):
-            # the trainers' own group (Megatron's world); weights take the channel
-            if self.rank < trainers:
-                dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=trainers)
-                self.dp_group = dist.group.WORLD if trainers > 1 else None
-            return
-        sync_ranks = None if trainers == 1 else [0, *world[trainers:]]
-        sync = BroadcastWeightSync(self.rank, self.world_size, init_method, backend, ranks=sync_ranks)
-        sync.init_communicator()
-        self.sync = sync
-        if trainers > 1:  # every rank must take part in creating every group
-            group = dist.new_group(world[:trainers])
-            self.dp_group = group if self.rank < trainers else None
+    def _join(self, init_method: str, backend: str) -> None:
+        joined = transport.join(self.spec, self.rank, self.world_size, init_method, backend)
+        self.sync, self.dp_group = joined.sync, joined.dp_group
 
 
 class TrainerWorker(_Member):
@@ -96,17 +79,14 @@ class TrainerWorker(_Member):
 
     def setup(self, init_method: str, backend: str) -> dict[str, Any]:
         device = _device(self.spec.resources.gpus_per_trainer)
-        self._join(init_method, backend, self.spec.resources.trainers)
+        self._join(init_method, backend)
         self.engine: Trainer = build_trainer(self.spec, self.vocab_size, device, self.dp_group, self.rank)
         return {**self.engine.audit.to_dict(), "table": self.engine.audit.format()}
 
     def join_weight_channel(self, address: str, world_size: int) -> None:
         """Trainer 0 opens the NCCL weight channel as its sender (rank 0)."""
         if self.rank == 0:
-            from workers.weight_sync.channel import WeightChannel
-
-            self.sync = WeightChannel(address, 0, world_size, self.engine.device)
-            self.sync.init_communicator()
+            self.sync = transport.open_sender(address, world_size, self.engine.device)
 
     def sft_step(self, batch: Rollouts) -> float:
         return self.engine.sft_step(batch)
@@ -161,7 +141,7 @@ class GeneratorWorker(_Member):
 
     def setup(self, init_method: str, backend: str) -> dict[str, Any]:
         device = _device(self.spec.resources.gpus_per_generator)
-        self._join(init_method, backend, self.spec.resources.trainers)
+        self._join(init_method, backend)
         self.engine: Generator = build_generator(
             self.spec, self.vocab_size, self.eos_ids, self.pad_id, device, self.max_prompt_tokens
         )
@@ -177,12 +157,7 @@ class GeneratorWorker(_Member):
 
     def receive_weights(self) -> dict[str, Any]:
         """Receive one version; report what the generator now holds (the precision contract)."""
-        if self.sync is None:  # the weight channel: the engine receives into its own model
-            result = self.engine.receive_weights()
-        else:
-            result = self.sync.sync_weights(None)
-            assert result.payload is not None
-            self.engine.load_weights(result.payload)
+        result = transport.receive(self.engine, self.sync)
         return {
             "bytes": result.bytes,
             "seconds": result.seconds,

@@ -54,17 +54,6 @@ def engine_for(spec: JobSpec, role: str) -> str:
     raise ValueError(f"role {role!r}: expected generator or trainer")
 
 
-def uses_weight_channel(spec: JobSpec) -> bool:
-    """True when weights travel over the weight channel (:mod:`workers.weight_sync.channel`):
-    whenever vLLM or Megatron is in the job. The native pair shares the job's process group."""
-    return engine_for(spec, "generator") != "native" or engine_for(spec, "trainer") != "native"
-
-
-def weight_receivers(spec: JobSpec) -> int:
-    """Ranks one generator takes in the weight channel: one per vLLM tensor-parallel worker."""
-    return spec.resources.generator_tensor_parallel_size if engine_for(spec, "generator") == "vllm" else 1
-
-
 def check_model(spec: JobSpec) -> None:
     """Refuse, before anything starts, a job the chosen engines cannot run (ValueError naming the
     layer or field and what to change): vLLM's limits on GPU and CPU

@@ -74,22 +74,6 @@ def test_a_missing_engine_names_the_package_and_the_image(
             build_trainer(spec, TOK.vocab_size)
 
 
-def test_the_weight_channel_is_for_vllm_and_megatron_jobs() -> None:
-    assert not factory.uses_weight_channel(parse_spec({"model": TINY}))
-    assert factory.uses_weight_channel(gpu_spec("vllm")) and factory.uses_weight_channel(gpu_spec("megatron"))
-    tp2 = parse_spec(
-        {
-            "resources": {
-                "generator_engine": "vllm",
-                "gpus_per_generator": 2,
-                "generator_tensor_parallel_size": 2,
-                "generators": 3,
-            }
-        }
-    )
-    assert factory.weight_receivers(tp2) == 2 and factory.weight_receivers(gpu_spec("megatron")) == 1
-
-
 def test_megatron_on_the_cpu_needs_megatron_core_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU Megatron-Core runs its local layer spec: Transformer Engine (CUDA only) is not
     asked for."""
