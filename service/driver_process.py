@@ -37,7 +37,7 @@ DRIVER_ENV_NAMES = frozenset(
         # the interpreter and the libraries it loads (CUDA images set LD_LIBRARY_PATH)
         *("VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
         "XDG_CACHE_HOME",
-        # the driver's own switches (workers/: model_store, fp8/dispatch, fp8/quant, job_actors,
+        # the driver's own switches (workers/: model_store, fp8/dispatch, fp8/quant, ray_cluster,
         # engines/native/decode_attention, fp8/linear_gemm, engines/models), held to this list by
         # a test
         *("FP8RL_HOME", "FP8RL_CUBLAS_BLOCKWISE", "FP8RL_DECODE_ATTENTION", "FP8RL_SMALL_M_GEMM"),
