@@ -40,18 +40,11 @@ from workers.async_rl import AsyncLoop
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
 from workers.fp8.kv_cache import calibrates_kv
 from workers.prom_exporter import PromExporter
-from workers.rl_step import (
-    METRICS_ROW,
-    calibrate_kv,
-    rl_step,
-    save,
-    sync_weights,
-    validate,
-    validation_due,
-    warmup,
-)
+from workers.rl_step import METRICS_ROW, calibrate_kv, rl_step, save, sync_weights
 from workers.tasks import Task
 from workers.tokenizer import Tokenizer
+from workers.validation import validate, validation_due
+from workers.warmup import warmup
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""One RL step of the driver, and what runs between steps: the supervised warm-up, the weight sync
-from the trainers to the generators, validation on held-out problems and checkpoints.
+"""One RL step of the driver, and what every phase of a run shares: sampling over the generators,
+grading, the weight sync from the trainers to the generators (checked against the precision
+contract) and checkpoints. The supervised warm-up (:mod:`workers.warmup`) and validation on
+held-out problems (:mod:`workers.validation`) sit beside it and use these.
 
 A step:  prompts -> generators (sample + logprobs) -> rewards -> trainers (logprobs with the
 weights that generated, GRPO advantages, IS-corrected update) -> trainer quantizes -> broadcast to
@@ -13,17 +15,15 @@ business; each actors call says what runs concurrently inside it.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
 
 from rljob import metrics as m
-from rljob.metrics import StepMetrics, SyncMetrics, ValidationMetrics
-from rljob.run_dir import RunDir
+from rljob.metrics import StepMetrics, SyncMetrics
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.algo.mismatch import mismatch_metrics
@@ -37,35 +37,8 @@ from workers.tokenizer import Tokenizer
 from workers.weight_sync.contract import compare
 
 
-def sft_batch(task: Task, tok: Tokenizer, problems: list[Problem]) -> Rollouts:
-    """The warm-up's batch: each prompt, and as its response the reference answer written as the
-    task reads it (``Task.target``: in its tag or box for those formats), then ``tok.eos_id``
-    (a chat model's end of turn). With a chat template the answer follows the generation prompt."""
-    texts = [task.prompt(p) for p in problems]
-    prompts = [tok.encode(t) for t in texts]
-    # the answer's tokens as they continue the prompt (no BOS, merges at the seam as in generation)
-    answers = [
-        [*tok.encode(t + task.target(p))[len(q) :], tok.eos_id]
-        for p, t, q in zip(problems, texts, prompts, strict=True)
-    ]
-    prompt_ids, prompt_mask = left_pad(prompts, tok.pad_id)
-    width = max(len(a) for a in answers)
-    resp = torch.full((len(answers), width), tok.pad_id, dtype=torch.long)
-    mask = torch.zeros((len(answers), width))
-    for i, a in enumerate(answers):
-        resp[i, : len(a)] = torch.tensor(a)
-        mask[i, : len(a)] = 1.0
-    return Rollouts(prompt_ids, prompt_mask, resp, mask, torch.zeros_like(mask))
-
-
 def step_seed(spec: JobSpec, step: int, generator: int) -> int:
     return (spec.rollout.seed * 1_000_003 + step * 1009 + generator) % 2**63
-
-
-def validation_due(spec: JobSpec, step: int) -> bool:
-    """Whether ``step`` ends with a validation: every ``validation.interval`` steps and the last."""
-    interval = spec.validation.interval
-    return interval > 0 and (step % interval == 0 or step == spec.steps)
 
 
 def chunked(items: list[list[int]], sizes: list[int]) -> list[list[list[int]]]:
@@ -110,72 +83,6 @@ def truncated_fraction(batch: Rollouts, eos_ids: tuple[int, ...]) -> float:
 def unreadable_fraction(grades: list[Grade]) -> float:
     """Fraction of the responses from which no answer could be read (``task.answer_format``)."""
     return sum(not g.readable for g in grades) / max(len(grades), 1)
-
-
-def validate(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> ValidationMetrics:
-    """``val/*`` of the held-out problems: one response each, shared out between the generators
-    like rollouts, at ``validation.temperature`` (0: greedy) with a seed fixed per step."""
-    t0 = time.perf_counter()
-    problems = task.validation_problems()
-    prompts = [tok.encode(task.prompt(p)) for p in problems]
-    sizes = even_split(len(prompts), 1, actors.num_generators)
-    # negative steps: seeds no rollout uses
-    outs = generate(spec, actors, prompts, sizes, -step, spec.validation.temperature)
-    batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
-    grades = scores(task, tok, batch, problems)
-    return {
-        m.VAL_ACCURACY: sum(g.correct for g in grades) / len(grades),
-        m.VAL_REWARD_MEAN: sum(g.reward for g in grades) / len(grades),
-        m.VAL_TRUNCATED_FRACTION: truncated_fraction(batch, tok.eos_ids),
-        m.VAL_UNREADABLE_FRACTION: unreadable_fraction(grades),
-        m.TIMING_VALIDATION_S: time.perf_counter() - t0,
-    }
-
-
-def warmup(
-    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, out: Path, log: Callable[[str], None]
-) -> None:
-    """``warmup.sft_steps`` supervised steps on the task's answers (``warmup.jsonl``), then a
-    checkpoint of step 0. With ``warmup.target_accuracy``, every ``check_interval`` steps the
-    generators answer ``check_size`` training problems greedily with the current weights; the
-    warm-up stops once that accuracy reaches the target (the line of the check has it)."""
-    w = spec.warmup
-    sizes = even_split(w.batch_size, 1, actors.num_trainers)
-    check = task.sample(WARMUP_CHECK_STEP, w.check_size, spec.rollout.seed) if w.target_accuracy else []
-    loss, accuracy, done = float("nan"), None, 0
-    with RunDir(out).warmup.open("w") as f:
-        for i in range(1, w.sft_steps + 1):
-            batch = sft_batch(task, tok, task.sample(-i, w.batch_size, spec.rollout.seed))
-            loss = actors.sft_step(split_rows(batch, sizes))
-            line: dict[str, float] = {"sft_step": i, "loss": loss}
-            done = i
-            if check and i % w.check_interval == 0:
-                sync_weights(actors)
-                accuracy = greedy_accuracy(spec, task, tok, actors, check, WARMUP_CHECK_STEP)
-                line["train_accuracy"] = accuracy
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            if accuracy is not None and accuracy >= w.target_accuracy:
-                break
-    reached = "" if accuracy is None else f", greedy training accuracy {accuracy:.3f}"
-    if w.target_accuracy and (accuracy is None or accuracy < w.target_accuracy):
-        reached += f" (target {w.target_accuracy} not reached within sft_steps)"
-    log(f"supervised warm-up: {done} steps, final loss {loss:.3f}{reached}")
-    save(actors, out, 0)
-
-
-WARMUP_CHECK_STEP = -(10**9)  # the step whose sample (and seeds) the warm-up's accuracy checks use
-
-
-def greedy_accuracy(
-    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, problems: list[Problem], step: int
-) -> float:
-    """Fraction of ``problems`` the generators answer fully correctly (``Grade.correct``) at
-    temperature 0."""
-    prompts = [tok.encode(task.prompt(p)) for p in problems]
-    outs = generate(spec, actors, prompts, even_split(len(prompts), 1, actors.num_generators), step, 0.0)
-    batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
-    return sum(g.correct for g in scores(task, tok, batch, problems)) / len(problems)
 
 
 def calibrate_kv(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> None:

@@ -205,7 +205,7 @@ def test_an_engine_that_is_not_installed_fails_before_ray(
 
 
 def test_validation_is_due_every_interval_and_at_the_last_step() -> None:
-    from workers.rl_step import validation_due
+    from workers.validation import validation_due
 
     def due(interval: int, steps: int) -> list[int]:
         spec = tiny_spec("bf16", steps=steps, validation={"interval": interval})

@@ -27,19 +27,12 @@ from tests.workers.inprocess_actors import Done, InProcessActors
 from workers import checkpoint
 from workers.engines.batching import concat_rollouts
 from workers.engines.protocols import Rollouts
-from workers.rl_step import (
-    rl_step,
-    save,
-    sft_batch,
-    sync_weights,
-    truncated_fraction,
-    unreadable_fraction,
-    validate,
-    warmup,
-)
+from workers.rl_step import rl_step, save, sync_weights, truncated_fraction, unreadable_fraction
 from workers.step_protocol import Generated
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from workers.validation import validate
+from workers.warmup import sft_batch, warmup
 
 
 def byte_sum_score(response: str) -> float:
@@ -201,7 +194,8 @@ import sys
 from rljob import parse_spec
 from tests import helpers
 from tests.workers.inprocess_actors import Done, InProcessActors
-from workers.rl_step import rl_step, sync_weights, validate
+from workers.rl_step import rl_step, sync_weights
+from workers.validation import validate
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
 

@@ -1,0 +1,41 @@
+"""Validation on held-out problems (``validation``): when it is due, and the ``val/*`` metrics of
+one pass, sampled over the generators like a step's rollouts (:mod:`workers.rl_step`)."""
+
+from __future__ import annotations
+
+import time
+
+from rljob import metrics as m
+from rljob.metrics import ValidationMetrics
+from rljob.spec import JobSpec
+from workers.engines.batching import concat_rollouts, even_split
+from workers.rl_step import generate, scores, truncated_fraction, unreadable_fraction
+from workers.step_protocol import StepActors
+from workers.tasks import Task
+from workers.tokenizer import Tokenizer
+
+
+def validation_due(spec: JobSpec, step: int) -> bool:
+    """Whether ``step`` ends with a validation: every ``validation.interval`` steps and the last."""
+    interval = spec.validation.interval
+    return interval > 0 and (step % interval == 0 or step == spec.steps)
+
+
+def validate(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> ValidationMetrics:
+    """``val/*`` of the held-out problems: one response each, shared out between the generators
+    like rollouts, at ``validation.temperature`` (0: greedy) with a seed fixed per step."""
+    t0 = time.perf_counter()
+    problems = task.validation_problems()
+    prompts = [tok.encode(task.prompt(p)) for p in problems]
+    sizes = even_split(len(prompts), 1, actors.num_generators)
+    # negative steps: seeds no rollout uses
+    outs = generate(spec, actors, prompts, sizes, -step, spec.validation.temperature)
+    batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
+    grades = scores(task, tok, batch, problems)
+    return {
+        m.VAL_ACCURACY: sum(g.correct for g in grades) / len(grades),
+        m.VAL_REWARD_MEAN: sum(g.reward for g in grades) / len(grades),
+        m.VAL_TRUNCATED_FRACTION: truncated_fraction(batch, tok.eos_ids),
+        m.VAL_UNREADABLE_FRACTION: unreadable_fraction(grades),
+        m.TIMING_VALIDATION_S: time.perf_counter() - t0,
+    }
