@@ -173,12 +173,15 @@ def validation_points(rows: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 
 def summary(runs: list[Run], last: int = 10) -> list[dict[str, Any]]:
-    """Per run: final reward (mean of the last ``last`` steps), mean token_mult_prob_error, and
-    the last validation accuracy (None without validation)."""
+    """Per run: first and final reward (means of the first and the last ``last`` steps; of the
+    first and last half when the run has fewer than ``2 * last`` steps, so the two never share a
+    step), mean token_mult_prob_error, and the last validation accuracy (None without
+    validation)."""
     out = []
     for run in runs:
         val = validation_points(run.rows)  # step 0 (before RL) included
         rows = [r for r in run.rows if m.REWARD_MEAN in r]  # the RL steps
+        last = max(1, min(last, len(rows) // 2))
         tail = rows[-last:]
         tmpe = [float(r[m.TOKEN_MULT_PROB_ERROR]) for r in rows]
         out.append(

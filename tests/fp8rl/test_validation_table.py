@@ -114,3 +114,22 @@ def test_a_runs_variant_names_what_sets_it_apart(
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
     run = load_run(tmp_path)
     assert (run.variant, run.seed, run.recipe) == (variant, 3, precision["recipe"])
+
+
+def test_first_and_final_reward_never_share_a_step() -> None:
+    """A 10-step run: first reward = mean of steps 1-5, final = mean of steps 6-10 (by hand);
+    a 25-step run: the first and last 10."""
+    import fp8rl.report as rep
+
+    rewards = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    rows = [
+        {"step": i + 1, "reward/mean": r, "mismatch/token_mult_prob_error": 1.0}
+        for i, r in enumerate(rewards)
+    ]
+    (short,) = rep.summary([rep.Run("r", "bf16", rows)])
+    assert short["first_reward"] == pytest.approx(0.3) and short["final_reward"] == pytest.approx(0.8)
+    long_rows = [
+        {"step": i + 1, "reward/mean": float(i), "mismatch/token_mult_prob_error": 1.0} for i in range(25)
+    ]
+    (full,) = rep.summary([rep.Run("r", "bf16", long_rows)])
+    assert full["first_reward"] == pytest.approx(4.5) and full["final_reward"] == pytest.approx(19.5)
