@@ -49,15 +49,28 @@ def test_every_import_goes_down_a_floor() -> None:
     assert violations(ROOT) == []
 
 
+def made_tree(root: Path, files: dict[str, str]) -> Path:
+    """A tree of the project's packages under ``root`` holding ``files`` (path -> source), for
+    the checkers' own tests."""
+    for package in FLOORS:
+        (root / package).mkdir()
+    for name, source in files.items():
+        (root / name).write_text(source)
+    return root
+
+
 def test_the_check_sees_an_upward_a_sideways_and_a_lazy_import(tmp_path: Path) -> None:
     """The checker itself, on a tree made for it: each kind of wrong import is caught, with its
     file and line; downward and same-package imports pass."""
-    for package in FLOORS:
-        (tmp_path / package).mkdir()
-    (tmp_path / "rljob" / "a.py").write_text("import rljob.b\nfrom workers import x\n")
-    (tmp_path / "service" / "s.py").write_text("from rljob import a\n\ndef f():\n    import operators.o\n")
-    (tmp_path / "workers" / "w.py").write_text("from rljob.a import b\nimport torch\n")
-    (tmp_path / "fp8rl" / "c.py").write_text("from bench import y\nfrom service import s\n")
+    made_tree(
+        tmp_path,
+        {
+            "rljob/a.py": "import rljob.b\nfrom workers import x\n",
+            "service/s.py": "from rljob import a\n\ndef f():\n    import operators.o\n",
+            "workers/w.py": "from rljob.a import b\nimport torch\n",
+            "fp8rl/c.py": "from bench import y\nfrom service import s\n",
+        },
+    )
     assert violations(tmp_path) == [
         "rljob/a.py:2 imports workers (upward)",
         "service/s.py:4 imports operators (sideways)",
@@ -153,14 +166,17 @@ def test_no_import_circle_and_no_private_name_across_modules() -> None:
 def test_the_checks_see_a_circle_and_a_private_import(tmp_path: Path) -> None:
     """The two checks on a tree made for them: a three-module loop through a lazy import, a
     module importing itself, and a private name taken across modules; a straight chain passes."""
-    for package in FLOORS:
-        (tmp_path / package).mkdir()
-    (tmp_path / "workers" / "a.py").write_text("from workers.b import f\n")
-    (tmp_path / "workers" / "b.py").write_text("def f():\n    from workers import c\n")
-    (tmp_path / "workers" / "c.py").write_text("import workers.a\nfrom workers.d import _g, h\n")
-    (tmp_path / "workers" / "d.py").write_text("from rljob.e import x\n")
-    (tmp_path / "rljob" / "e.py").write_text("x = 1\n")
-    (tmp_path / "rljob" / "s.py").write_text("from rljob.s import y\ny = 2\n")
-    imports = module_imports(tmp_path)
+    tree = made_tree(
+        tmp_path,
+        {
+            "workers/a.py": "from workers.b import f\n",
+            "workers/b.py": "def f():\n    from workers import c\n",
+            "workers/c.py": "import workers.a\nfrom workers.d import _g, h\n",
+            "workers/d.py": "from rljob.e import x\n",
+            "rljob/e.py": "x = 1\n",
+            "rljob/s.py": "from rljob.s import y\ny = 2\n",
+        },
+    )
+    imports = module_imports(tree)
     assert import_circles(imports) == [["rljob.s"], ["workers.a", "workers.b", "workers.c"]]
     assert private_imports(imports) == ["workers.c:2 takes _g from workers.d"]

