@@ -89,11 +89,11 @@ def report(spec_path: str | Path, steps: int = 12, skip: int = 2, warmup: bool =
         raise ValueError("--skip must be >= 1 (the first step's end starts the clock)")
     base = load_spec(spec_path)
     results = {}
-    started = ray_init(bench_variant(base, 0, steps, warmup))
+    variants = {k: bench_variant(base, k, steps, warmup) for k in (0, 1)}
+    started = ray_init(variants[0])
     try:
         with tempfile.TemporaryDirectory(prefix="fp8rl-bench-async-") as tmp:
-            for k in (0, 1):
-                spec = bench_variant(base, k, steps, warmup)
+            for k, spec in variants.items():
                 out = Path(tmp) / f"k{k}"
                 results[k] = list(driver.run(spec, out, driver.RunOptions(log=lambda line: None)).rows)
     finally:
@@ -110,7 +110,7 @@ def report(spec_path: str | Path, steps: int = 12, skip: int = 2, warmup: bool =
             if warmup and base.warmup.sft_steps
             else ""
         ),
-        "changed from the spec: " + "; ".join(changed(base, bench_variant(base, 0, steps, warmup))),
+        "changed from the spec: " + "; ".join(changed(base, variants[0])),
         f"{'mode':<22}{'steps/s':>9}{'gen s':>8}{'train s':>9}{'sync s':>8}{'overlap s':>11}{'lag max':>9}",
     ]
     phases = (m.TIMING_GENERATION_S, m.TIMING_TRAIN_S, m.TIMING_WEIGHT_SYNC_S)
