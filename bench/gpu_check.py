@@ -47,7 +47,7 @@ SECTIONS = (
 def machine() -> str:
     import transformers
 
-    lines = ["| what | value |", "|---|---|"]
+    lines = ["| what | value |", "|---|---|", f"| commit | {commit()} |"]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         lines.append(
@@ -74,6 +74,21 @@ def machine() -> str:
     for dist, target in targets:
         lines.append(f"| {dist} | {_installed_version(dist)} (adapters target {target}) |")
     return "\n".join(lines)
+
+
+def commit() -> str:
+    """The checkout's git commit: ``FP8RL_GIT_COMMIT`` where the tree travelled without ``.git``
+    (bench/gpu_session.sh passes it), else ``git rev-parse HEAD``, else "unknown"."""
+    import os
+
+    given = os.environ.get("FP8RL_GIT_COMMIT", "").strip()
+    if given:
+        return given[:40]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git here; set FP8RL_GIT_COMMIT)"
+    return out.stdout.strip() if out.returncode == 0 else "unknown (no git here; set FP8RL_GIT_COMMIT)"
 
 
 def _installed_version(dist: str) -> str:

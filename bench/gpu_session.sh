@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The prepared GPU session (issue 43): everything a short GPU lease should measure, in the order
+# that matters, each result written to DIR as soon as it exists, so a run cut short keeps what it
+# measured. Run from a checkout on a GPU machine with its own CUDA torch:
+#
+#   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
+#
+# part 1 (about 4 minutes on an H100/H200): the machine (commit, GPU, versions), the kernel probe,
+# pytest -m gpu with the Triton switches off and then on, the kernel microbenchmark and the host
+# overhead of one linear.
+# part 2 (about 6 minutes): bench rollout of the 1B preset with the graph loop and the Triton decode
+# attention, 1024 sequences x 256 new tokens, BF16 and FP8 weights, BF16 and E4M3 KV; then one
+# 1B training step per recipe.
+# Without a part, both run (about 10 minutes: one call of a 15-minute lease).
+set -u
+dir=${1:?usage: bench/gpu_session.sh DIR [1|2]}
+part=${2:-all}
+py=${PYTHON:-python3}
+mkdir -p "$dir"
+export PYTHONUNBUFFERED=1
+started=$(date +%s)
+stamp() { echo "[gpu-session +$(($(date +%s) - started)) s] $*" | tee -a "$dir/session.log"; }
+
+if [ "$part" = 1 ] || [ "$part" = all ]; then
+    stamp "part 1: machine, probe, pytest (Triton switches off), kernels, overhead"
+    $py -m bench.gpu_check --quick --out "$dir/check.md" \
+        --sections machine,probe,plan,pytest,kernels,overhead >>"$dir/session.log" 2>&1
+    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton"
+    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton \
+        $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
+fi
+if [ "$part" = 2 ] || [ "$part" = all ]; then
+    stamp "part 2: bench rollout 1b, 1024 x 256, graph-triton"
+    $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 1024 --new-tokens 256 \
+        --repeat 1 --decode graph-triton >"$dir/rollout-1b-1024.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench step 1b"
+    $py -m fp8rl.cli bench step --model 1b --device cuda --prompts 64 --group-size 8 \
+        --new-tokens 64 --steps 1 --no-baseline >"$dir/step-1b.txt" 2>>"$dir/session.log"
+fi
+stamp "done"
