@@ -39,7 +39,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from workers.engines.batching import StopIds, positions, stop_ids
-from workers.engines.models import BOOL_MASKS, attention_mask_4d
+from workers.engines.models import BOOL_MASKS, attention_mask_4d, to_device
 from workers.engines.native import decode_attention
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.fp8.formats import to_float32
@@ -178,7 +178,8 @@ class _Session:
         self.tokens = torch.zeros(b, n, dtype=torch.long, device=device)
         self.logps = torch.zeros(b, n, dtype=torch.float32, device=device)
         self.valid = torch.zeros(b, n, dtype=torch.bool, device=device)
-        self.stop = torch.tensor(shape.eos_ids, dtype=torch.long, device=device)  # [S], made once
+        # [S], made once; pinned + non-blocking: a pageable copy would make the host wait
+        self.stop = to_device(torch.tensor(shape.eos_ids, dtype=torch.long), device)
         no_rng = device.type == "meta"  # a shape-only dry run has no generator
         self.gen = None if no_rng else torch.Generator(device=device)
         self.guard = FiniteGuard()  # the graph's own NaN/inf codes (see the module docstring)
