@@ -150,7 +150,8 @@ def _fake_run(path: Path, recipe: str, rewards: list[float], tmpe: list[float]) 
 
 
 def test_report_draws_a_png_and_prints_final_reward_and_mismatch(tmp_path: Path) -> None:
-    # 12 steps: first 10 average (0.1*10)/10 = 0.1; last 10 = (0.1*8 + 0.7*2)/10 = 0.22
+    # 12 steps, fewer than 2 x 10: first and final are the two halves of 6 steps, so they share none.
+    # first 6: 0.1; last 6: (0.1*4 + 0.7*2)/6 = 1.8/6 = 0.3
     a = _fake_run(tmp_path / "a", "bf16", [0.1] * 10 + [0.7, 0.7], [1.0] * 6 + [1.02] * 6)
     b = _fake_run(tmp_path / "b", "fp8-e2e", [0.2] * 12, [1.01] * 12)
     png = tmp_path / "report.png"
@@ -158,7 +159,7 @@ def test_report_draws_a_png_and_prints_final_reward_and_mismatch(tmp_path: Path)
     assert result.exit_code == 0, result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     line_a = next(x for x in result.output.splitlines() if x.startswith("a (bf16)"))
-    assert line_a.split()[-3:] == ["0.100", "0.220", "1.01000"]  # mean tmpe (6*1.0 + 6*1.02)/12
+    assert line_a.split()[-3:] == ["0.100", "0.300", "1.01000"]  # mean tmpe (6*1.0 + 6*1.02)/12
     bad = runner.invoke(app, ["report", str(tmp_path)])
     assert bad.exit_code == 2 and "no metrics.jsonl" in bad.output
 
