@@ -43,3 +43,27 @@ def test_engine_test_folders_are_left_out_when_their_engine_is_missing(
     files, missing = gpu_check.gpu_test_files()
     assert files == ["tests/workers/engines/megatron/test_meg_gpu.py", "tests/workers/fp8/test_linear.py"]
     assert missing == ["tests/workers/engines/vllm/"]
+
+
+def test_the_report_names_the_commit_it_ran(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from bench import gpu_check
+
+    monkeypatch.setenv("FP8RL_GIT_COMMIT", "5d13cd3b747dc2e8dfccff327b420928adcec625")
+    assert gpu_check.commit() == "5d13cd3b747dc2e8dfccff327b420928adcec625"
+    monkeypatch.delenv("FP8RL_GIT_COMMIT")
+    monkeypatch.chdir(tmp_path)  # no git checkout here: said, not guessed
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert gpu_check.commit().startswith("unknown")
+
+
+def test_the_prepared_session_asks_only_for_sections_the_checklist_has(tmp_path: Path) -> None:
+    import re
+    import subprocess
+
+    from bench.gpu_check import SECTIONS
+
+    script = Path("bench/gpu_session.sh").read_text()
+    asked = {s for group in re.findall(r"--sections (\S+)", script) for s in group.split(",")}
+    assert asked and asked <= set(SECTIONS), asked - set(SECTIONS)
+    usage = subprocess.run(["bash", "bench/gpu_session.sh"], capture_output=True, text=True)
+    assert usage.returncode != 0 and "usage: bench/gpu_session.sh DIR" in usage.stderr
