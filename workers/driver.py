@@ -116,7 +116,12 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
         while step <= spec.steps:
             try:
                 if row is None:
-                    row = job.train(step)
+                    outcome = job.train(step)
+                    if outcome.fault is not None:  # the step as far as it got: recovery goes on from it
+                        step, row = job.recover(outcome.fault, step, outcome.row)
+                        continue
+                    row = outcome.row
+                assert row is not None
                 job.finish(step, row)
                 row = None
                 if opts.stop.is_set():

@@ -30,7 +30,6 @@ import re
 import signal
 import threading
 from collections import defaultdict, deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,19 +46,12 @@ _ENGINE_FAILURE_TEXT = re.compile(r"CUDA error|NCCL error|Xid|uncorrectable ECC|
 
 class ActorFault(Exception):
     """Actor ``role`` ``index`` was lost (``what``: died, engine failure, no answer) during ``call``.
-
-    ``trained`` is set when the step's training had completed before the fault (the fault hit the
-    weight sync or a later call): the step's metrics line so far, so that recovery does not train
-    the step twice."""
+    Whether the step was trained before it is the RL loop's to say
+    (:class:`workers.rl_loop.StepOutcome`), not the fault's."""
 
     def __init__(self, role: Role, index: int, what: str, call: str) -> None:
         super().__init__(f"{role} {index} {what} during {call}")
         self.role, self.index, self.what, self.call = role, index, what, call
-        self.trained: dict[str, Any] | None = None
-
-    def after_training(self, row: Mapping[str, Any]) -> None:
-        """Mark this fault as hitting after the step's training produced ``row`` (then re-raise it)."""
-        self.trained = dict(row)
 
 
 class RestartLimitError(RuntimeError):

@@ -36,11 +36,12 @@ from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
 from workers.actor_group import JobActors
-from workers.async_rl import AsyncLoop
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
 from workers.fp8.kv_cache import calibrates_kv
 from workers.prom_exporter import PromExporter
-from workers.rl_step import METRICS_ROW, calibrate_kv, rl_step, save, sync_weights
+from workers.rl_loop import RlLoop, StepOutcome
+from workers.rl_step import METRICS_ROW, calibrate_kv, save, sync_weights
+from workers.step_protocol import StepContext
 from workers.tasks import Task
 from workers.tokenizer import Tokenizer
 from workers.validation import validate, validation_due
@@ -142,7 +143,7 @@ class JobRun:
         self.spec, self.task, self.tok, self.out, self.log = spec, task, tok, out, log
         self.rows, self.prom, self.opts = rows, prom, opts
         self.actors: JobActors | None = None
-        self.loop: AsyncLoop | None = None
+        self.loop: RlLoop | None = None
         self.drills = list(opts.drills)
         # this job's restarts so far (the rows of earlier drivers count: the bound is per job)
         self.restarts = {role: sum(int(r.get(key, 0)) for r in rows) for role, key in RESTART_ROLES.items()}
@@ -171,23 +172,28 @@ class JobRun:
                 last = checkpoint.latest(self.out)
                 first_step, ckpt = (last[0] + 1, last[1]) if last else (1, None)
 
-    def train(self, step: int) -> AsyncStepMetrics:
-        """Generate, train and sync step ``step`` (asynchronous: train it while the next generate)."""
+    @property
+    def ctx(self) -> StepContext:
+        """The job's spec, task, tokenizer and current actors, as the steps take them."""
         assert self.actors is not None
+        return StepContext(self.spec, self.task, self.tok, self.actors)
+
+    def train(self, step: int) -> StepOutcome:
+        """Generate, train and sync step ``step`` (asynchronous: train it while the next generate);
+        an actor fault in it is in the outcome, for :meth:`recover`."""
+        assert self.actors is not None and self.loop is not None
         for drill in [d for d in self.drills if d.step == step]:
             self.drills.remove(drill)  # once per driver: fresh actors are not armed again
             self.actors.arm(drill.role, drill.index, drill.kind)
             self.opts.log(f"fault drill: {drill.role} {drill.index} will {drill.kind} in step {step}")
-        if self.loop is not None:
-            return self.loop.step(step)
-        return cast(AsyncStepMetrics, rl_step(self.spec, self.task, self.tok, self.actors, step))
+        return self.loop.step(step)
 
     def finish(self, step: int, row: AsyncStepMetrics) -> None:
         """Validate (when due), checkpoint (when due, before the line: a line never refers to
         weights that were not saved) and write the step's line, with the faults recovered in it."""
         assert self.actors is not None
         if validation_due(self.spec, step):  # after the step's weight sync: the updated policy
-            val = validate(self.spec, self.task, self.tok, self.actors, step)
+            val = validate(self.ctx, step)
             row = cast(ValidatedStepMetrics, {**row, **val})
         line = cast(AsyncStepMetrics, {**row, **self.counts})
         due = step % self.spec.checkpoint_interval == 0 or step == self.spec.steps
@@ -219,10 +225,11 @@ class JobRun:
         self, fault: ActorFault, step: int, row: AsyncStepMetrics | None
     ) -> tuple[int, AsyncStepMetrics | None]:
         """Recover from ``fault`` in step ``step`` (``row``: the step's line if it was trained
-        before the fault); returns the step to go on with and its line if it is trained. A fault
-        while recovering counts too, and is recovered from in turn."""
+        before the fault, :class:`~workers.rl_loop.StepOutcome`); returns the step to go on with
+        and its line if it is trained. A fault while recovering counts too, and is recovered from
+        in turn."""
         t0, handled = time.monotonic(), list[ActorFault]()
-        trained = cast(AsyncStepMetrics | None, fault.trained or row)
+        trained = row
         snapshot: Path | None = None  # the trainers' state, once saved
         while True:
             try:
@@ -343,13 +350,13 @@ class JobRun:
                 rows.append(restored)
                 self.opts.log(f"restored the metrics line of step {first_step - 1} from its checkpoint")
         elif spec.warmup.sft_steps:
-            warmup(spec, self.task, self.tok, self.actors, self.out, self.opts.log)
+            warmup(self.ctx, self.out, self.opts.log)
         if calibrates_kv(spec):  # vLLM's FP8 KV cache gets scales before its first rollout
-            calibrate_kv(spec, self.task, self.tok, self.actors, first_step)
+            calibrate_kv(self.ctx, first_step)
         sync_weights(self.actors)  # generators start from the trainer's weights
         if spec.validation.interval and not any(r[m.STEP] == 0 for r in rows):
             # the policy RL starts from (after the warm-up): a row of its own, step 0
-            row0 = cast(InitialValidation, {m.STEP: 0, **validate(spec, self.task, self.tok, self.actors, 0)})
+            row0 = cast(InitialValidation, {m.STEP: 0, **validate(self.ctx, 0)})
             self.log.append(row0)
             rows.append(row0)
             self.prom.observe(row0)
@@ -360,15 +367,9 @@ class JobRun:
         return first_step
 
     def _restart_loop(self, first_step: int) -> None:
-        """rollout.max_staleness >= 1: generation overlaps training (workers.async_rl); a new loop
-        after a fault, whose batches in flight are lost and generated again, never trained twice."""
-        assert self.actors is not None
-        spec = self.spec
-        self.loop = (
-            AsyncLoop(spec, self.task, self.tok, self.actors, first_step)
-            if spec.rollout.max_staleness
-            else None
-        )
+        """The RL loop from ``first_step`` (:mod:`workers.rl_loop`); a new one after a fault, whose
+        batches in flight are lost and generated again, never trained twice."""
+        self.loop = RlLoop(self.ctx, first_step)
 
 
 RECOVERY_DIR = ".recovery"  # the trainers' state while a generator fault's fresh actors start

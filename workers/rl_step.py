@@ -1,7 +1,9 @@
-"""One RL step of the driver, and what every phase of a run shares: sampling over the generators,
-grading, the weight sync from the trainers to the generators (checked against the precision
-contract) and checkpoints. The supervised warm-up (:mod:`workers.warmup`) and validation on
-held-out problems (:mod:`workers.validation`) sit beside it and use these.
+"""One RL step of the driver (asked for with :func:`start_batch`, trained and synced with
+:func:`train_and_sync`; :mod:`workers.rl_loop` runs the steps), and what every phase of a run
+shares: sampling over the generators, grading, the weight sync from the trainers to the
+generators (checked against the precision contract) and checkpoints. The supervised warm-up
+(:mod:`workers.warmup`) and validation on held-out problems (:mod:`workers.validation`) sit
+beside it and use these.
 
 A step:  prompts -> generators (sample + logprobs) -> rewards -> trainers (logprobs with the
 weights that generated, GRPO advantages, IS-corrected update) -> trainer quantizes -> broadcast to
@@ -31,7 +33,7 @@ from workers.engines.batching import concat_rollouts, even_split, left_pad, spli
 from workers.engines.layer_diff import ExactMismatchError, compare_traces, describe
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault
-from workers.step_protocol import Generated, PendingRollouts, StepActors
+from workers.step_protocol import Generated, PendingRollouts, StepActors, StepContext
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import Tokenizer
 from workers.weight_sync.contract import compare
@@ -85,14 +87,14 @@ def unreadable_fraction(grades: list[Grade]) -> float:
     return sum(not g.readable for g in grades) / max(len(grades), 1)
 
 
-def calibrate_kv(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> None:
+def calibrate_kv(ctx: StepContext, step: int) -> None:
     """Before the first rollout of a run (fresh, resumed or recovered): the trainers calibrate
     the K/V-cache scales the next sync carries on the prompts step ``step`` will sample, so that
     vLLM's FP8 KV cache never generates with its default scale 1.0. Each prompt's last token
     stands as the response (its K and V are observed like the rest). A no-op on trainers that do
     not calibrate (``workers.fp8.kv_cache.calibrates_kv``); every later sync carries the
     scales the trainers calibrate after their update."""
-    r = spec.rollout
+    r, task, tok, actors = ctx.spec.rollout, ctx.task, ctx.tok, ctx.actors
     prompts = [tok.encode(task.prompt(p)) for p in task.sample(step, r.prompts_per_step, r.seed)]
     batch = prompt_batch(prompts, tok.pad_id)
     actors.calibrate_kv(split_rows(batch, even_split(batch.prompt_ids.shape[0], 1, actors.num_trainers)))
@@ -160,11 +162,10 @@ class Batch(NamedTuple):
     pending: PendingRollouts
 
 
-def start_batch(
-    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int, version: int
-) -> Batch:
+def start_batch(ctx: StepContext, step: int, version: int) -> Batch:
     """Ask the generators for the rollouts of ``step``; they generate with the weights they hold
     when they reach the request, whose version the caller knows (``version``)."""
+    spec, task, tok, actors = ctx.spec, ctx.task, ctx.tok, ctx.actors
     r = spec.rollout
     problems = task.sample(step, r.prompts_per_step, r.seed)
     expanded = [p for p in problems for _ in range(r.group_size)]  # groups are consecutive
@@ -175,20 +176,20 @@ def start_batch(
 
 
 class Trained(NamedTuple):
-    """What :func:`train_and_sync` measured: the step's row, and its inputs the asynchronous loop
-    splits further (:mod:`workers.async_rl`)."""
+    """What :func:`train_and_sync` measured: the step's row, and its inputs the RL loop splits
+    further (:mod:`workers.rl_loop`). The step is trained either way; ``fault`` is the weight
+    sync's, when it failed after the update: then ``row`` has no sync or step-time keys, and the
+    recovery sends the weights again instead of training the step twice."""
 
     row: StepMetrics
     batch: Rollouts  # the rollouts trained on
     logp_old: torch.Tensor  # [B, L] the trainer's log-probs of them before the update
     train_wall: tuple[float, float]  # wall clock (Unix seconds) when training began and ended
+    fault: ActorFault | None = None
 
 
 def train_and_sync(
-    spec: JobSpec,
-    task: Task,
-    tok: Tokenizer,
-    actors: StepActors,
+    ctx: StepContext,
     step: int,
     problems: list[Problem],
     outs: list[Generated],
@@ -196,7 +197,9 @@ def train_and_sync(
     generation_s: float,
 ) -> Trained:
     """Score, train and sync one generated batch; the row's step time runs from ``t0``
-    (``time.perf_counter``), its generation time is ``generation_s``."""
+    (``time.perf_counter``), its generation time is ``generation_s``. A fault before the update
+    is raised; one in the sync after it is returned (:class:`Trained`)."""
+    spec, task, tok, actors = ctx.spec, ctx.task, ctx.tok, ctx.actors
     r = spec.rollout
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
     t1 = time.perf_counter()
@@ -241,18 +244,8 @@ def train_and_sync(
     try:
         sync = sync_weights(actors)
     except ActorFault as fault:  # the step is trained: its recovery must not train it again
-        fault.after_training(trained)
-        raise
+        return Trained(cast(StepMetrics, trained), batch, logp_old, (wall_start, wall_end), fault)
     t4 = time.perf_counter()
     timing = {m.TIMING_WEIGHT_SYNC_S: t4 - t_sync, m.TIMING_STEP_S: t4 - t0, m.TIME: time.time()}
     row = cast(StepMetrics, {**trained, **timing, **sync})
     return Trained(row, batch, logp_old, (wall_start, wall_end))
-
-
-def rl_step(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> StepMetrics:
-    """One synchronous step (the module docstring: ``rollout.max_staleness`` 0) and its metrics
-    row: the batch is generated with the weights of the previous step's sync, then trained on."""
-    t0 = time.perf_counter()
-    b = start_batch(spec, task, tok, actors, step, step - 1)
-    outs = b.pending.result()
-    return train_and_sync(spec, task, tok, actors, step, b.problems, outs, t0, time.perf_counter() - t0).row

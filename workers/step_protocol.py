@@ -5,7 +5,7 @@
 in the RL loop that knows Ray); the tests run the same step on a native trainer and generator in
 one process. Each method says what runs concurrently inside it; a method returns once all of it
 is done, so two calls never overlap, except :meth:`StepActors.start_generate`, which returns at
-once: the asynchronous loop (``rollout.max_staleness`` >= 1, :mod:`workers.async_rl`) trains while
+once: the RL loop (:mod:`workers.rl_loop`; with ``rollout.max_staleness`` >= 1) trains while
 the generators work, and collects their rollouts later. Each generator runs its calls one at a time
 in the order they were made, so a weight sync asked for after a ``start_generate`` reaches the
 generators when that generation is done: weights change only between batches.
@@ -16,13 +16,17 @@ boundary as is.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
 
+from rljob.spec import JobSpec
 from workers.engines.layer_diff import Trace
 from workers.engines.protocols import Rollouts, TrainStats
+from workers.tasks import Task
+from workers.tokenizer import Tokenizer
 from workers.weight_sync.data import WeightReport
 
 
@@ -115,3 +119,14 @@ class StepActors(Protocol):
     def load(self, directory: Path) -> None:
         """Every trainer loads ``trainer.pt`` from ``directory``, in parallel."""
         ...
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every phase of a run works with (the steps, warm-up, validation, KV calibration): the
+    job's spec, its task, its tokenizer and its trainers and generators."""
+
+    spec: JobSpec
+    task: Task
+    tok: Tokenizer
+    actors: StepActors

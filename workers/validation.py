@@ -10,9 +10,7 @@ from rljob.metrics import ValidationMetrics
 from rljob.spec import JobSpec
 from workers.engines.batching import concat_rollouts, even_split
 from workers.rl_step import generate, scores, truncated_fraction, unreadable_fraction
-from workers.step_protocol import StepActors
-from workers.tasks import Task
-from workers.tokenizer import Tokenizer
+from workers.step_protocol import StepContext
 
 
 def validation_due(spec: JobSpec, step: int) -> bool:
@@ -21,9 +19,10 @@ def validation_due(spec: JobSpec, step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == spec.steps)
 
 
-def validate(spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, step: int) -> ValidationMetrics:
+def validate(ctx: StepContext, step: int) -> ValidationMetrics:
     """``val/*`` of the held-out problems: one response each, shared out between the generators
     like rollouts, at ``validation.temperature`` (0: greedy) with a seed fixed per step."""
+    spec, task, tok, actors = ctx.spec, ctx.task, ctx.tok, ctx.actors
     t0 = time.perf_counter()
     problems = task.validation_problems()
     prompts = [tok.encode(task.prompt(p)) for p in problems]

@@ -13,11 +13,10 @@ from pathlib import Path
 import torch
 
 from rljob.run_dir import RunDir
-from rljob.spec import JobSpec
 from workers.engines.batching import concat_rollouts, even_split, left_pad, split_rows
 from workers.engines.protocols import Rollouts
 from workers.rl_step import generate, save, scores, sync_weights
-from workers.step_protocol import StepActors
+from workers.step_protocol import StepContext
 from workers.tasks import Problem, Task
 from workers.tokenizer import Tokenizer
 
@@ -43,13 +42,12 @@ def sft_batch(task: Task, tok: Tokenizer, problems: list[Problem]) -> Rollouts:
     return Rollouts(prompt_ids, prompt_mask, resp, mask, torch.zeros_like(mask))
 
 
-def warmup(
-    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, out: Path, log: Callable[[str], None]
-) -> None:
+def warmup(ctx: StepContext, out: Path, log: Callable[[str], None]) -> None:
     """``warmup.sft_steps`` supervised steps on the task's answers (``warmup.jsonl``), then a
     checkpoint of step 0. With ``warmup.target_accuracy``, every ``check_interval`` steps the
     generators answer ``check_size`` training problems greedily with the current weights; the
     warm-up stops once that accuracy reaches the target (the line of the check has it)."""
+    spec, task, tok, actors = ctx.spec, ctx.task, ctx.tok, ctx.actors
     w = spec.warmup
     sizes = even_split(w.batch_size, 1, actors.num_trainers)
     check = task.sample(WARMUP_CHECK_STEP, w.check_size, spec.rollout.seed) if w.target_accuracy else []
@@ -62,7 +60,7 @@ def warmup(
             done = i
             if check and i % w.check_interval == 0:
                 sync_weights(actors)
-                accuracy = greedy_accuracy(spec, task, tok, actors, check, WARMUP_CHECK_STEP)
+                accuracy = greedy_accuracy(ctx, check, WARMUP_CHECK_STEP)
                 line["train_accuracy"] = accuracy
             f.write(json.dumps(line) + "\n")
             f.flush()
@@ -78,11 +76,10 @@ def warmup(
 WARMUP_CHECK_STEP = -(10**9)  # the step whose sample (and seeds) the warm-up's accuracy checks use
 
 
-def greedy_accuracy(
-    spec: JobSpec, task: Task, tok: Tokenizer, actors: StepActors, problems: list[Problem], step: int
-) -> float:
+def greedy_accuracy(ctx: StepContext, problems: list[Problem], step: int) -> float:
     """Fraction of ``problems`` the generators answer fully correctly (``Grade.correct``) at
     temperature 0."""
+    spec, task, tok, actors = ctx.spec, ctx.task, ctx.tok, ctx.actors
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     outs = generate(spec, actors, prompts, even_split(len(prompts), 1, actors.num_generators), step, 0.0)
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)

@@ -98,10 +98,12 @@ def _selected(labels: dict[str, str], selector: dict[str, Any]) -> bool:
 
 def one_real_step(spec: JobSpec) -> dict[str, Any]:
     """Step 1 of ``spec`` on the real model, as the driver runs it (its actors in this process):
-    the generators start from the trainer's weights, then ``rl_step``; the row as the driver
+    the generators start from the trainer's weights, then the RL loop's step 1; the row as the driver
     writes and exports it (with its fault counts)."""
     from tests.workers.inprocess_actors import InProcessActors
-    from workers.rl_step import rl_step, sync_weights
+    from workers.rl_loop import RlLoop
+    from workers.rl_step import sync_weights
+    from workers.step_protocol import StepContext
     from workers.tasks import Task
     from workers.tokenizer import build_tokenizer
 
@@ -113,7 +115,9 @@ def one_real_step(spec: JobSpec) -> dict[str, Any]:
         task = Task.for_job(spec, tok)
         actors = InProcessActors(spec, tok)
         sync_weights(actors)
-        row = rl_step(spec, task, tok, actors, 1)
+        outcome = RlLoop(StepContext(spec, task, tok, actors), 1).step(1)
+        assert outcome.fault is None and outcome.row is not None, outcome.fault
+        row = outcome.row
     finally:
         torch.set_num_threads(threads)
     return {**row, **dict.fromkeys(m.FAULT_KEYS, 0.0)}

@@ -27,8 +27,9 @@ from tests.workers.inprocess_actors import Done, InProcessActors
 from workers import checkpoint
 from workers.engines.batching import concat_rollouts
 from workers.engines.protocols import Rollouts
-from workers.rl_step import rl_step, save, sync_weights, truncated_fraction, unreadable_fraction
-from workers.step_protocol import Generated
+from workers.rl_loop import RlLoop
+from workers.rl_step import save, sync_weights, truncated_fraction, unreadable_fraction
+from workers.step_protocol import Generated, StepContext
 from workers.tasks import Grade, Problem, Task
 from workers.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from workers.validation import validate
@@ -128,7 +129,8 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
 
     # the supervised warm-up: one logged step, then the checkpoint of step 0
     initial = params(actors.trainer.model)
-    warmup(spec, task, tok, actors, tmp_path, lambda line: None)
+    ctx = StepContext(spec, task, tok, actors)
+    warmup(ctx, tmp_path, lambda line: None)
     (line,) = (tmp_path / "warmup.jsonl").read_text().splitlines()
     assert json.loads(line)["sft_step"] == 1 and 0 < json.loads(line)["loss"] < math.inf
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [0]
@@ -140,7 +142,9 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     assert sync["sync/layers_mismatched"] == 0.0
     assert sync["sync/layers_checked"] == 2 * len(warmed)  # every weight, on each of 2 generators
 
-    row = rl_step(spec, task, tok, actors, 1)
+    outcome = RlLoop(ctx, 1).step(1)
+    assert outcome.fault is None and outcome.row is not None
+    row = outcome.row
     assert set(row) == set(StepMetrics.__required_keys__) and row["step"] == 1
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in row.values()), row
 
@@ -166,7 +170,7 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     assert_generators_hold(actors, trained)
 
     # validation: one response per held-out problem, shared out between the generators
-    val = validate(spec, task, tok, actors, 1)
+    val = validate(ctx, 1)
     vouts = actors.generated[-1]
     assert sum(len(o.rollouts.response_ids) for o in vouts) == len(task.validation_problems()) == 4
     vrewards = decoded_scores(tok, concat_rollouts([o.rollouts for o in vouts], tok.pad_id))
@@ -194,7 +198,9 @@ import sys
 from rljob import parse_spec
 from tests import helpers
 from tests.workers.inprocess_actors import Done, InProcessActors
-from workers.rl_step import rl_step, sync_weights
+from workers.rl_loop import RlLoop
+from workers.rl_step import sync_weights
+from workers.step_protocol import StepContext
 from workers.validation import validate
 from workers.tasks import Task
 from workers.tokenizer import build_tokenizer
@@ -204,8 +210,9 @@ tok = build_tokenizer(spec)
 task = Task.for_job(spec, tok)
 actors = InProcessActors(spec, tok)
 sync_weights(actors)
-row = rl_step(spec, task, tok, actors, 1)
-validate(spec, task, tok, actors, 1)
+ctx = StepContext(spec, task, tok, actors)
+row = RlLoop(ctx, 1).step(1).row
+validate(ctx, 1)
 print(row["step"], "ray" in sys.modules)
 """
     root = Path(__file__).resolve().parents[2]

@@ -1,8 +1,9 @@
-"""Asynchronous RL (``rollout.max_staleness``) in one process, without Ray: policy versions, the
-staleness bound, the refusal of a batch older than the bound, and k = 0 as today's loop.
+"""The RL loop (``rollout.max_staleness`` = k) in one process, without Ray: policy versions, the
+staleness bound, the refusal of a batch older than the bound, k = 0 as the synchronous loop, and a
+fault returned with the step as far as it got.
 
 The expected order of the actors' calls and each batch's lag are worked out by hand from the
-design (workers/async_rl.py's docstring); versions are counted here from the weight syncs the
+design (workers/rl_loop.py's docstring); versions are counted here from the weight syncs the
 actors saw, not read from the loop.
 """
 
@@ -20,11 +21,12 @@ from tests.helpers import ONE_DIGIT_SUMS
 from tests.workers.inprocess_actors import Done, InProcessActors
 from tests.workers.test_rl_step import ByteSumTask, byte_sum_score
 from workers.algo.mismatch import mismatch_metrics
-from workers.async_rl import AsyncLoop, busy_overlap
 from workers.engines.batching import concat_rollouts
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.rl_step import Batch, rl_step, step_seed, sync_weights
-from workers.step_protocol import Generated, WeightTransfer
+from workers.faults import ActorFault
+from workers.rl_loop import RlLoop, StepOutcome, busy_overlap
+from workers.rl_step import Batch, step_seed, sync_weights
+from workers.step_protocol import Generated, StepContext, WeightTransfer
 from workers.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -76,6 +78,12 @@ class LoggingActors(InProcessActors):
         return super().send_and_receive_weights()
 
 
+def line_of(outcome: StepOutcome) -> dict[str, float]:
+    """The line of a step that ended without a fault."""
+    assert outcome.fault is None and outcome.row is not None, outcome.fault
+    return dict(outcome.row)  # type: ignore[arg-type]
+
+
 def setup(k: int, steps: int = 3) -> tuple[JobSpec, ByteSumTask, Tokenizer, LoggingActors]:
     spec = async_spec(k, steps)
     task, tok = ByteSumTask(spec.task, spec.validation.size), build_tokenizer(spec)
@@ -95,15 +103,15 @@ def setup(k: int, steps: int = 3) -> tuple[JobSpec, ByteSumTask, Tokenizer, Logg
 )
 def test_versions_and_the_bound(k: int, events: str, lags: list[int]) -> None:
     spec, task, tok, actors = setup(k)
-    loop = AsyncLoop(spec, task, tok, actors, 1)
-    rows = [loop.step(s) for s in (1, 2, 3)]
+    loop = RlLoop(StepContext(spec, task, tok, actors), 1)
+    rows = [line_of(loop.step(s)) for s in (1, 2, 3)]
     assert " ".join(actors.events) == events
     for s, row in enumerate(rows, start=1):
         lag = (s - 1) - actors.version_of[s]  # step s trains from v_{s-1}
         assert lag == lags[s - 1] <= k
         assert row["staleness/mean"] == row["staleness/max"] == lag
         assert row["staleness/dropped_batches"] == 0.0
-        assert all(math.isfinite(float(v)) for v in row.values())  # type: ignore[arg-type]
+        assert all(math.isfinite(float(v)) for v in row.values())
         # the trainer trained on exactly the rollouts generated for step s
         batch = concat_rollouts([o.rollouts for o in actors.generated[s]], tok.pad_id)
         assert torch.equal(actors.trained[s - 1].response_ids, batch.response_ids)
@@ -124,13 +132,13 @@ def test_a_batch_older_than_the_bound_is_never_trained_on() -> None:
     spec, task, tok, actors = setup(1)
     for _ in range(2):  # two more syncs: the generators hold v2, as after step 2
         sync_weights(actors)
-    loop = AsyncLoop(spec, task, tok, actors, 3)
+    loop = RlLoop(StepContext(spec, task, tok, actors), 3)
     stale_rollouts = actors.generators[0].generate([tok.encode("1+2=")] * 8, 3, 1.0, 1.0, 7)
     stale_rollouts.response_ids.fill_(tok.eos_id)  # a pattern no sampled batch holds
     stale = Generated(stale_rollouts, 0, 0, 0.0, 0.0)
     loop.queue.append(Batch(3, 0, [], Done([stale])))
     loop.next_step = 4  # the stale batch stands for step 3
-    row = loop.step(3)
+    row = line_of(loop.step(3))
     assert row["staleness/dropped_batches"] == 1.0 and loop.dropped == 1
     assert row["staleness/max"] == 0.0  # regenerated with the newest weights: lag 0
     assert actors.events[-3:] == ["gen3", "train", "sync"] and actors.version_of[3] == 2
@@ -141,9 +149,9 @@ def test_a_batch_older_than_the_bound_is_never_trained_on() -> None:
 
 
 def test_max_staleness_0_is_todays_loop(tmp_path: Path) -> None:
-    """k = 0 runs ``rl_step``: its rows hold today's keys only, and its values are those of the
-    synchronous loop written out here (generate, score, train, sync) on a second pair of actors
-    from the same seed."""
+    """k = 0 of the one loop: its rows hold the synchronous keys only, and its values are bit for
+    bit those of the synchronous loop written out here (generate, score, train, sync) on a second
+    pair of actors from the same seed."""
     spec = async_spec(0)
     task, tok = ByteSumTask(spec.task, spec.validation.size), build_tokenizer(spec)
     a, b = InProcessActors(spec, tok), InProcessActors(spec, tok)
@@ -151,8 +159,9 @@ def test_max_staleness_0_is_todays_loop(tmp_path: Path) -> None:
     b.send_and_receive_weights()
     isc = spec.algorithm.importance_sampling
     r = spec.rollout
+    loop = RlLoop(StepContext(spec, task, tok, a), 1)
     for step in (1, 2, 3):
-        row = rl_step(spec, task, tok, a, step)
+        row = line_of(loop.step(step))
         assert not any(k.startswith(("staleness/", "mismatch_lag0/")) or k == "timing/overlap_s" for k in row)
         problems = [p for p in task.sample(step, r.prompts_per_step, r.seed) for _ in range(r.group_size)]
         prompts = [tok.encode(task.prompt(p)) for p in problems]
@@ -175,7 +184,7 @@ def test_max_staleness_0_is_todays_loop(tmp_path: Path) -> None:
             ),
             **{k: v for k, v in res.stats.items() if k != "train/tokens"},
         }
-        assert {k: row[k] for k in expected} == expected, step  # type: ignore[literal-required]
+        assert {k: row[k] for k in expected} == expected, step
 
 
 def test_busy_overlap_is_the_union_of_the_generators_spans_within_training() -> None:
@@ -187,7 +196,52 @@ def test_busy_overlap_is_the_union_of_the_generators_spans_within_training() -> 
     assert busy_overlap((10.0, 20.0), [gen(0, 10), gen(20, 30)]) == 0.0
 
 
-def test_the_loop_refuses_k_0() -> None:
+def test_k_0_asks_for_each_batch_only_after_the_last_sync() -> None:
+    """Synchronous RL is k = 0 of the same loop: worked by hand, batch s is asked for once v_{s-1}
+    is synced, so generation never overlaps training and every batch is trained at lag 0."""
     spec, task, tok, actors = setup(0)
-    with pytest.raises(ValueError, match="max_staleness >= 1"):
-        AsyncLoop(spec, task, tok, actors, 1)
+    loop = RlLoop(StepContext(spec, task, tok, actors), 1)
+    for s in (1, 2, 3):
+        line_of(loop.step(s))
+    assert " ".join(actors.events) == "sync gen1 train sync gen2 train sync gen3 train sync"
+    assert [actors.version_of[s] for s in (1, 2, 3)] == [0, 1, 2]
+
+
+class FailingSync(LoggingActors):
+    """Actors whose generator 0 is lost in the weight sync numbered ``bad`` (the first is 0)."""
+
+    bad = 1
+
+    def send_and_receive_weights(self) -> WeightTransfer:
+        if self.syncs == self.bad:
+            self.syncs += 1
+            raise ActorFault("generator", 0, "died", "receive_weights")
+        return super().send_and_receive_weights()
+
+
+class FailingGenerate(LoggingActors):
+    def start_generate(
+        self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
+    ) -> Done:
+        raise ActorFault("generator", 0, "died", "generate")
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_fault_comes_back_with_the_step_as_far_as_it_got(k: int) -> None:
+    """A generator lost in the sync after step 1's update: the outcome holds the fault and step 1's
+    trained line (its reward, no sync keys), so recovery does not train it twice. Lost while
+    generating: the fault, and no line (the step is not trained)."""
+    spec = async_spec(k)
+    task, tok = ByteSumTask(spec.task, spec.validation.size), build_tokenizer(spec)
+    actors = FailingSync(spec, tok)
+    sync_weights(actors)  # sync 0 (version 0)
+    out = RlLoop(StepContext(spec, task, tok, actors), 1).step(1)
+    assert isinstance(out.fault, ActorFault) and out.fault.call == "receive_weights" and out.step == 1
+    assert out.row is not None and actors.events.count("train") == 1
+    row: dict[str, float] = dict(out.row)  # type: ignore[arg-type]
+    assert 0.0 <= row["reward/mean"] <= 1.0 and "weight_sync/bytes" not in row
+    lost = FailingGenerate(spec, tok)
+    sync_weights(lost)
+    out = RlLoop(StepContext(spec, task, tok, lost), 1).step(1)
+    assert out == StepOutcome(1, None, out.fault) and isinstance(out.fault, ActorFault)
+    assert "train" not in lost.events
