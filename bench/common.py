@@ -14,7 +14,10 @@ from rljob.spec import JobSpec, load_spec, parse_spec
 T = TypeVar("T")
 
 # Models by size (random init, byte tokenizer: no download). "tiny" is the CPU example's policy;
-# "1b" has ~1.0B parameters (16 layers, hidden 2048, MLP 8192, GQA 16/8 heads).
+# "1b" has ~1.0B parameters (16 layers, hidden 2048, MLP 8192, GQA 16/8 heads); "8b-4l" has the
+# layers of an 8B model (hidden 4096, MLP 14336, GQA 32/8 heads, as Llama-3-8B) but only 4 of them
+# (~1.1B parameters with its vocabulary), so that it fits one GPU and a short run: where FP8's GEMM
+# gain can show in training and decode (docs/gpu-checks.md).
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": {
         "hidden_size": 128,
@@ -37,12 +40,19 @@ MODELS: dict[str, dict[str, Any]] = {
         "num_heads": 16,
         "num_kv_heads": 8,
     },
+    "8b-4l": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_layers": 4,
+        "num_heads": 32,
+        "num_kv_heads": 8,
+    },
 }
 
 
 # Vocabulary of each preset: the byte tokenizer's ids are all a benchmark feeds, but a real
 # model's output layer and sampling cover ~32k-150k tokens, which the GPU numbers must include.
-VOCAB: dict[str, int] = {"100m": 32768, "1b": 32768}
+VOCAB: dict[str, int] = {"100m": 32768, "1b": 32768, "8b-4l": 32768}
 
 
 def vocab_size(model: str, tokenizer_vocab: int) -> int:

@@ -5,12 +5,13 @@
 #
 #   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
 #
-# part 1 (about 4 minutes on an H100/H200): the machine (commit, GPU, versions), the kernel probe,
+# part 1 (about 2 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
 # pytest -m gpu with the Triton switches off and then on, the kernel microbenchmark and the host
 # overhead of one linear.
 # part 2 (about 6 minutes): bench rollout of the 1B preset with the graph loop and the Triton decode
-# attention, 1024 sequences x 256 new tokens, BF16 and FP8 weights, BF16 and E4M3 KV; then one
-# 1B training step per recipe.
+# attention, 1024 sequences x 256 new tokens, BF16 and FP8 weights, BF16 and E4M3 KV; the same at
+# 64 sequences x 2048 tokens with the fused E4M3 KV write; bench fp8 (train) on the 8B-shaped
+# layers at 4096 tokens; then one training step per recipe of the 1B and the 8b-4l presets.
 # Without a part, both run (about 10 minutes: one call of a 15-minute lease).
 set -u
 dir=${1:?usage: bench/gpu_session.sh DIR [1|2]}
@@ -25,16 +26,25 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
     stamp "part 1: machine, probe, pytest (Triton switches off), kernels, overhead"
     $py -m bench.gpu_check --quick --out "$dir/check.md" \
         --sections machine,probe,plan,pytest,kernels,overhead >>"$dir/session.log" 2>&1
-    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton"
-    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton \
+    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton"
+    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton \
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench rollout 1b, 1024 x 256, graph-triton"
     $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 1024 --new-tokens 256 \
         --repeat 1 --decode graph-triton >"$dir/rollout-1b-1024.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, the fused E4M3 KV write (FP8RL_KV_WRITE=triton)"
+    FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 64 \
+        --new-tokens 2048 --repeat 1 --decode graph-triton >"$dir/rollout-1b-64x2048-kvwrite.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench fp8, forward + backward of the 8B-shaped layers at 4096 tokens"
+    $py -m fp8rl.cli bench fp8 --shapes 4096x4096x14336,4096x14336x4096 --mode train --device cuda \
+        >"$dir/fp8-train-8b-layers.txt" 2>>"$dir/session.log"
     stamp "part 2: bench step 1b"
     $py -m fp8rl.cli bench step --model 1b --device cuda --prompts 64 --group-size 8 \
         --new-tokens 64 --steps 1 --no-baseline >"$dir/step-1b.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench step 8b-4l (8B-shaped layers, 4 of them)"
+    $py -m fp8rl.cli bench step --model 8b-4l --device cuda --prompts 32 --group-size 8 \
+        --new-tokens 64 --steps 1 --no-baseline >"$dir/step-8b-4l.txt" 2>>"$dir/session.log"
 fi
 stamp "done"

@@ -15,6 +15,10 @@ and ``graph-triton`` (the same with the Triton decode attention, ``FP8RL_DECODE_
 Each variant's ratio is against BF16 weights and BF16 KV with the same decode loop; with both
 loops, ``graph/eager`` compares each variant with its own eager run. The warm-up call has the
 timed calls' shape, so a graph is captured before the timing starts.
+
+Decode apart from prefill: each variant also times a call of one new token (the prefill, the KV
+scales' calibration of an FP8 cache, the first sample; its own warm-up first), and ``decode ms``
+is ``(seconds - that) / (new_tokens - 1)``: the time of one decode step of the whole batch.
 """
 
 from __future__ import annotations
@@ -49,10 +53,19 @@ class RolloutRow:
     kv_bytes: int
     weight_bytes: int
     vocab: int
+    new_tokens: int = 0  # per sequence
+    prefill_seconds: float = float("nan")  # a call of one new token (module docstring)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def decode_ms(self) -> float:
+        """Milliseconds per decode step of the batch, prefill left out (NaN below 2 new tokens)."""
+        if self.new_tokens < 2:
+            return float("nan")
+        return (self.seconds - self.prefill_seconds) / (self.new_tokens - 1) * 1e3
 
 
 def run(
@@ -122,9 +135,12 @@ def _variant(
         out, seconds = timed(dev, partial(gen.generate, texts, new_tokens, 1.0, 1.0, r))
         times.append(seconds)
         tokens = int(out.response_mask.sum())
+    kv_bytes = gen.kv_cache_bytes  # of the full-length calls
+    gen.generate(texts, 1, 1.0, 1.0, 0)  # warm-up of the one-token call (its own graph)
+    prefill = [timed(dev, partial(gen.generate, texts, 1, 1.0, 1.0, r))[1] for r in range(repeat)]
     row = RolloutRow(
         weights, "fp8" if fp8_kv else "bf16", decode, statistics.median(times), tokens,
-        gen.kv_cache_bytes, gen.weight_bytes, vocab,
+        kv_bytes, gen.weight_bytes, vocab, new_tokens, statistics.median(prefill),
     )  # fmt: skip
     if dev.type == "cuda":
         del gen
@@ -147,21 +163,27 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 def format_table(device: str, rows: list[RolloutRow], model: str) -> str:
     """``vs bf16``: against BF16 weights and KV with the same decode loop; ``graph/eager``: a graph
-    row against the same variant's eager row."""
+    row against the same variant's eager row; ``decode ms``: one decode step, prefill left out,
+    and ``decode vs bf16`` its ratio to BF16's (above 1: faster)."""
     base = {r.decode: r.tokens_per_s for r in rows if (r.weights, r.kv_cache) == ("bf16", "bf16")}
+    base_decode = {r.decode: r.decode_ms for r in rows if (r.weights, r.kv_cache) == ("bf16", "bf16")}
     eager = {(r.weights, r.kv_cache): r.tokens_per_s for r in rows if r.decode == "eager"}
     lines = [
         f"device: {device}   model: {model} (vocabulary {rows[0].vocab if rows else '-'})",
         f"{'weights':<8} {'kv cache':<9} {'decode':<12} {'tokens':>8} {'seconds':>9} {'tokens/s':>10} "
-        f"{'vs bf16':>8} {'graph/eager':>12} {'KV MiB':>9} {'weights MiB':>12}",
+        f"{'vs bf16':>8} {'graph/eager':>12} {'KV MiB':>9} {'weights MiB':>12} {'decode ms':>10} "
+        f"{'decode vs bf16':>15}",
     ]
     for r in rows:
         vs = f"{r.tokens_per_s / base[r.decode]:>7.2f}x" if r.decode in base else f"{'-':>8}"
         e = eager.get((r.weights, r.kv_cache))
         ge = f"{r.tokens_per_s / e:>11.2f}x" if r.decode != "eager" and e else f"{'-':>12}"
+        d = base_decode.get(r.decode, float("nan")) / r.decode_ms if r.decode_ms > 0 else float("nan")
+        dvs = f"{d:>14.2f}x" if d == d else f"{'-':>15}"  # NaN: no decode time
         lines.append(
             f"{r.weights:<8} {r.kv_cache:<9} {r.decode:<12} {r.tokens:>8} {r.seconds:>9.3f} "
-            f"{r.tokens_per_s:>10.1f} {vs} {ge} {r.kv_bytes / 2**20:>9.2f} {r.weight_bytes / 2**20:>12.2f}"
+            f"{r.tokens_per_s:>10.1f} {vs} {ge} {r.kv_bytes / 2**20:>9.2f} {r.weight_bytes / 2**20:>12.2f} "
+            f"{r.decode_ms:>10.3f} {dvs}"
         )
     return "\n".join(lines)
 

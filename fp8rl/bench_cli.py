@@ -69,7 +69,12 @@ def _echo_report(make: Callable[[], str]) -> None:
     typer.echo(table)
 
 
-ModelOpt = Annotated[str, typer.Option(help="tiny (the CPU example's policy) | 100m | 1b (random init)")]
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        help="tiny (the CPU example's policy) | 100m | 1b | 8b-4l (8B-shaped layers, 4 of them; random init)"
+    ),
+]
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 CheckpointOpt = Annotated[
     Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
@@ -202,8 +207,8 @@ def bench_step(
     model: Annotated[
         str,
         typer.Option(
-            help="tiny | 100m | 1b (random init, byte prompts) | smollm2 (SmolLM2-135M-Instruct, fetched "
-            "if needed) or a Hugging Face directory: examples/smollm2-addition.yaml's task and batch"
+            help="tiny | 100m | 1b | 8b-4l (random init, byte prompts) | smollm2 (SmolLM2-135M-Instruct, "
+            "fetched if needed) or a Hugging Face directory: examples/smollm2-addition.yaml's task and batch"
         ),
     ] = "tiny",
     device: DeviceOpt = "auto",
@@ -247,7 +252,7 @@ def bench_step(
 @bench_app.command("sync")
 def bench_sync(
     model: Annotated[
-        str, typer.Option(help="tiny | 100m | 1b (random init) | smollm2 or a Hugging Face directory")
+        str, typer.Option(help="tiny | 100m | 1b | 8b-4l (random init) | smollm2 or a Hugging Face directory")
     ] = "tiny",
     device: DeviceOpt = "auto",
     repeat: Annotated[int, typer.Option(help="timed syncs per payload (median)")] = 3,

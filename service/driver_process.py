@@ -38,10 +38,10 @@ DRIVER_ENV_NAMES = frozenset(
         *("VIRTUAL_ENV", "LD_LIBRARY_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE"),
         "XDG_CACHE_HOME",
         # the driver's own switches (workers/: model_store, fp8/dispatch, fp8/quant, ray_cluster,
-        # engines/native/decode_attention, fp8/linear_gemm, engines/models), held to this list by
-        # a test
+        # engines/native/decode_attention, engines/native/static_decode, fp8/linear_gemm,
+        # engines/models), held to this list by a test
         *("FP8RL_HOME", "FP8RL_CUBLAS_BLOCKWISE", "FP8RL_DECODE_ATTENTION", "FP8RL_SMALL_M_GEMM"),
-        *("FP8RL_TRITON", "FP8RL_RAY_GROUPS", "FP8RL_CPU_BF16_GEMM"),
+        *("FP8RL_TRITON", "FP8RL_RAY_GROUPS", "FP8RL_CPU_BF16_GEMM", "FP8RL_KV_WRITE"),
         # Hugging Face: where models are and whether to go online (never HF_TOKEN: see below)
         *("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"),
     }

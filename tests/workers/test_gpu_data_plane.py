@@ -331,3 +331,26 @@ def test_graph_decode_greedy_matches_eager_decode() -> None:
     # broken decoding (stale cache, wrong mask or position) agrees on ~none of them
     assert float(same[:, 0].float().mean()) >= 0.9 and float(same.float().mean()) > 0.6
     torch.testing.assert_close(g[2][same], e[2][same], rtol=0, atol=0.02)
+
+
+@pytest.mark.parametrize("scale", [2.0**-3, 0.3, 7.0])
+def test_fused_kv_write_is_the_torch_write_bit_for_bit(seed: int, scale: float) -> None:
+    """``FP8RL_KV_WRITE=triton``'s kernel against the static cache's torch path (quantize with the
+    scale, index_copy_) on random K of five decades, a strided [B, H, 1, D] view, powers of two and
+    other scales; only the position written changes, and no host sync."""
+    from workers.fp8.kv_cache import quantize_kv
+    from workers.fp8.triton_kv import write_kv
+
+    b, h, d, length, pos = 5, 4, 128, 33, 17
+    x = (torch.randn(b, 1, h, d, device="cuda") * torch.logspace(-2, 3, d, device="cuda")).to(torch.bfloat16)
+    x = x.transpose(1, 2)  # [B, H, 1, D], as attention hands it over
+    s = torch.tensor(scale, device="cuda")
+    buf = torch.full((b, h, length, d), 0x55, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    at = torch.tensor([pos], device="cuda")
+    with no_host_sync():
+        write_kv(x, s, at, buf, 448.0)
+    want = quantize_kv(x, s).data[:, :, 0]
+    assert torch.equal(buf[:, :, pos].view(torch.uint8), want.view(torch.uint8))
+    others = torch.ones(length, dtype=torch.bool)
+    others[pos] = False
+    assert bool((buf[:, :, others].view(torch.uint8) == 0x55).all())

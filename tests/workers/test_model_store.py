@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from workers import model_store
+from workers import gguf_file, model_store
 from workers.model_store import KNOWN_MODELS, MARKER, KnownModel, ModelStoreError
 
 SMOL = "smollm2-135m-instruct"
@@ -219,7 +219,7 @@ def test_gguf_metadata_reads_what_the_gguf_writer_wrote(tmp_path: Path) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    assert model_store.gguf_metadata(path) == {
+    assert gguf_file.gguf_metadata(path) == {
         "general.architecture": "llama",
         "tokenizer.ggml.eos_token_id": 1,
         "llama.rope.freq_base": 10000.0,
@@ -233,12 +233,10 @@ def test_gguf_metadata_reads_what_the_gguf_writer_wrote(tmp_path: Path) -> None:
 def test_weights_note_names_the_gguf_file_type() -> None:
     """general.file_type codes of the GGUF spec (llama.cpp's LLAMA_FTYPE): 3 is MOSTLY_Q4_1,
     1 MOSTLY_F16, 0 ALL_F32."""
-    assert model_store._weights_note({"general.file_type": 3}).startswith(
-        "Q4_1 dequantized: not bit-identical"
-    )
-    assert model_store._weights_note({"general.file_type": 1}).startswith("F16 widened to float32")
-    assert model_store._weights_note({"general.file_type": 0}).startswith("ALL_F32 widened to float32")
-    assert model_store._weights_note({}).startswith("unknown dequantized")
+    assert gguf_file.weights_note({"general.file_type": 3}).startswith("Q4_1 dequantized: not bit-identical")
+    assert gguf_file.weights_note({"general.file_type": 1}).startswith("F16 widened to float32")
+    assert gguf_file.weights_note({"general.file_type": 0}).startswith("ALL_F32 widened to float32")
+    assert gguf_file.weights_note({}).startswith("unknown dequantized")
 
 
 def test_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

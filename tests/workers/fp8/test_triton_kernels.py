@@ -29,7 +29,7 @@ def test_kernels_under_the_interpreter() -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 5
+    assert out.stdout.count("ok ") == 6
 
 
 COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}
@@ -138,3 +138,35 @@ def test_the_small_m_switch_says_once_per_cause_why_it_falls_back(
         m.endswith(": the dispatch's GEMM (workers.fp8.dispatch.plan_gemm) runs instead")
         for m in (on_cpu, no_triton)
     )
+
+
+def test_the_kv_write_compiles_for_sm90_to_byte_stores_without_spilling() -> None:
+    from workers.fp8 import triton_kv
+
+    sig = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "pos_ptr": "*i64", "buf_ptr": "*fp8e4nv"}
+    sig |= dict.fromkeys(("rows", "heads", "dim", "length", "stride_b", "stride_h", "stride_d"), "i32")
+    consts = {"FMT_MAX": 448.0, "E4M3": True, "BLOCK_R": 16, "BLOCK_D": 128}
+    ptx = compile_sm90(triton_kv._write_kv, sig, consts)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "not the hardware's round-to-nearest E4M3 cast"
+    assert "div.rn.f32" in ptx and "st.local" not in ptx
+
+
+def test_the_kv_write_switch_is_off_by_default_and_checked(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from workers.engines.native.static_decode import fused_kv_write
+    from workers.fp8 import dispatch
+
+    monkeypatch.delenv("FP8RL_KV_WRITE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not fused_kv_write(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_KV_WRITE", "fused")
+    with pytest.raises(ValueError, match="FP8RL_KV_WRITE='fused'"):
+        fused_kv_write(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_KV_WRITE", "triton")
+    dispatch._warn_fallback.cache_clear()
+    caplog.set_level(logging.WARNING, logger=dispatch.__name__)
+    assert not fused_kv_write(torch.device("cpu"))
+    (said,) = [r.getMessage() for r in caplog.records if "FP8RL_KV_WRITE" in r.getMessage()]
+    assert said.startswith("FP8RL_KV_WRITE=triton is set, but the tensors are on the CPU")
+    assert said.endswith("the torch KV-cache write runs instead")

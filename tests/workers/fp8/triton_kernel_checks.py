@@ -224,12 +224,57 @@ def fp8_linear_takes_the_small_m_gemm_when_asked() -> None:
         raise AssertionError("a NaN input went through the small-M GEMM unreported")
 
 
+def kv_write_is_the_torch_write() -> None:
+    """The fused decode KV write against the static cache's torch path (quantize, index_copy_),
+    through StaticKvCache itself, on values that are E4M3 numbers times the scale (and beyond 448
+    x scale: saturated): no rounding is involved, so the bytes must be equal. (The interpreter's
+    FP8 cast mishandles a rounding that carries into the exponent, 31 -> 16 where 32 is right, so
+    rounded values are compared on a GPU: test_gpu_data_plane.) Only position ``pos`` of every row
+    is written (a poisoned cache shows any other), and a strided input (K as attention makes it,
+    [B, H, 1, D] from a transposed projection) reads right."""
+    from workers.engines.native.static_decode import StaticKvCache
+
+    g = torch.Generator().manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)]  # every E4M3 number
+    for pos in (6, 0, 9):
+        b, h, d, length = 3, 2, 72, 10  # D not a power of two: a masked column tail
+        caches = {}
+        for fused in (False, True):
+            os.environ["FP8RL_KV_WRITE"] = "triton" if fused else "torch"
+            cache = StaticKvCache(1, b, h, d, length, torch.bfloat16, torch.device("cpu"), fp8=True)
+            assert cache.fused_write == fused
+            for buf in (*cache.k, *cache.v):
+                buf.view(torch.uint8).fill_(0x55)  # poison
+            cache.k_scale.fill_(2.0**-3)
+            cache.v_scale.fill_(2.0**4)
+            caches[fused] = cache
+        k = grid[torch.randint(len(grid), (b, 1, h, d), generator=g)] * 2.0**-3
+        v = grid[torch.randint(len(grid), (b, 1, h, d), generator=g)] * 2.0**4
+        k[0, 0, 0, :4] = torch.tensor([1e4, -1e4, 56.0, -57.0])  # past 448 x 2^-3 = 56: saturated
+        # [B, H, 1, D], strided
+        k, v = k.to(torch.bfloat16).transpose(1, 2), v.to(torch.bfloat16).transpose(1, 2)
+        for cache in caches.values():
+            cache.decoding = True
+            cache.index.fill_(pos)
+            cache.update(k, v, 0)
+        plain, fused_cache = caches[False], caches[True]
+        for torch_buf, fused_buf in ((plain.k[0], fused_cache.k[0]), (plain.v[0], fused_cache.v[0])):
+            others = torch.ones(length, dtype=torch.bool)
+            others[pos] = False
+            assert bool((fused_buf[:, :, others].view(torch.uint8) == 0x55).all()), "wrote outside pos"
+            got, want = fused_buf[:, :, pos], torch_buf[:, :, pos]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), pos
+    os.environ.pop("FP8RL_KV_WRITE")
+
+
 CHECKS = (
     grouped_weight_pass_is_the_quantizer,
     dual_layout_pass_writes_the_two_calls_bytes_and_scales,
     the_guard_is_touched_only_by_a_non_finite_tile,
     small_m_gemm_is_the_quantized_product,
     fp8_linear_takes_the_small_m_gemm_when_asked,
+    kv_write_is_the_torch_write,
 )
 
 if __name__ == "__main__":

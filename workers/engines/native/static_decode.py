@@ -49,6 +49,18 @@ from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, quantize_kv
 PROMPT_MULTIPLE = 16  # prompts are left-padded to a multiple of this: fewer distinct graph shapes
 
 
+E4M3_MAX = 448.0  # the cache's format (torch.float8_e4m3fn) saturates here
+
+
+def fused_kv_write(device: torch.device) -> bool:
+    """``FP8RL_KV_WRITE``: ``torch`` (default: quantize, then ``index_copy_``) or ``triton`` (one
+    launch per K or V per layer and step, :mod:`workers.fp8.triton_kv`; CUDA, or the CPU under
+    Triton's interpreter). Asked for where it cannot run, it logs why once and the torch path runs."""
+    from workers.fp8.dispatch import triton_switch
+
+    return triton_switch("FP8RL_KV_WRITE", "torch", "triton", device, "the torch KV-cache write")
+
+
 class StaticKvCache(DynamicCache):
     """K and V of every layer in preallocated ``[B, H_kv, T, D]`` buffers, written in place.
 
@@ -84,6 +96,8 @@ class StaticKvCache(DynamicCache):
         self.calibrator = KvScaleCalibrator(num_layers) if fp8 else None
         self.fixed = False  # scales set by use_scales (else calibrated on each prefill)
         self.raw = False  # decode: return the stored buffers as they are (the Triton attention reads them)
+        # FP8RL_KV_WRITE=triton: each decode write in one Triton launch (workers.fp8.triton_kv)
+        self.fused_write = fp8 and fused_kv_write(device)
         self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
 
@@ -130,6 +144,11 @@ class StaticKvCache(DynamicCache):
                 self._read(v_buf[:, :, :p], self.v_scale[layer_idx]),
             )
         for buf, x, scale in ((k_buf, key_states, self.k_scale), (v_buf, value_states, self.v_scale)):
+            if self.fused_write:
+                from workers.fp8.triton_kv import write_kv
+
+                write_kv(x, scale[layer_idx], self.index, buf, E4M3_MAX)
+                continue
             new = self._store(x, scale[layer_idx])
             if self.fp8:  # index_copy_ has no FP8 kernel on every device: copy the bytes
                 buf, new = buf.view(torch.uint8), new.view(torch.uint8)
