@@ -222,14 +222,13 @@ class JobRun:
 
     # -- recovery ----------------------------------------------------------------------------------
     def recover(
-        self, fault: ActorFault, step: int, row: AsyncStepMetrics | None
+        self, fault: ActorFault, step: int, trained: AsyncStepMetrics | None
     ) -> tuple[int, AsyncStepMetrics | None]:
-        """Recover from ``fault`` in step ``step`` (``row``: the step's line if it was trained
+        """Recover from ``fault`` in step ``step`` (``trained``: the step's line if it was trained
         before the fault, :class:`~workers.rl_loop.StepOutcome`); returns the step to go on with
         and its line if it is trained. A fault while recovering counts too, and is recovered from
         in turn."""
         t0, handled = time.monotonic(), list[ActorFault]()
-        trained = row
         snapshot: Path | None = None  # the trainers' state, once saved
         while True:
             try:

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.fp8.formats import get_format
 from workers.fp8.triton_quant import to_fp8
 
 
@@ -57,12 +58,11 @@ def _write_kv(
     tl.store(dst, q8, mask=inside)
 
 
-def write_kv(
-    x: torch.Tensor, scale: torch.Tensor, pos: torch.Tensor, buf: torch.Tensor, fmt_max: float
-) -> None:
+def write_kv(x: torch.Tensor, scale: torch.Tensor, pos: torch.Tensor, buf: torch.Tensor) -> None:
     """Store ``x [B, H, 1, D]`` (any strides) quantized with the 0-d float32 ``scale`` into the
-    contiguous FP8 cache ``buf [B, H, T, D]`` at position ``pos`` (a 1-element integer tensor on
-    the device; one position for every row, as the static decode loop writes)."""
+    contiguous FP8 cache ``buf [B, H, T, D]`` (its dtype is the format) at position ``pos`` (a
+    1-element integer tensor on the device; one position for every row, as the static decode loop
+    writes)."""
     bsz, heads, new, dim = x.shape
     if new != 1 or tuple(buf.shape[:2]) != (bsz, heads) or buf.shape[3] != dim:
         raise ValueError(
@@ -70,6 +70,7 @@ def write_kv(
         )
     if not buf.is_contiguous() or buf.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"write_kv: the cache must be a contiguous FP8 tensor, got {buf.dtype}")
+    fmt = get_format(buf.dtype)
     rows = bsz * heads
     if rows == 0:
         return
@@ -87,8 +88,8 @@ def write_kv(
         x.stride(0),
         x.stride(1),
         x.stride(3),
-        FMT_MAX=fmt_max,
-        E4M3=buf.dtype == torch.float8_e4m3fn,
+        FMT_MAX=fmt.max,
+        E4M3=fmt.name == "e4m3",
         BLOCK_R=block_r,
         BLOCK_D=triton.next_power_of_2(dim),
     )

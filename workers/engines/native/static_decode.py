@@ -49,9 +49,6 @@ from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, quantize_kv
 PROMPT_MULTIPLE = 16  # prompts are left-padded to a multiple of this: fewer distinct graph shapes
 
 
-E4M3_MAX = 448.0  # the cache's format (torch.float8_e4m3fn) saturates here
-
-
 def fused_kv_write(device: torch.device) -> bool:
     """``FP8RL_KV_WRITE``: ``torch`` (default: quantize, then ``index_copy_``) or ``triton`` (one
     launch per K or V per layer and step, :mod:`workers.fp8.triton_kv`; CUDA, or the CPU under
@@ -147,7 +144,7 @@ class StaticKvCache(DynamicCache):
             if self.fused_write:
                 from workers.fp8.triton_kv import write_kv
 
-                write_kv(x, scale[layer_idx], self.index, buf, E4M3_MAX)
+                write_kv(x, scale[layer_idx], self.index, buf)
                 continue
             new = self._store(x, scale[layer_idx])
             if self.fp8:  # index_copy_ has no FP8 kernel on every device: copy the bytes
