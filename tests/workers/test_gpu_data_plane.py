@@ -354,3 +354,22 @@ def test_fused_kv_write_is_the_torch_write_bit_for_bit(seed: int, scale: float) 
     others = torch.ones(length, dtype=torch.bool)
     others[pos] = False
     assert bool((buf[:, :, others].view(torch.uint8) == 0x55).all())
+
+
+def test_a_random_init_model_is_built_on_the_gpu_with_the_hosts_rope() -> None:
+    from workers.engines.models import build_policy
+
+    s = spec("bf16")
+    a = build_policy(s, TOK.vocab_size, torch.float32, "cuda")
+    b = build_policy(s, TOK.vocab_size, torch.bfloat16, "cuda")
+    host = build_policy(s, TOK.vocab_size, torch.float32, "cpu")
+    assert {p.device.type for p in a.parameters()} == {"cuda"}
+    # same seed, same weights on the GPU (b: a's values rounded to BF16)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        if name.endswith("inv_freq"):
+            continue
+        assert torch.equal(x.to(torch.bfloat16), y), name
+    # the RoPE frequencies are the host's, bit for bit, in both dtypes (trainer and generator agree)
+    want = host.model.rotary_emb.inv_freq
+    assert torch.equal(a.model.rotary_emb.inv_freq.cpu(), want)
+    assert torch.equal(b.model.rotary_emb.inv_freq.cpu(), want)

@@ -59,17 +59,31 @@ def model_config(spec: JobSpec, vocab_size: int) -> Any:
 
 
 def build_policy(
-    spec: JobSpec, vocab_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    spec: JobSpec,
+    vocab_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    init_on_host: bool = False,
 ) -> Any:
     """The policy model in ``dtype`` on ``device``, in eval mode (no dropout in RL); built on the
-    row-exact blocks of :mod:`workers.engines.exact` under ``precision.exact``."""
+    row-exact blocks of :mod:`workers.engines.exact` under ``precision.exact``. A random init is
+    drawn on ``device`` (GPU or meta) unless ``init_on_host``."""
     from transformers import AutoModelForCausalLM
 
     if spec.model.name is not None and spec.model.pretrained:
         model = AutoModelForCausalLM.from_pretrained(spec.model.name, dtype=dtype)
     else:
         torch.manual_seed(spec.model.init_seed)
-        model = AutoModelForCausalLM.from_config(model_config(spec, vocab_size))  # type: ignore[no-untyped-call]
+        # On a GPU (or meta) the model is built where it runs: no host initialisation and copy
+        # (~15-20 s for the 1B preset). A GPU draws the weights from its own generator, whose
+        # numbers for a seed depend on the GPU model (its kernels' grid follows the SM count), not
+        # the CPU's. A run syncs the trainer's weights to its generators before the first rollout,
+        # so only the trainer's count; data-parallel trainers, which must start equal on any mix
+        # of GPUs, draw on the host (init_on_host).
+        on_device = torch.device(device).type in ("cuda", "meta") and not init_on_host
+        where = torch.device(device) if on_device else torch.device("cpu")
+        with where:
+            model = AutoModelForCausalLM.from_config(model_config(spec, vocab_size))  # type: ignore[no-untyped-call]
         model = model.to(dtype)
     _float32_rope(model)
     # Eager attention on CPU (for RL's short sequences its backward is ~1.6x faster than SDPA's
@@ -194,7 +208,7 @@ _register_cpu_attention()
 
 
 def _float32_rope(model: nn.Module) -> None:
-    """Give every rotary embedding its float32 inverse frequencies back.
+    """Give every rotary embedding its float32 inverse frequencies back, computed on the host.
 
     ``model.to(bfloat16)`` casts buffers too, and a BF16 ``inv_freq`` is off by up to 2^-9
     relative: at position 100 the angle is off by ~0.2 rad, so a BF16 generator and a float32
@@ -204,8 +218,10 @@ def _float32_rope(model: nn.Module) -> None:
     for module in model.modules():
         inv_freq = getattr(module, "inv_freq", None)
         config = getattr(module, "config", None)
-        if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype == torch.float32 or config is None:
+        if not isinstance(inv_freq, torch.Tensor) or config is None:
             continue
+        if inv_freq.dtype == torch.float32 and inv_freq.device.type == "cpu":
+            continue  # else: cast, or computed on a GPU (whose pow may differ from the host's)
         fresh = type(module)(config)  # built in float32, on the host
         for name, buf in fresh.named_buffers(recurse=False):
             setattr(module, name, buf.to(device=inv_freq.device, dtype=torch.float32))

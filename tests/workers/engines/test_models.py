@@ -174,3 +174,31 @@ def test_compute_params_cast_everything_but_fp8_weights() -> None:
     params["model.embed_tokens.weight"].float().sum().backward()
     assert emb.grad is not None and emb.grad.dtype == torch.float32
     assert math.isclose(float(emb.grad.sum()), emb.numel())
+
+
+def test_a_random_init_model_is_built_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On meta (and a GPU) the model is created under that device, not on the host and copied;
+    on the CPU nothing changes: the same weights as a from_config seeded by hand."""
+    from transformers import AutoModelForCausalLM
+
+    seen: list[torch.device] = []
+    real = AutoModelForCausalLM.from_config
+
+    def recording(config: object) -> object:
+        seen.append(torch.get_default_device())
+        return real(config)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", recording)
+    spec = parse_spec({"model": {"tiny": {"hidden_size": 64, "intermediate_size": 128}}})
+    meta = build_policy(spec, 259, torch.float32, "meta")
+    cpu = build_policy(spec, 259, torch.float32, "cpu")
+    on_host = build_policy(spec, 259, torch.float32, "meta", init_on_host=True)  # data-parallel trainers
+    assert [d.type for d in seen] == ["meta", "cpu", "cpu"]
+    assert {p.device.type for p in on_host.parameters()} == {"meta"}
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    # RoPE frequencies stay the host's float32 ones wherever the model is built
+    assert meta.model.rotary_emb.inv_freq.dtype == torch.float32
+    torch.manual_seed(spec.model.init_seed)
+    reference = real(cpu.config)
+    for (name, got), want in zip(cpu.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name

@@ -105,7 +105,14 @@ class NativeTrainer:
 
     def __init__(self, spec: JobSpec, vocab_size: int, device: str = "cpu", dp_group: Any = None) -> None:
         self.spec, self.device, self.dp_group = spec, torch.device(device), dp_group
-        self.model = build_policy(spec, vocab_size, DTYPES[spec.precision.master_dtype], self.device)
+        # data-parallel replicas start equal by construction: a random init is drawn on the host
+        self.model = build_policy(
+            spec,
+            vocab_size,
+            DTYPES[spec.precision.master_dtype],
+            self.device,
+            init_on_host=dp_group is not None,
+        )
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "trainer")
         # q/k/v and gate/up as one FP8 GEMM each, forward and backward, on a GPU (same bytes,
         # members' own master weights; workers/fp8/fused.py); the CPU keeps one GEMM per layer
