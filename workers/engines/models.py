@@ -70,6 +70,7 @@ def build_policy(
     drawn on ``device`` (GPU or meta) unless ``init_on_host``."""
     from transformers import AutoModelForCausalLM
 
+    dev = torch.device(device)
     if spec.model.name is not None and spec.model.pretrained:
         model = AutoModelForCausalLM.from_pretrained(spec.model.name, dtype=dtype)
     else:
@@ -80,17 +81,16 @@ def build_policy(
         # the CPU's. A run syncs the trainer's weights to its generators before the first rollout,
         # so only the trainer's count; data-parallel trainers, which must start equal on any mix
         # of GPUs, draw on the host (init_on_host).
-        on_device = torch.device(device).type in ("cuda", "meta") and not init_on_host
-        where = torch.device(device) if on_device else torch.device("cpu")
-        with where:
+        on_device = dev.type in ("cuda", "meta") and not init_on_host
+        with dev if on_device else torch.device("cpu"):
             model = AutoModelForCausalLM.from_config(model_config(spec, vocab_size))  # type: ignore[no-untyped-call]
         model = model.to(dtype)
     _float32_rope(model)
     # Eager attention on CPU (for RL's short sequences its backward is ~1.6x faster than SDPA's
     # CPU flash kernel, measured on the example's 2-layer model), with float32 GEMMs on BF16
     # values (cpu_attention); SDPA on GPU.
-    model.config._attn_implementation = "sdpa" if torch.device(device).type == "cuda" else CPU_ATTENTION
-    if torch.device(device).type == "cpu":
+    model.config._attn_implementation = "sdpa" if dev.type == "cuda" else CPU_ATTENTION
+    if dev.type == "cpu":
         for module in model.modules():
             if type(module) is nn.Linear:
                 module.__class__ = CpuBf16Linear  # same parameters and names, another forward
