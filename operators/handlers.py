@@ -14,17 +14,19 @@ progress in the RLJob's annotations under that id.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from typing import Any
 
 import kopf
 
-from operators.builders import MANAGED_BY, RLJOB_LABEL
-from operators.reconcile import Reconciler
+from operators.ownership import MANAGED_BY, RLJOB_LABEL
+from operators.reconcile import CleanupPending, Reconciler
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 
 RLJOB = (rl.GROUP, rl.VERSION, rl.PLURAL)
+CLEANUP_WAIT_S = 300  # how long a deleted RLJob waits for its RayJob and pods to go
 
 
 def _reconciler(memo: kopf.Memo) -> Reconciler:
@@ -47,8 +49,18 @@ def on_rayjob(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _reconciler(memo).reconcile(namespace, owner)
 
 
-def on_delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _reconciler(memo).cleanup(rl.ObjectMeta.of(dict(body)))
+def on_delete(body: kopf.Body, memo: kopf.Memo, runtime: datetime.timedelta, **_: Any) -> None:
+    try:
+        _reconciler(memo).cleanup(dict(body))
+    except CleanupPending as pending:
+        if runtime.total_seconds() < CLEANUP_WAIT_S:
+            raise kopf.TemporaryError(str(pending), delay=2) from None
+        # pods that never go (a node lost with its kubelet) must not hold the RLJob forever
+        logging.getLogger("fp8rl.operator").warning(
+            "%s after %.0f s: releasing the RLJob anyway; the garbage collector removes the rest",
+            pending,
+            runtime.total_seconds(),
+        )
 
 
 def registry(operator: OperatorSettings, kubeconfig: str | None = None) -> kopf.OperatorRegistry:

@@ -1,8 +1,9 @@
 """The operator's decisions for one RLJob, as a pure function: what it read in, actions out.
 
-``plan(rljob, rayjob, configmap, settings, metrics, now)`` looks at the RLJob, its RayJob and its
-ConfigMap as read from the API server (None where absent) and the driver's Prometheus text, and
-returns the actions that bring the cluster to what the RLJob asks, in the order they must run.
+``plan(rljob, Observed(rayjob, configmap, networkpolicy), settings, metrics, now)`` looks at the
+RLJob, the objects of its names as read from the API server (None where absent) and the driver's
+Prometheus text, and returns the actions that bring the cluster to what the RLJob asks, in the
+order they must run.
 ``operators.reconcile`` reads, plans and executes; nothing here talks to the API server, so every
 branch is tested with plain dicts (``tests/operators/test_plan.py``).
 
@@ -10,8 +11,11 @@ The decisions, in order:
 
 1. A deleted (finalizing) or finished (Succeeded, Cancelled) RLJob: nothing.
 2. A spec that does not validate, or that no default node can host, or naming files outside the
-   pods' /data, or an image outside the allow-list: Failed with reason InvalidSpec and the fields
-   (one Warning event).
+   pods' /data, or writing where its pods cannot, or an image outside the allow-list: Failed with
+   reason InvalidSpec and the fields (one Warning event).
+2b. An object of one of the job's names that is not its own (``operators.ownership``): Failed with
+   reason and condition ``NameConflict`` naming it (one Warning event); nothing is written to it,
+   ever. One left by an earlier RLJob of the same name: wait for the garbage collector.
 3. No RayJob: create it; ``RayJobRecreated`` when the job was Starting or Running (someone
    deleted it), else ``RayJobCreated``. Whenever a RayJob is (re)built, the job's other objects
    come first, so that no pod of it runs unprotected: its NetworkPolicy (created, or its spec
@@ -44,8 +48,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from operators import builders
+from operators.ownership import Ownership, describe, ownership
 from operators.settings import OperatorSettings
-from operators.status import Target, advance, progress_of, restarts_of, target_of
+from operators.status import Target, advance, progress_of, restarts_of, run_complete, target_of
 from rljob import resource as rl
 from rljob.spec import describe_errors
 from rljob.status import FAULTS_RECOVERED, TERMINAL, Condition, JobStatus, Phase, Progress, Reason
@@ -85,8 +90,15 @@ class ReplaceConfigMap:
 
 
 @dataclass(frozen=True)
-class ApplyNetworkPolicy:
-    """Create the job's NetworkPolicy, or replace the spec of the one that exists."""
+class CreateNetworkPolicy:
+    """Create the job's NetworkPolicy."""
+
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReplaceNetworkPolicySpec:
+    """Replace the spec of the job's own NetworkPolicy (the settings changed since it was made)."""
 
     body: dict[str, Any]
 
@@ -110,7 +122,10 @@ class CreateRayJob:
 
 @dataclass(frozen=True)
 class DeleteRayJob:
-    """Delete the RLJob's RayJob (same name and namespace); one already gone is fine."""
+    """Delete the RLJob's RayJob (same name and namespace) if it is still the object of ``uid``
+    (a precondition: never one made since it was read); one already gone is fine."""
+
+    uid: str
 
 
 @dataclass(frozen=True)
@@ -128,7 +143,8 @@ class WriteStatus:
 
 
 Action = (
-    ApplyNetworkPolicy
+    CreateNetworkPolicy
+    | ReplaceNetworkPolicySpec
     | CreateRayTokenSecret
     | CreateConfigMap
     | ReplaceConfigMap
@@ -138,6 +154,15 @@ Action = (
     | WriteStatus
     | Event
 )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The objects of the RLJob's names as read (None: absent or not read), whoever they belong to."""
+
+    rayjob: dict[str, Any] | None = None
+    configmap: dict[str, Any] | None = None
+    networkpolicy: dict[str, Any] | None = None
 
 
 # -- what to read ----------------------------------------------------------------------------------
@@ -151,12 +176,14 @@ def settled(rljob: dict[str, Any]) -> bool:
 
 
 def wants_progress(rljob: dict[str, Any], rayjob: dict[str, Any] | None) -> bool:
-    """Whether the driver's metrics are worth reading: only while the RayJob says it trains or
-    has finished (scraping is a pod list and an HTTP call)."""
+    """Whether the driver's metrics are worth reading: only while the RayJob says its cluster runs
+    the job or has finished it (scraping is a pod list and an HTTP call)."""
     if rayjob is None:
         return False
     suspend = bool((rljob.get("spec") or {}).get("suspend"))
-    return target_of(rayjob, suspend)[0] in _WITH_PROGRESS
+    if suspend:
+        return False
+    return target_of(rayjob, suspend)[0] in _WITH_PROGRESS or _deployment(rayjob) == "Running"
 
 
 # -- the plan --------------------------------------------------------------------------------------
@@ -164,15 +191,14 @@ def wants_progress(rljob: dict[str, Any], rayjob: dict[str, Any] | None) -> bool
 
 def plan(
     rljob: dict[str, Any],
-    rayjob: dict[str, Any] | None,
-    configmap: dict[str, Any] | None,
+    objects: Observed,
     settings: OperatorSettings,
     metrics: str | None = None,
     now: datetime | None = None,
 ) -> list[Action]:
-    """The actions for ``rljob`` given its ``rayjob`` and ``configmap`` as read (None: absent) and
-    the driver's ``/metrics`` text (None: not read or unreachable). ``now`` stamps new condition
-    times and progress."""
+    """The actions for ``rljob`` given the objects of its names as read and the driver's
+    ``/metrics`` text (None: not read or unreachable). ``now`` stamps new condition times and
+    progress."""
     now = now or datetime.now(UTC)
     if settled(rljob):
         return []
@@ -185,17 +211,34 @@ def plan(
     refused = (
         builders.placement_problems(spec, settings)
         + builders.path_problems(spec, settings)
+        + builders.output_problems(spec)
         + builders.image_problems(spec, settings)
     )
     if refused:
         return _fail_invalid(status, "; ".join(refused), now)
+    found = [
+        ("RayJob", objects.rayjob),
+        ("ConfigMap", objects.configmap),
+        ("NetworkPolicy", objects.networkpolicy),
+    ]
+    whose = {kind: ownership(obj, job.metadata) for kind, obj in found if obj is not None}
+    foreign = [
+        describe(kind, obj) for kind, obj in found if obj is not None and whose[kind] is Ownership.FOREIGN
+    ]
+    if foreign:
+        return _fail_conflict(status, foreign, now)
+    if Ownership.PREVIOUS in whose.values():
+        return []  # an earlier RLJob of this name's objects, which the garbage collector removes
+    rayjob, configmap = objects.rayjob, objects.configmap
 
     actions: list[Action] = []
     after: list[Event] = []  # events that describe the status write: posted once it landed
     new, observed = status, rayjob
     ns, name = job.metadata.namespace, job.metadata.name
     # what a RayJob's pods need before they start (see 3. above)
-    before_rayjob = _guards(job, settings) + _configmap(configmap, builders.spec_configmap(job))
+    before_rayjob = _guards(job, settings, objects.networkpolicy) + _configmap(
+        configmap, builders.spec_configmap(job)
+    )
 
     def create(reason: Reason) -> CreateRayJob:
         nonlocal observed
@@ -214,7 +257,7 @@ def plan(
         else:  # not running: rebuild it from the new spec
             new = _condition(new, Reason.SPEC_CHANGE_REFUSED, False, Reason.APPLIED, "spec applied")
             applied = Event("Normal", Reason.SPEC_APPLIED, "RayJob rebuilt from the changed spec")
-            actions += [DeleteRayJob(), *before_rayjob, applied, create(Reason.RAYJOB_CREATED)]
+            actions += [DeleteRayJob(_uid(rayjob)), *before_rayjob, applied, create(Reason.RAYJOB_CREATED)]
     elif (
         status.phase is Phase.PENDING
         and status.reason == Reason.USER_RESUMED
@@ -222,7 +265,7 @@ def plan(
         and not spec.suspend
     ):
         # resumed after a failure: a finished RayJob does not run again, a new one does
-        actions += [DeleteRayJob(), *before_rayjob, create(Reason.RAYJOB_RESTARTED)]
+        actions += [DeleteRayJob(_uid(rayjob)), *before_rayjob, create(Reason.RAYJOB_RESTARTED)]
     else:
         suspended = bool((rayjob.get("spec") or {}).get("suspend"))
         kueue = bool(spec.cluster.queue and spec.cluster.queue.scheduler == "kueue")
@@ -232,7 +275,11 @@ def plan(
             actions += [PatchRayJobSuspend(desired), Event("Normal", how, f"RayJob spec.suspend={desired}")]
 
     assert observed is not None  # created or read above
-    target = target_of(observed, spec.suspend)
+    target = _outcome_from_driver(target_of(observed, spec.suspend), new, metrics)
+    if metrics is not None and run_complete(metrics):
+        new = _condition(
+            new, Reason.DRIVER_COMPLETED, True, Reason.DRIVER_COMPLETED, DRIVER_COMPLETED_MESSAGE
+        )
     new, passed = advance(new, target)
     if metrics and target[0] in _WITH_PROGRESS:
         new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
@@ -244,6 +291,44 @@ def plan(
     actions.extend(after)
     actions.extend(_phase_event(phase, target) for phase in passed)
     return actions
+
+
+# KubeRay's reason when its submitter ended and it never learnt the Ray job's status: with
+# ray_auth: secret a KubeRay older than 1.5.1 cannot (the dashboard wants the token it lacks)
+OUTCOME_UNREAD = "JobDeploymentStatusTransitionGracePeriodExceeded"
+DRIVER_COMPLETED_MESSAGE = "the driver reported every step done (fp8rl_run_complete)"
+
+
+def _outcome_from_driver(target: Target, status: JobStatus, metrics: str | None) -> Target:
+    """Where KubeRay does not know the Ray job's status (``rayAuth: secret`` under KubeRay older
+    than 1.5.1), the driver's own metrics decide: a driver that serves them trains (Running, not
+    Starting), and a job KubeRay fails for want of the outcome succeeded if the driver reported
+    every step done (condition ``DriverCompleted``, recorded from ``fp8rl_run_complete`` while it
+    lingered). Otherwise KubeRay's own verdict stands."""
+    phase, reason, _ = target
+    if phase is Phase.STARTING and reason == Reason.DRIVER_STARTING and metrics is not None:
+        return (
+            Phase.RUNNING,
+            Reason.TRAINING,
+            "the driver serves its metrics (KubeRay has not read the Ray job)",
+        )
+    if phase is Phase.FAILED and reason == OUTCOME_UNREAD:
+        done = (metrics is not None and run_complete(metrics)) or any(
+            c.type == Reason.DRIVER_COMPLETED and c.status for c in status.conditions
+        )
+        if done:
+            return (
+                Phase.SUCCEEDED,
+                Reason.COMPLETED,
+                DRIVER_COMPLETED_MESSAGE + "; KubeRay could not read the Ray job",
+            )
+        return (
+            Phase.FAILED,
+            reason,
+            "KubeRay could not read the Ray job's outcome (KubeRay < 1.5.1 with rayAuth: secret) and the "
+            "driver did not report every step done: its log is on the head pod (kubectl logs)",
+        )
+    return target
 
 
 def _phase_event(phase: Phase, target: Target) -> Event:
@@ -300,6 +385,28 @@ def _fail_invalid(status: JobStatus, problems: str, now: datetime) -> list[Actio
     return actions
 
 
+def _fail_conflict(status: JobStatus, objects: list[str], now: datetime) -> list[Action]:
+    """Failed with reason and condition ``NameConflict`` (once: an unchanged conflict writes
+    nothing): the objects that hold the job's names and are not its own."""
+    message = (
+        f"{', '.join(objects)} exists and is not this RLJob's (operators.ownership: no owner reference to "
+        "its uid); the operator leaves it alone. Rename the RLJob, or remove that object and the job starts"
+    )
+    moved, _ = advance(status, (Phase.FAILED, Reason.NAME_CONFLICT, message))
+    moved = _condition(moved, Reason.NAME_CONFLICT, True, Reason.NAME_CONFLICT, message)
+    moved = _stamped(status, moved, now)
+    if moved == status:
+        return []
+    actions: list[Action] = [WriteStatus(moved)]
+    if (moved.phase, moved.message) != (status.phase, status.message):
+        actions.append(Event("Warning", Reason.NAME_CONFLICT, message))
+    return actions
+
+
+def _uid(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
+
+
 def _deployment(rayjob: dict[str, Any]) -> str:
     return str((rayjob.get("status") or {}).get("jobDeploymentStatus") or "")
 
@@ -309,11 +416,16 @@ def _annotation(obj: dict[str, Any], key: str) -> str | None:
     return None if found is None else str(found)
 
 
-def _guards(job: rl.RLJob, settings: OperatorSettings) -> list[Action]:
-    """The job's NetworkPolicy and Ray token Secret, as the settings ask for them."""
+def _guards(job: rl.RLJob, settings: OperatorSettings, current: dict[str, Any] | None) -> list[Action]:
+    """The job's NetworkPolicy (``current``: its own, as read) and Ray token Secret, as the
+    settings ask for them."""
     out: list[Action] = []
     if settings.network_policy:
-        out.append(ApplyNetworkPolicy(builders.network_policy(job, settings)))
+        wanted = builders.network_policy(job, settings)
+        if current is None:
+            out.append(CreateNetworkPolicy(wanted))
+        elif current.get("spec") != wanted["spec"]:
+            out.append(ReplaceNetworkPolicySpec(wanted))
     if settings.ray_auth == "secret":
         out.append(CreateRayTokenSecret(job))
     return out

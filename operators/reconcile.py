@@ -1,13 +1,16 @@
-"""What the operator does for one RLJob, through the Kubernetes API: read the RLJob, its RayJob
-and its ConfigMap (and the driver's metrics while it trains), ask ``operators.plan`` what to do,
-and do it in order (the job's NetworkPolicy and Ray token Secret are written, never read: the
-operator has no right to read Secrets). The decisions are all in the plan; this module only
-executes its actions, each idempotent, so a restarted operator creates no duplicates. The kopf
+"""What the operator does for one RLJob, through the Kubernetes API: read the RLJob and the objects
+of its names (RayJob, ConfigMap, NetworkPolicy; and the driver's metrics while it trains), ask
+``operators.plan`` what to do, and do it in order. The Ray token Secret is written, never read:
+the operator has no right to read Secrets, and its name carries the RLJob's uid
+(``operators.ownership``). The decisions are all in the plan; this module only executes its
+actions, each idempotent, so a restarted operator creates no duplicates. A create that finds the
+name taken (409) plans again from fresh reads, where the plan sees whose object it is. The kopf
 handlers (``handlers.py``) only call into this."""
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import uuid
@@ -18,16 +21,19 @@ from typing import Any
 import httpx
 
 from operators import builders
+from operators.ownership import RLJOB_LABEL, Ownership, ownership
 from operators.plan import (
     Action,
-    ApplyNetworkPolicy,
     CreateConfigMap,
+    CreateNetworkPolicy,
     CreateRayJob,
     CreateRayTokenSecret,
     DeleteRayJob,
     Event,
+    Observed,
     PatchRayJobSuspend,
     ReplaceConfigMap,
+    ReplaceNetworkPolicySpec,
     WriteStatus,
     plan,
     settled,
@@ -56,7 +62,13 @@ def unless_missing(call: Callable[..., Any], *args: Any) -> Any:
 
 
 class _Stale(Exception):
-    """The RLJob changed since it was read (409 on the status write): plan again."""
+    """What the plan was made from changed since it was read (409 on the status write, or a name
+    taken by the time of a create): plan again."""
+
+
+class CleanupPending(Exception):
+    """The job's RayJob or pods are still going: the finalizer stays until they are gone, so that
+    its NetworkPolicy (collected after the RLJob) never outlives the pods it guards' end."""
 
 
 class Reconciler:
@@ -115,15 +127,40 @@ class Reconciler:
         return rljob
 
     def read_configmap(self, ns: str, name: str) -> dict[str, Any] | None:
-        """The job-spec ConfigMap as a dict (the client returns a model for core objects)."""
-        found = unless_missing(self.core.read_namespaced_config_map, builders.configmap_name(name), ns)
+        """The ConfigMap of the job-spec's name as a dict (the client returns a model for core
+        objects), whoever's it is."""
+        return self._as_dict(
+            unless_missing(self.core.read_namespaced_config_map, builders.configmap_name(name), ns)
+        )
+
+    def read_networkpolicy(self, ns: str, name: str) -> dict[str, Any] | None:
+        if not self.settings.network_policy:
+            return None
+        return self._as_dict(unless_missing(self.networking.read_namespaced_network_policy, name, ns))
+
+    def _as_dict(self, found: Any) -> dict[str, Any] | None:
         if found is None:
             return None
-        configmap: dict[str, Any] = self.core.api_client.sanitize_for_serialization(found)
-        return configmap
+        obj: dict[str, Any] = self.core.api_client.sanitize_for_serialization(found)
+        return obj
+
+    def observe(self, ns: str, name: str) -> Observed:
+        return Observed(
+            rayjob=self.read_rayjob(ns, name),
+            configmap=self.read_configmap(ns, name),
+            networkpolicy=self.read_networkpolicy(ns, name),
+        )
+
+    def progress_route(self) -> str:
+        """``pod-ip`` or ``api-proxy`` (``auto``: the pod's IP from inside the cluster)."""
+        route = self.settings.progress_route
+        if route == "auto":
+            return "pod-ip" if os.environ.get("KUBERNETES_SERVICE_HOST") else "api-proxy"
+        return route
 
     def scrape(self, ns: str, rayjob: dict[str, Any]) -> str | None:
-        """The driver's Prometheus text from the head pod (None if unreachable)."""
+        """The driver's Prometheus text from the head pod (None if unreachable): from its IP, or
+        through the API server's pod proxy (``progress_route``)."""
         cluster = (rayjob.get("status") or {}).get("rayClusterName")
         if not cluster:
             return None
@@ -131,11 +168,17 @@ class Reconciler:
             pods = self.core.list_namespaced_pod(
                 ns, label_selector=f"ray.io/cluster={cluster},ray.io/node-type=head"
             )
-            ips = [p.status.pod_ip for p in pods.items if p.status is not None and p.status.pod_ip]
-            if not ips:
+            running = [p for p in pods.items if p.status is not None and p.status.pod_ip]
+            if not running:
                 return None
-            url = self.settings.progress_url.format(pod_ip=ips[0], port=self.settings.metrics_port)
-            text: str = self.http.get(url).text
+            port = self.settings.metrics_port
+            if self.progress_route() == "api-proxy":
+                text: str = self.core.connect_get_namespaced_pod_proxy_with_path(
+                    f"{running[0].metadata.name}:{port}", ns, "metrics", _request_timeout=3
+                )
+            else:
+                url = self.settings.progress_url.format(pod_ip=running[0].status.pod_ip, port=port)
+                text = self.http.get(url).text
         except Exception as err:  # progress is best effort: the phase does not depend on it
             log.debug("no progress for %s/%s: %s", ns, rayjob["metadata"]["name"], err)
             return None
@@ -157,13 +200,12 @@ class Reconciler:
                     return
                 if settled(rljob):
                     return
-                rayjob = self.read_rayjob(ns, name)
-                configmap = self.read_configmap(ns, name)
-                metrics = self.scrape(ns, rayjob) if rayjob and wants_progress(rljob, rayjob) else None
+                observed = self.observe(ns, name)
+                rayjob = observed.rayjob
+                scrape = rayjob is not None and wants_progress(rljob, rayjob) and _ours(rayjob, rljob)
+                metrics = self.scrape(ns, rayjob) if scrape and rayjob is not None else None
                 try:
-                    self.execute(
-                        rl.ObjectMeta.of(rljob), plan(rljob, rayjob, configmap, self.settings, metrics)
-                    )
+                    self.execute(rl.ObjectMeta.of(rljob), plan(rljob, observed, self.settings, metrics))
                 except _Stale:
                     continue
                 return
@@ -176,22 +218,32 @@ class Reconciler:
         ns, name = meta.namespace, meta.name
         for action in actions:
             match action:
-                case ApplyNetworkPolicy(body):
-                    self._apply_network_policy(ns, body)
+                case CreateNetworkPolicy(body):
+                    _create_or_replan(self.networking.create_namespaced_network_policy, ns, body)
+                case ReplaceNetworkPolicySpec(body):
+                    self.networking.patch_namespaced_network_policy(
+                        body["metadata"]["name"], ns, {"spec": body["spec"]}
+                    )
                 case CreateRayTokenSecret(job):
+                    # one that exists was made for this RLJob (its name has the uid): a running
+                    # cluster holds its token, so it is kept
                     body = builders.ray_token_secret(job, secrets.token_urlsafe(32))
                     _created(self.core.create_namespaced_secret, ns, body)
                 case CreateConfigMap(body):
-                    _created(self.core.create_namespaced_config_map, ns, body)
+                    _create_or_replan(self.core.create_namespaced_config_map, ns, body)
                 case ReplaceConfigMap(body):
                     self.core.patch_namespaced_config_map(
                         body["metadata"]["name"], ns, {"data": body["data"]}
                     )
                 case CreateRayJob(body, event):
-                    if self._create_rayjob(ns, body):
-                        self.event(meta, event)
-                case DeleteRayJob():
-                    unless_missing(self.objects.delete_namespaced_custom_object, *RAY, ns, "rayjobs", name)
+                    _create_or_replan(
+                        lambda n, b: self.objects.create_namespaced_custom_object(*RAY, n, "rayjobs", b),
+                        ns,
+                        body,
+                    )
+                    self.event(meta, event)
+                case DeleteRayJob(uid):
+                    self._delete_rayjob(ns, name, uid)
                 case PatchRayJobSuspend(suspend):
                     body = {"spec": {"suspend": suspend}}
                     self.objects.patch_namespaced_custom_object(*RAY, ns, "rayjobs", name, body)
@@ -231,24 +283,20 @@ class Reconciler:
             log.warning("could not post event %s on %s: %s", event.reason, meta.name, err)
         log.info("%s/%s %s: %s", meta.namespace, meta.name, event.reason, event.message)
 
-    def _apply_network_policy(self, ns: str, body: dict[str, Any]) -> None:
-        """Create the policy; one that exists (a previous operator run, or a RayJob being rebuilt)
-        gets the spec the current settings give."""
-        if not _created(self.networking.create_namespaced_network_policy, ns, body):
-            name = body["metadata"]["name"]
-            self.networking.patch_namespaced_network_policy(name, ns, {"spec": body["spec"]})
-
-    def _create_rayjob(self, ns: str, body: dict[str, Any]) -> bool:
-        """Whether this call created it (False: someone, a previous operator run, was first)."""
+    def _delete_rayjob(self, ns: str, name: str, uid: str) -> None:
+        """Delete the RayJob ``name`` only while it is the object of ``uid`` (the API server checks
+        the precondition: a RayJob made by someone else since the read is answered 409)."""
         from kubernetes.client.exceptions import ApiException
 
+        body = {"preconditions": {"uid": uid}}
         try:
-            self.objects.create_namespaced_custom_object(*RAY, ns, "rayjobs", body)
+            unless_missing(
+                lambda: self.objects.delete_namespaced_custom_object(*RAY, ns, "rayjobs", name, body=body)
+            )
         except ApiException as err:
             if err.status == 409:
-                return False
+                raise _Stale from None
             raise
-        return True
 
     def _write_status(self, meta: rl.ObjectMeta, status: JobStatus) -> bool:
         """PATCH the status at the RLJob's ``resourceVersion`` as read; False if the RLJob is gone.
@@ -274,18 +322,42 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault((ns, name), threading.Lock())
 
-    def cleanup(self, meta: rl.ObjectMeta) -> None:
-        """On delete (behind the finalizer): remove the RayJob, then the ConfigMap, the token
-        Secret and the NetworkPolicy (the pods they serve go with the RayJob)."""
+    def cleanup(self, rljob: dict[str, Any]) -> None:
+        """On delete (behind the finalizer): remove the job's own RayJob and ConfigMap (each only
+        if it is this RLJob's, checked by a precondition on its uid), then keep the finalizer
+        (raise ``CleanupPending``) until the RayJob and the job's pods are gone. The NetworkPolicy
+        and the token Secret are left to the garbage collector, which removes them after the
+        RLJob: the pods never run without their policy. Objects of the job's names that are not
+        its own are left as they are."""
+        meta = rl.ObjectMeta.of(rljob)
         ns, name = meta.namespace, meta.name
         with self._lock(ns, name):
-            unless_missing(self.objects.delete_namespaced_custom_object, *RAY, ns, "rayjobs", name)
-            unless_missing(self.core.delete_namespaced_config_map, builders.configmap_name(name), ns)
-            if self.settings.ray_auth == "secret":
-                unless_missing(self.core.delete_namespaced_secret, builders.ray_token_secret_name(name), ns)
-            if self.settings.network_policy:
-                unless_missing(self.networking.delete_namespaced_network_policy, name, ns)
-        log.info("%s/%s deleted with its RayJob, ConfigMap and guards", ns, name)
+            observed = self.observe(ns, name)
+            if observed.rayjob is not None and _ours(observed.rayjob, rljob):
+                if not (observed.rayjob.get("metadata") or {}).get("deletionTimestamp"):
+                    self._delete_rayjob(ns, name, str(observed.rayjob["metadata"]["uid"]))
+                raise CleanupPending(f"RayJob {ns}/{name} is being deleted")
+            if observed.configmap is not None and _ours(observed.configmap, rljob):
+                uid = observed.configmap["metadata"]["uid"]
+                unless_missing(
+                    lambda: self.core.delete_namespaced_config_map(
+                        builders.configmap_name(name), ns, body={"preconditions": {"uid": uid}}
+                    )
+                )
+            pods = self.core.list_namespaced_pod(ns, label_selector=f"{RLJOB_LABEL}={name}").items
+            if pods:
+                raise CleanupPending(f"{len(pods)} pod(s) of {ns}/{name} still terminating")
+        log.info("%s/%s (uid %s) cleaned up: RayJob and pods gone", ns, name, meta.uid)
+
+
+def _ours(obj: dict[str, Any], rljob: dict[str, Any]) -> bool:
+    return ownership(obj, rl.ObjectMeta.of(rljob)) is Ownership.OURS
+
+
+def _create_or_replan(create: Callable[[str, dict[str, Any]], Any], ns: str, body: dict[str, Any]) -> None:
+    """``create(ns, body)``; a name taken meanwhile (409) plans again, where whose it is counts."""
+    if not _created(create, ns, body):
+        raise _Stale
 
 
 def _created(create: Callable[[str, dict[str, Any]], Any], ns: str, body: dict[str, Any]) -> bool:

@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rljob.images import repository_of
 from rljob.resource import Pool, Toleration
 
+# a Kubernetes resource quantity, e.g. 16Gi, 500M, 1.5Ti
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 GPU_TOLERATION = Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule")
 
 
@@ -116,6 +118,12 @@ class OperatorSettings(BaseSettings):
     head_memory: str = Field("8Gi", description="Memory of the head pod.")
     worker_memory: str = Field("64Gi", description="Memory of each GPU worker pod.")
     shm_size: str = Field("16Gi", description="Memory-backed /dev/shm of each pod (NCCL, Ray).")
+    work_dir_size: str = Field(
+        "100Gi",
+        pattern=QUANTITY,
+        description="Size limit of each pod's /data, the emptyDir the job works in (relative output_dir, "
+        "downloads); a pod writing more is evicted. Checkpoints to keep go on spec.cluster.volumeClaim.",
+    )
     model_roots: list[str] = Field(
         default_factory=list,
         description="Read-only directories in the job's pods that every tenant's jobs may name by absolute "
@@ -134,7 +142,9 @@ class OperatorSettings(BaseSettings):
     ttl_seconds_after_finished: int = Field(600, ge=0, description="Keep a finished job's cluster this long.")
     active_deadline_seconds: int = Field(7 * 24 * 3600, ge=1, description="Fail a job running longer.")
     backoff_limit: int = Field(0, ge=0, le=100, description="Driver retries (resume from the checkpoint).")
-    poll_seconds: float = Field(10.0, gt=0, description="How often each job's RayJob and progress are read.")
+    poll_seconds: float = Field(
+        10.0, gt=0, le=3600, description="How often each job's RayJob and progress are read."
+    )
     allowed_images: list[str] = Field(
         default_factory=list,
         description="Prefixes of the images an RLJob may name in spec.cluster.image (rljob.images: the "
@@ -163,7 +173,15 @@ class OperatorSettings(BaseSettings):
     )
     progress_url: str = Field(
         "http://{pod_ip}:{port}/metrics",
-        description="Where the driver's metrics are scraped ({pod_ip} of the head pod, {port}).",
+        description="Where the driver's metrics are scraped with progress_route pod-ip ({pod_ip} of the head "
+        "pod, {port}).",
+    )
+    progress_route: Literal["auto", "pod-ip", "api-proxy"] = Field(
+        "auto",
+        description="How the driver's metrics are reached: 'pod-ip' (the head pod's IP, from inside the "
+        "cluster: the chart's operator), 'api-proxy' (through the API server's pods/proxy, from outside: a "
+        "laptop; needs get on pods/proxy and, where NetworkPolicies are enforced, the API server admitted to "
+        "the metrics port), 'auto' (pod-ip in a pod, else api-proxy).",
     )
 
     @field_validator("allowed_images")

@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rljob.metrics import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES
+from rljob.metrics import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
 from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress, Reason
 
 Target = tuple[Phase, str, str]  # phase, reason, message
@@ -105,3 +105,12 @@ def restarts_of(exposition: str) -> dict[str, float]:
             if sample.name == ACTOR_RESTARTS.name and sample.labels.get("role") in RESTART_ROLES:
                 out.setdefault(sample.labels["role"], sample.value)
     return out
+
+
+def run_complete(exposition: str) -> bool:
+    """Whether the driver says it has done every step (``fp8rl_run_complete`` 1)."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == RUN_COMPLETE and sample.value == 1:
+                return True
+    return False

@@ -306,6 +306,11 @@ ACTOR_RESTARTS = PromMetric(
 )
 RESTART_ROLES: dict[str, str] = {"generator": FAULTS_GENERATOR_RESTARTS, "trainer": FAULTS_TRAINER_RESTARTS}
 
+# fp8rl_run_complete: 1 once the driver has done every step of the job (0 while it runs); the
+# operator reads it where KubeRay cannot read the Ray job's outcome (rayAuth: secret), and the
+# driver keeps serving it for --metrics-linger seconds after its last step for that read
+RUN_COMPLETE = "fp8rl_run_complete"
+
 # fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
 # once a step has validated)
 PHASES = ("generation", "reward", "train", "weight_sync", "validation")

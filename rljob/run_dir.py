@@ -94,18 +94,22 @@ def driver_argv(
     namespace: str,
     resume: bool,
     metrics_port: int | None,
+    metrics_linger: int = 0,
     python: str = "python",
 ) -> list[str]:
     """The driver's command line: ``python -m <driver> SPEC --output DIR [--resume]
-    [--metrics-port PORT] --job NAME --namespace NS``.
+    [--metrics-port PORT [--metrics-linger S]] --job NAME --namespace NS``.
 
     ``resume``: continue from the newest checkpoint in ``output``; ``metrics_port``: serve
-    Prometheus ``/metrics`` there (None: no HTTP server); ``job`` and ``namespace`` label the
-    metrics. ``python``: the interpreter (the image's ``python``, or the service's own).
+    Prometheus ``/metrics`` there (None: no HTTP server), and ``metrics_linger`` seconds more after
+    the run ends (0: none); ``job`` and ``namespace`` label the metrics. ``python``: the
+    interpreter (the image's ``python``, or the service's own).
     """
     argv = [python, "-m", DRIVER_MODULE, str(spec_file), "--output", str(output)]
     if resume:
         argv.append("--resume")
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port)]
+        if metrics_linger:
+            argv += ["--metrics-linger", str(metrics_linger)]
     return [*argv, "--job", job, "--namespace", namespace]

@@ -65,6 +65,7 @@ class Reason(StrEnum):
     TRAINER_RESTARTED = "TrainerRestarted"
     # the operator, reading the RLJob and its RayJob
     INVALID_SPEC = "InvalidSpec"
+    NAME_CONFLICT = "NameConflict"  # an object of one of the job's names is someone else's
     SPEC_CHANGE_REFUSED = "SpecChangeRefused"
     SPEC_APPLIED = "SpecApplied"
     APPLIED = "Applied"  # the SpecChangeRefused condition cleared
@@ -79,6 +80,7 @@ class Reason(StrEnum):
     DRIVER_STARTING = "DriverStarting"
     SUSPENDED = "Suspended"
     COMPLETED = "Completed"
+    DRIVER_COMPLETED = "DriverCompleted"  # the driver's metrics said every step was done
     UNKNOWN = "Unknown"
 
     @classmethod

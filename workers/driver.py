@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,11 +130,17 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
                 step += 1
             except ActorFault as fault:
                 step, row = job.recover(fault, step, row)
+        if step > spec.steps:
+            prom.complete()
         return RunResult(out, min(step, spec.steps), opts.stop.is_set(), job.rows, port)
     finally:
         job.shutdown()
         if started_ray:
             ray_shutdown()
+        if port is not None and opts.metrics_linger_s > 0 and not opts.stop.is_set():
+            # the operator reads fp8rl_run_complete (and a failed run's last step) from here; not
+            # after a stop (suspend, eviction), which must end within the pod's grace period
+            time.sleep(opts.metrics_linger_s)
         prom.stop()
 
 
@@ -144,6 +151,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="override output_dir")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    p.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep serving /metrics this long after the run ends (0-3600; the operator's last read)",
+    )
     p.add_argument("--job", default="", help="job label of the metrics")
     p.add_argument("--namespace", default="default", help="namespace label of the metrics")
     return p
@@ -155,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     from rljob.spec import SpecError, load_spec
 
     args = parser().parse_args(argv)
+    if not 0 <= args.metrics_linger <= 3600:
+        print(f"error: --metrics-linger {args.metrics_linger}: give 0 to 3600 seconds", flush=True)
+        return 2
     try:
         spec = load_spec(args.spec)
     except SpecError as err:
@@ -169,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = RunOptions(
         resume=args.resume,
         metrics_port=args.metrics_port,
+        metrics_linger_s=args.metrics_linger,
         job=args.job,
         namespace=args.namespace,
         on_step=line,

@@ -54,6 +54,7 @@ class RunOptions:
 
     resume: bool = False
     metrics_port: int | None = None  # None: no HTTP server; 0: any free port
+    metrics_linger_s: float = 0.0  # serve /metrics this long after the last step (the operator's last read)
     job: str = ""
     namespace: str = "default"
     stop: threading.Event = field(default_factory=threading.Event)

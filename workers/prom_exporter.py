@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from rljob.metrics import ACTOR_RESTARTS, LABELS, PHASES, PROMETHEUS, RESTART_ROLES
+from rljob.metrics import ACTOR_RESTARTS, LABELS, PHASES, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
 
 
 class PromExporter:
@@ -39,6 +39,9 @@ class PromExporter:
             registry=self.registry,
         )
         self._restarts = {role: restarts.labels(**self.labels, role=role) for role in RESTART_ROLES}
+        self._complete = Gauge(
+            RUN_COMPLETE, "1 once the driver has done every step of the job", LABELS, registry=self.registry
+        ).labels(**self.labels)
         self.port: int | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -47,6 +50,10 @@ class PromExporter:
         self.port = int(server.server_port)
         self._server = server
         return self.port
+
+    def complete(self) -> None:
+        """Every step of the job is done (``fp8rl_run_complete`` 1)."""
+        self._complete.set(1)
 
     def stop(self) -> None:
         server = getattr(self, "_server", None)

@@ -43,6 +43,20 @@ def rljob(path: str = "rljob-qwen-gpu.yaml", namespace: str = "team-a") -> dict[
     return obj
 
 
+def owner(obj: dict[str, Any]) -> dict[str, Any]:
+    """The owner reference everything built for ``obj`` carries, written out: the RLJob as the
+    controller, and no blockOwnerDeletion (it would need update on rljobs/finalizers where the
+    OwnerReferencesPermissionEnforcement admission plugin runs)."""
+    meta = obj["metadata"]
+    return {
+        "apiVersion": "fp8rl.io/v1alpha1",
+        "kind": "RLJob",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+    }
+
+
 def build(obj: dict[str, Any], **settings: Any) -> dict[str, Any]:
     return builders.rayjob(rl.RLJob.of(obj), OperatorSettings(**settings))
 
@@ -118,8 +132,7 @@ def test_rayjob_fields() -> None:
     # the queue: Kueue's label, and created suspended for Kueue to admit
     assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
     assert spec["suspend"] is True
-    assert body["metadata"]["ownerReferences"] == [builders.owner_reference(rl.RLJob.of(obj))]
-    assert builders.owner_reference(rl.RLJob.of(obj))["uid"] == obj["metadata"]["uid"]
+    assert body["metadata"]["ownerReferences"] == [owner(obj)]
 
 
 def test_operator_defaults_fill_what_the_rljob_leaves_unset() -> None:
@@ -177,12 +190,14 @@ def test_the_builders_change_nothing_they_are_given() -> None:
     assert (job.spec.model_dump(), settings.model_dump()) == before
     head = first[0]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert [sorted(v) for v in head["volumes"]] == [  # Kubernetes' keys only
-        ["emptyDir", "name"],
+        ["emptyDir", "name"],  # /dev/shm
+        ["emptyDir", "name"],  # /data, where the job works
         ["configMap", "name"],
         ["name", "persistentVolumeClaim"],
     ]
     assert [m["mountPath"] for m in head["containers"][0]["volumeMounts"]] == [
         "/dev/shm",
+        "/data",
         "/etc/fp8rl",
         "/runs",
     ]
@@ -317,7 +332,9 @@ def test_with_a_secret_every_container_and_the_submitter_carry_the_token() -> No
     assert body["spec"]["submissionMode"] == "K8sJobMode"  # an older KubeRay cannot submit with it
     templates = pod_templates(body)
     assert len(templates) == 4  # head, generation, training, submitter
-    secret_ref = {"secretKeyRef": {"name": "qwen-arith-fp8-ray-token", "key": "auth_token"}}
+    # the name carries the RLJob's uid: no Secret that existed before the RLJob can be it
+    token_name = f"qwen-arith-fp8-ray-token-{obj['metadata']['uid'][:8]}"
+    secret_ref = {"secretKeyRef": {"name": token_name, "key": "auth_token"}}
     for i, template in enumerate(templates):
         env = template["spec"]["containers"][0]["env"]
         assert {"name": "RAY_AUTH_MODE", "value": "token"} in env
@@ -329,10 +346,8 @@ def test_with_a_secret_every_container_and_the_submitter_carry_the_token() -> No
     assert submitter["containers"][0]["image"] == OperatorSettings().image
     secret = builders.ray_token_secret(job, "t0k3n")
     kubernetes_validate.validate(secret, desired_version=K8S_VERSION, strict=True)
-    assert secret["metadata"]["name"] == "qwen-arith-fp8-ray-token" and secret["stringData"] == {
-        "auth_token": "t0k3n"
-    }
-    assert secret["metadata"]["ownerReferences"] == [builders.owner_reference(job)]
+    assert secret["metadata"]["name"] == token_name and secret["stringData"] == {"auth_token": "t0k3n"}
+    assert secret["metadata"]["ownerReferences"] == [owner(obj)]
 
 
 def test_the_network_policy_admits_the_job_its_scrapers_and_kuberay_only() -> None:
@@ -342,7 +357,7 @@ def test_the_network_policy_admits_the_job_its_scrapers_and_kuberay_only() -> No
     kubernetes_validate.validate(policy, desired_version=K8S_VERSION, strict=True)
     meta, spec = policy["metadata"], policy["spec"]
     assert (meta["name"], meta["namespace"]) == ("qwen-arith-fp8", "team-a")
-    assert meta["ownerReferences"] == [builders.owner_reference(job)]
+    assert meta["ownerReferences"] == [owner(obj)]
     assert spec["policyTypes"] == ["Ingress"]
     # it selects every pod of the job (head, both groups, a submitter), and no other job's
     for ray_auth in ("kuberay", "secret"):

@@ -1,5 +1,5 @@
 """The operator's decisions (``operators.plan``): a hand-written table of situations (the RLJob,
-its RayJob and ConfigMap as read, the driver's metrics) and the exact actions each calls for, in
+the objects of its names as read, the driver's metrics) and the exact actions each calls for, in
 order. Expected statuses, events and messages are written out from the rules in
 docs/operator.md and KubeRay's documented states, not produced by the code under test; object
 bodies come from the builders (tested in ``test_builders.py``)."""
@@ -16,14 +16,16 @@ from operators import builders
 from operators.plan import (
     REFUSED_MESSAGE,
     Action,
-    ApplyNetworkPolicy,
     CreateConfigMap,
+    CreateNetworkPolicy,
     CreateRayJob,
     CreateRayTokenSecret,
     DeleteRayJob,
     Event,
+    Observed,
     PatchRayJobSuspend,
     ReplaceConfigMap,
+    ReplaceNetworkPolicySpec,
     WriteStatus,
     plan,
     settled,
@@ -82,10 +84,14 @@ def rayjob(
 ) -> dict[str, Any]:
     """``obj``'s RayJob as read back, with KubeRay's status."""
     body = built(obj)
+    body["metadata"]["uid"] = RAYJOB_UID
     if suspend is not None:
         body["spec"]["suspend"] = suspend
     body["status"] = {"jobDeploymentStatus": deployment, "jobStatus": job, **extra}
     return body
+
+
+RAYJOB_UID = "rayjob-uid-7"
 
 
 def from_other_spec(body: dict[str, Any]) -> dict[str, Any]:
@@ -97,9 +103,16 @@ def configmap(obj: dict[str, Any]) -> dict[str, Any]:
     return builders.spec_configmap(rl.RLJob.of(obj))
 
 
+def policy(obj: dict[str, Any], settings: OperatorSettings = SETTINGS) -> dict[str, Any]:
+    """``obj``'s NetworkPolicy as read back."""
+    body = builders.network_policy(rl.RLJob.of(obj), settings)
+    body["metadata"]["uid"] = "policy-uid-3"
+    return body
+
+
 def guards(obj: dict[str, Any]) -> list[Action]:
     """What goes before any RayJob of ``obj`` with the default settings: its NetworkPolicy."""
-    return [ApplyNetworkPolicy(builders.network_policy(rl.RLJob.of(obj), SETTINGS))]
+    return [CreateNetworkPolicy(builders.network_policy(rl.RLJob.of(obj), SETTINGS))]
 
 
 def exposition(step: int, reward: float) -> str:
@@ -145,6 +158,7 @@ class Case:
     want: list[Action]
     metrics: str | None = None
     settings: OperatorSettings = field(default_factory=OperatorSettings)
+    networkpolicy: dict[str, Any] | None = None
 
 
 STARTING = "waiting for the Ray cluster"
@@ -373,7 +387,7 @@ def cases() -> dict[str, Case]:
             from_other_spec(rayjob(rljob(suspend=True), "Suspended", suspend=True)),
             configmap(rljob()),
             [
-                DeleteRayJob(),
+                DeleteRayJob(RAYJOB_UID),
                 *guards(rebuilt),
                 ReplaceConfigMap(configmap(rebuilt)),
                 Event("Normal", "SpecApplied", "RayJob rebuilt from the changed spec"),
@@ -395,7 +409,7 @@ def cases() -> dict[str, Case]:
             from_other_spec(rayjob(rljob(), "Failed")),
             configmap(rljob()),
             [
-                DeleteRayJob(),
+                DeleteRayJob(RAYJOB_UID),
                 *guards(failed_changed),
                 ReplaceConfigMap(configmap(failed_changed)),
                 Event("Normal", "SpecApplied", "RayJob rebuilt from the changed spec"),
@@ -420,7 +434,7 @@ def cases() -> dict[str, Case]:
             rayjob(resumed, "Failed", reason="DeadlineExceeded", message="ran too long"),
             configmap(resumed),
             [
-                DeleteRayJob(),
+                DeleteRayJob(RAYJOB_UID),
                 *guards(resumed),
                 CreateRayJob(built(resumed), Event("Warning", "RayJobRestarted", "RayJob team-a/j")),
                 WriteStatus(
@@ -645,7 +659,7 @@ CASES = cases()
 @pytest.mark.parametrize("name", list(CASES))
 def test_plan(name: str) -> None:
     c = CASES[name]
-    got = plan(c.rljob, c.rayjob, c.configmap, c.settings, c.metrics, now=NOW)
+    got = plan(c.rljob, Observed(c.rayjob, c.configmap, c.networkpolicy), c.settings, c.metrics, now=NOW)
     assert got == c.want
 
 
@@ -655,10 +669,12 @@ def test_what_is_read() -> None:
     assert settled(rljob(status("Succeeded", "Completed", "")))
     assert settled(rljob(status("Cancelled", "UserCancelled", "")))
     assert not settled(rljob(status("Failed", "RayJobFailed", "")))  # a failed job can be resumed
-    # the driver's metrics only while KubeRay says it runs (or has just finished)
+    # the driver's metrics only while KubeRay says its cluster runs the job (whatever it knows of
+    # the Ray job's status: with rayAuth secret it knows nothing) or it has just finished
     assert wants_progress(running, rayjob(running, "Running", "RUNNING"))
+    assert wants_progress(running, rayjob(running, "Running", ""))
     assert wants_progress(running, rayjob(running, "Complete", "SUCCEEDED"))
-    assert not wants_progress(running, rayjob(running, "Running", "PENDING"))
+    assert not wants_progress(running, rayjob(running, "Initializing"))
     assert not wants_progress(running, None)
     assert not wants_progress(rljob(RUN_STATUS, suspend=True), rayjob(running, "Running", "RUNNING"))
 
@@ -670,7 +686,7 @@ def test_an_image_outside_the_allow_list_fails_naming_the_field() -> None:
         "'ghcr.io/fp8rl/worker', or continue one with ':<tag>', '@<digest>' or '/<path>'; the cluster's "
         "admin allows more with the chart's jobDefaults.allowedImages"
     )
-    assert plan(obj, None, None, SETTINGS, now=NOW) == [
+    assert plan(obj, Observed(), SETTINGS, now=NOW) == [
         WriteStatus(status("Failed", "InvalidSpec", message, cond("Failed", "InvalidSpec", message, NOW))),
         Event("Warning", "InvalidSpec", f"spec refused: {message}; fix it with kubectl edit"),
     ]
@@ -679,7 +695,7 @@ def test_an_image_outside_the_allow_list_fails_naming_the_field() -> None:
         ("ghcr.io/fp8rl/worker:0.2.0", SETTINGS),
         ("registry.example/team/w:1", OperatorSettings(allowed_images=["registry.example/"])),
     ):
-        actions = plan(rljob(cluster={"image": image}), None, None, settings, now=NOW)
+        actions = plan(rljob(cluster={"image": image}), Observed(), settings, now=NOW)
         assert any(isinstance(a, CreateRayJob) for a in actions), image
 
 
@@ -687,18 +703,18 @@ def test_the_guards_come_before_the_rayjob_as_the_settings_ask() -> None:
     obj = rljob()
     job = rl.RLJob.of(obj)
     secret = OperatorSettings(ray_auth="secret")
-    actions = plan(obj, None, None, secret, now=NOW)
+    actions = plan(obj, Observed(), secret, now=NOW)
     assert actions[:4] == [
-        ApplyNetworkPolicy(builders.network_policy(job, secret)),
+        CreateNetworkPolicy(builders.network_policy(job, secret)),
         CreateRayTokenSecret(job),
         CreateConfigMap(configmap(obj)),
         CreateRayJob(builders.rayjob(job, secret), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
     ]
     # without per-job policies (the chart's networkPolicy.enabled: false) only the ConfigMap
     bare = OperatorSettings(network_policy=False)
-    assert plan(obj, None, None, bare, now=NOW)[0] == CreateConfigMap(configmap(obj))
+    assert plan(obj, Observed(), bare, now=NOW)[0] == CreateConfigMap(configmap(obj))
     # a RayJob that exists and is current: nothing is written again
-    assert plan(obj, rayjob(obj), configmap(obj), secret, now=NOW)[:1] == [
+    assert plan(obj, Observed(rayjob(obj), configmap(obj), policy(obj, secret)), secret, now=NOW)[:1] == [
         WriteStatus(
             status(
                 "Starting",
@@ -708,3 +724,181 @@ def test_the_guards_come_before_the_rayjob_as_the_settings_ask() -> None:
             )
         )
     ]
+
+
+# -- whose objects: the operator touches only the RLJob's own (operators/ownership.py) ------------
+
+
+def foreign(kind: str, name: str, **metadata: Any) -> dict[str, Any]:
+    """An object someone else made under one of the job's names (an admin, another tool)."""
+    return {"kind": kind, "metadata": {"name": name, "namespace": "team-a", "uid": "other-uid", **metadata}}
+
+
+def conflict_message(*objects: str) -> str:
+    return (
+        f"{', '.join(objects)} exists and is not this RLJob's (operators.ownership: no owner reference to its "
+        "uid); the operator leaves it alone. Rename the RLJob, or remove that object and the job starts"
+    )
+
+
+@pytest.mark.parametrize(
+    ("what", "observed", "named"),
+    [
+        (
+            "an admin's deny-all policy",
+            Observed(networkpolicy=foreign("NetworkPolicy", "j")),
+            "NetworkPolicy team-a/j",
+        ),
+        (
+            "a tenant's ConfigMap",
+            Observed(configmap=foreign("ConfigMap", "j-spec")),
+            "ConfigMap team-a/j-spec",
+        ),
+        ("a RayJob made by hand", Observed(rayjob=foreign("RayJob", "j")), "RayJob team-a/j"),
+        # our labels copied onto it prove nothing without the owner reference to this RLJob's uid
+        (
+            "a copy of the operator's labels",
+            Observed(
+                configmap=foreign(
+                    "ConfigMap",
+                    "j-spec",
+                    labels={"app.kubernetes.io/managed-by": "fp8rl-operator", "fp8rl.io/rljob": "j"},
+                )
+            ),
+            "ConfigMap team-a/j-spec",
+        ),
+    ],
+)
+def test_an_object_that_is_not_the_jobs_own_fails_it_and_is_never_touched(
+    what: str, observed: Observed, named: str
+) -> None:
+    message = conflict_message(named)
+    assert plan(rljob(), observed, SETTINGS, now=NOW) == [
+        WriteStatus(
+            status(
+                "Failed",
+                "NameConflict",
+                message,
+                cond("Failed", "NameConflict", message, NOW),
+                cond("NameConflict", "NameConflict", message, NOW),
+            )
+        ),
+        Event("Warning", "NameConflict", message),
+    ]
+    # once recorded: nothing more (no second event), and still no action on the object
+    failed = rljob(
+        status(
+            "Failed",
+            "NameConflict",
+            message,
+            cond("Failed", "NameConflict", message),
+            cond("NameConflict", "NameConflict", message),
+        )
+    )
+    assert plan(failed, observed, SETTINGS, now=NOW) == []
+
+
+def test_objects_of_an_earlier_rljob_of_the_same_name_are_waited_for() -> None:
+    earlier = {
+        "apiVersion": "fp8rl.io/v1alpha1",
+        "kind": "RLJob",
+        "name": "j",
+        "uid": "uid-0",
+        "controller": True,
+    }
+    labels = {"app.kubernetes.io/managed-by": "fp8rl-operator", "fp8rl.io/rljob": "j"}
+    left = foreign("ConfigMap", "j-spec", labels=labels, ownerReferences=[earlier])
+    # no conflict, no create over it: the garbage collector removes it (its owner is gone)
+    assert plan(rljob(), Observed(configmap=left), SETTINGS, now=NOW) == []
+
+
+def test_the_jobs_own_policy_is_left_alone_when_current_and_replaced_when_not() -> None:
+    obj = rljob()
+    current = policy(obj)
+    actions = plan(obj, Observed(configmap=configmap(obj), networkpolicy=current), SETTINGS, now=NOW)
+    assert not any(isinstance(a, (CreateNetworkPolicy, ReplaceNetworkPolicySpec)) for a in actions)
+    stale = policy(obj)
+    stale["spec"]["ingress"] = stale["spec"]["ingress"][:1]  # made under other settings
+    actions = plan(obj, Observed(configmap=configmap(obj), networkpolicy=stale), SETTINGS, now=NOW)
+    assert actions[0] == ReplaceNetworkPolicySpec(builders.network_policy(rl.RLJob.of(obj), SETTINGS))
+
+
+@pytest.mark.parametrize(
+    ("output_dir", "cluster", "ok"),
+    [
+        ("runs/j", {}, True),  # relative: under /data, the pods' work directory
+        ("/data/runs/j", {}, True),
+        ("/runs/j", {"volumeClaim": "fp8rl-runs"}, True),  # the volume is mounted there
+        ("/runs/j", {}, False),  # the README's old example: no volume, a root-owned directory
+        ("/tmp/../etc/j", {}, False),
+        ("../j", {}, False),  # climbs out of /data
+    ],
+)
+def test_output_dir_must_be_writable_in_the_pods(output_dir: str, cluster: dict[str, Any], ok: bool) -> None:
+    actions = plan(rljob(cluster=cluster, output_dir=output_dir), Observed(), SETTINGS, now=NOW)
+    created = any(isinstance(a, CreateRayJob) for a in actions)
+    assert created is ok
+    if not ok:
+        [write, event] = actions
+        assert isinstance(write, WriteStatus) and write.status.reason == "InvalidSpec"
+        assert write.status.message.startswith(f"spec.job.output_dir: {output_dir!r} is not writable")
+        assert "relative to /data" in write.status.message
+        assert isinstance(event, Event) and event.reason == "InvalidSpec"
+
+
+# -- where KubeRay cannot read the Ray job (rayAuth secret, KubeRay < 1.5.1) -----------------------
+
+SECRET = OperatorSettings(ray_auth="secret")
+COMPLETE = (
+    '# TYPE fp8rl_run_complete gauge\nfp8rl_run_complete{job="j",namespace="team-a",recipe="fp8-e2e"} 1.0\n'
+)
+UNREAD = "JobDeploymentStatusTransitionGracePeriodExceeded"
+
+
+def secret_case(st: JobStatus, deployment: str, metrics: str | None, **extra: Any) -> list[Action]:
+    obj = rljob(st)
+    body = builders.rayjob(rl.RLJob.of(obj), SECRET)
+    body["metadata"]["uid"] = RAYJOB_UID
+    body["status"] = {"jobDeploymentStatus": deployment, "jobStatus": "", **extra}
+    observed = Observed(body, configmap(obj), policy(obj, SECRET))
+    return plan(obj, observed, SECRET, metrics, now=NOW)
+
+
+def test_a_driver_serving_its_metrics_is_running_though_kuberay_cannot_tell() -> None:
+    starting = status("Starting", "RayClusterStarting", STARTING, STARTED)
+    # KubeRay: Running, job status unknown (its reads are refused without the token)
+    assert secret_case(starting, "Running", None)[0] == WriteStatus(
+        status("Starting", "DriverStarting", "driver not submitted yet", STARTED)
+    )
+    message = "the driver serves its metrics (KubeRay has not read the Ray job)"
+    actions = secret_case(starting, "Running", exposition(3, 0.5))
+    [write] = [a for a in actions if isinstance(a, WriteStatus)]
+    assert (write.status.phase, write.status.reason, write.status.message) == ("Running", "Training", message)
+    assert write.status.progress.step == 3 and write.status.progress.reward == 0.5
+    assert Event("Normal", "Running", f"Training: {message}") in actions
+
+
+def test_the_drivers_word_decides_the_outcome_kuberay_could_not_read() -> None:
+    grace = {
+        "reason": UNREAD,
+        "message": "The RayJob submitter finished at ... but the ray job did not reach terminal state",
+    }
+    running = status("Running", "Training", "m", STARTED, RUNNING, step=10, total_steps=10)
+    # the driver, lingering after its last step, says it is complete: recorded on the RLJob
+    actions = secret_case(running, "Running", exposition(10, 0.9) + COMPLETE)
+    [write] = [a for a in actions if isinstance(a, WriteStatus)]
+    [done] = [c for c in write.status.conditions if c.type == "DriverCompleted"]
+    assert done.status and done.message == "the driver reported every step done (fp8rl_run_complete)"
+    # ... and when KubeRay gives up for want of the outcome, the job succeeded
+    completed = running.model_copy(update={"conditions": [*running.conditions, done]})
+    actions = secret_case(completed, "Failed", None, **grace)
+    [write] = [a for a in actions if isinstance(a, WriteStatus)]
+    assert write.status.phase == "Succeeded" and write.status.reason == "Completed"
+    assert write.status.message == (
+        "the driver reported every step done (fp8rl_run_complete); KubeRay could not read the Ray job"
+    )
+    # without the driver's word it failed, and the message says where to look
+    actions = secret_case(running, "Failed", None, **grace)
+    [write] = [a for a in actions if isinstance(a, WriteStatus)]
+    assert write.status.phase == "Failed" and write.status.reason == UNREAD
+    assert "did not report every step done: its log is on the head pod" in write.status.message

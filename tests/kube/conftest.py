@@ -1,0 +1,55 @@
+"""One real Kubernetes for the session (``tests/kube/README.md``): built once per machine, started
+once per test session (seconds), torn down at the end. Tests take namespaces of their own."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kube import build, install
+from tests.kube.cluster import RESTRICTED, KubeCluster
+from tests.kube.podnet import PodNetwork
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def podnet() -> Iterator[PodNetwork]:
+    net = PodNetwork().start()
+    yield net
+    net.stop()
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory, podnet: PodNetwork) -> Iterator[KubeCluster]:
+    built = build.ensure()  # minutes on a new machine, then nothing
+    cluster = KubeCluster(built, tmp_path_factory.mktemp("kube"), proxy=podnet.url)
+    podnet.attach(cluster)
+    with cluster:
+        yield cluster
+
+
+@pytest.fixture
+def tenant(kube: KubeCluster) -> str:
+    """A new tenant namespace that enforces Pod Security ``restricted``, as the chart makes them."""
+    return kube.namespace(f"tenant-{next(_names)}", {**RESTRICTED, "fp8rl.io/tenant": "true"})
+
+
+@pytest.fixture(scope="session")
+def chart(kube: KubeCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chart, installed once (release ``fp8rl`` in ``fp8rl-system``, tenants team-a/b/c)."""
+    return install.install(kube, tmp_path_factory.mktemp("chart"))
+
+
+@pytest.fixture(scope="session")
+def operator(
+    kube: KubeCluster, chart: Path, podnet: PodNetwork, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[install.Process]:
+    """``fp8rl operator`` with the chart's ServiceAccount and config, for the whole session."""
+    proc = install.start_operator(kube, tmp_path_factory.mktemp("operator"), podnet.url)
+    yield proc
+    proc.stop()
+    print(proc.tail())

@@ -1,0 +1,125 @@
+"""fp8rl on the test cluster as a platform engineer installs it: ``helm install`` of the chart (real
+helm), then the operator and the control plane as processes of this machine that act with the
+chart's own ServiceAccounts (a token of each, from the TokenRequest API), so RBAC decides what
+they may do exactly as it would for the chart's pods. The chart's pods themselves are scheduled
+and "run" by kwok; nothing runs in them, which is why the processes run here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.helm.tools import CHART, tool
+from tests.kube.cluster import RESTRICTED, KubeCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE, NAMESPACE = "fp8rl", "fp8rl-system"
+TENANTS = ("team-a", "team-b", "team-c")
+TOKENS = {f"{tenant}-token-0123456789abcdef": tenant for tenant in TENANTS}
+OPERATOR_SA = f"system:serviceaccount:{NAMESPACE}:fp8rl-operator"
+CONTROL_PLANE_SA = f"system:serviceaccount:{NAMESPACE}:fp8rl-api"
+
+# the values a platform engineer would set for this cluster: its node pools' labels, KubeRay
+# 1.5.0's auth mode (it has no authOptions), images pulled as tagged (kwok pulls nothing)
+VALUES: dict[str, Any] = {
+    "tenants": [{"name": t, "createNamespace": True} for t in TENANTS],
+    "auth": {"tokens": TOKENS},
+    "images": {"pullPolicy": "IfNotPresent"},
+    "gpuPools": {
+        "generation": {"nodeSelector": {"fp8rl.test/pool": "generation"}, "gpusPerPod": 8},
+        "training": {"nodeSelector": {"fp8rl.test/pool": "training"}, "gpusPerPod": 8},
+    },
+    "jobDefaults": {"rayAuth": "secret", "pollSeconds": 1, "headMemory": "2Gi", "workerMemory": "8Gi"},
+    "monitoring": {"enabled": False},
+}
+
+
+def helm(kube: KubeCluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    argv = [tool("helm"), f"--kubeconfig={kube.kubeconfig}", *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"helm {' '.join(args)} failed:\n{done.stderr}")
+    return done
+
+
+def install(
+    kube: KubeCluster, workdir: Path, values: dict[str, Any] | None = None, chart: Path = CHART
+) -> Path:
+    """``helm install`` the chart into ``NAMESPACE`` (itself Pod Security ``restricted``, so the
+    chart's own pods are held to it too) and wait for its Deployments."""
+    kube.namespace(NAMESPACE, RESTRICTED)
+    path = workdir / "values.yaml"
+    path.write_text(yaml.safe_dump(values or VALUES))
+    helm(kube, "install", RELEASE, str(chart), "-n", NAMESPACE, "-f", str(path), "--wait", "--timeout=180s")
+    return path
+
+
+@dataclass
+class Process:
+    """A long-running fp8rl command; ``stop()`` sends SIGTERM and waits."""
+
+    name: str
+    log: Path
+    proc: subprocess.Popen[bytes]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def fp8rl(name: str, workdir: Path, *args: str, env: dict[str, str] | None = None) -> Process:
+    log = workdir / f"{name}.log"
+    full = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "HTTP_PROXY", "http_proxy")}
+    full.update(env or {})
+    argv = [sys.executable, "-m", "fp8rl", *args]
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=full, cwd=ROOT, start_new_session=True
+        )
+    return Process(name, log, proc, env or {})
+
+
+def operator_config(
+    kube: KubeCluster, workdir: Path, configmap: str = "fp8rl-operator", namespace: str = NAMESPACE
+) -> Path:
+    """The config file the chart mounts into the operator's pod, as rendered into its ConfigMap."""
+    found = kube.get("configmap", configmap, namespace)
+    assert found is not None, f"the chart's operator ConfigMap {namespace}/{configmap}"
+    path = workdir / "operator-config.yaml"
+    path.write_text(found["data"]["config.yaml"])
+    return path
+
+
+def start_operator(
+    kube: KubeCluster,
+    workdir: Path,
+    proxy: str,
+    namespaces: tuple[str, ...] = TENANTS,
+    config: Path | None = None,
+    name: str = "operator",
+    service_account: tuple[str, str] = (NAMESPACE, "fp8rl-operator"),
+) -> Process:
+    """``fp8rl operator`` with the chart's config and its ServiceAccount's token, watching the
+    tenants as the chart's Deployment does; pods are reached through the pod network stand-in."""
+    kubeconfig = kube.token_kubeconfig(workdir / f"{name}.kubeconfig", *service_account)
+    args = ["operator", f"--config={config or operator_config(kube, workdir)}", f"--kubeconfig={kubeconfig}"]
+    args += [f"--namespace={ns}" for ns in namespaces]
+    return fp8rl(name, workdir, *args, env={"HTTP_PROXY": proxy, "NO_PROXY": "127.0.0.1,localhost"})
