@@ -29,6 +29,14 @@ def run(
     import kopf
 
     from operators.handlers import registry
+    from operators.reconcile import Reconciler
+    from rljob.kube import api_client
+
+    # before kopf starts: a cluster whose KubeRay would run jobs without a token is refused in one
+    # line that says what to do (the startup handler checks again, for a KubeRay replaced later)
+    problem = Reconciler(api_client(kubeconfig), settings).kuberay_problem()
+    if problem:
+        raise SystemExit(f"error: {problem}")
 
     kopf.run(
         registry=registry(settings, kubeconfig),

@@ -24,8 +24,9 @@ The decisions, in order:
 4. A RayJob built from another spec (``spec.job``/``spec.cluster`` changed): while the job is
    Starting or Running the change is refused (condition ``SpecChangeRefused``, one Warning event);
    otherwise the RayJob is rebuilt from the new spec.
-5. A job the user resumed (Pending, ``UserResumed``) whose RayJob finished: a new RayJob
-   (``RayJobRestarted``); a finished RayJob does not run again.
+5. A job the user resumed (Pending, ``UserResumed``) whose RayJob finished: the RayJob is deleted
+   and, once KubeRay's finalizer let it go, a new one made (``RayJobRestarted``); a finished RayJob
+   does not run again. While a RayJob of the job is being deleted, nothing else is done.
 6. ``spec.suspend`` differs from the RayJob's: patch it (with Kueue a suspended RayJob is left for
    Kueue to admit).
 7. Status mirrors the RayJob (``operators.status``), through the state machine, one event per
@@ -246,8 +247,17 @@ def plan(
         kind = "Normal" if reason == Reason.RAYJOB_CREATED else "Warning"
         return CreateRayJob(observed, Event(kind, reason, f"RayJob {ns}/{name}"))
 
+    if rayjob is not None and (rayjob.get("metadata") or {}).get("deletionTimestamp"):
+        # KubeRay's finalizer stops a deleted RayJob's Ray job first: its successor, under the same
+        # name, is made once it is gone (a create now would be refused as a conflict)
+        return []
     if rayjob is None:
-        why = Reason.RAYJOB_RECREATED if status.phase in RUNNING else Reason.RAYJOB_CREATED
+        if status.phase is Phase.PENDING and status.reason == Reason.USER_RESUMED:
+            why = Reason.RAYJOB_RESTARTED  # the finished RayJob went (below), this is its successor
+        elif status.phase in RUNNING:
+            why = Reason.RAYJOB_RECREATED
+        else:
+            why = Reason.RAYJOB_CREATED
         actions += [*before_rayjob, create(why)]
     elif _annotation(rayjob, builders.SPEC_HASH) != builders.spec_hash(spec):
         if status.phase in RUNNING:

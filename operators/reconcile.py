@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from operators import builders
 from operators.ownership import RLJOB_LABEL, Ownership, ownership
@@ -178,7 +179,9 @@ class Reconciler:
                 )
             else:
                 url = self.settings.progress_url.format(pod_ip=running[0].status.pod_ip, port=port)
-                text = self.http.get(url).text
+                text = self.http.get(url).raise_for_status().text
+            # what answered must be Prometheus text (a proxy's or another server's page is not)
+            list(text_string_to_metric_families(text))
         except Exception as err:  # progress is best effort: the phase does not depend on it
             log.debug("no progress for %s/%s: %s", ns, rayjob["metadata"]["name"], err)
             return None

@@ -26,7 +26,9 @@ def target_of(rayjob: dict[str, Any], suspend: bool) -> Target:
             Reason.SUSPENDED,
             f"RayJob {deployment or 'suspending'}; resume continues from the checkpoint",
         )
-    if deployment in ("Suspending", "Suspended"):
+    held = bool((rayjob.get("spec") or {}).get("suspend"))
+    if deployment in ("Suspending", "Suspended") or (held and deployment in ("", "New", "Initializing")):
+        # created suspended for a queue (Kueue admits a job by unsuspending it), or resuming
         return Phase.PENDING, Reason.RAYJOB_SUSPENDED, "the RayJob is still suspended (resuming, or queued)"
     if deployment in ("", "Initializing", "Waiting"):
         return Phase.STARTING, Reason.RAY_CLUSTER_STARTING, message or "waiting for the Ray cluster"

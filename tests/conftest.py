@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# the real Kubernetes of the suite (tests/kube/README.md): kube, chart, operator, podnet, tenant, ...
+pytest_plugins = ["tests.kube.fixtures"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

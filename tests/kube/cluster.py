@@ -42,8 +42,10 @@ from tests.kube.build import Built
 
 HERE = Path(__file__).resolve().parent
 SERVICE_CIDR = "10.96.0.0/16"
-POD_CIDR = "10.244.0.0/16"  # kwok's pod IPs: not routable here; podnet.py answers for them
-NODE_IP = "10.0.0.10"
+# kwok's pod and node IPs: from the range set aside for benchmarks (RFC 2544), which no network
+# routes, so nothing real answers at them; podnet.py answers for the pods
+POD_CIDR = "198.18.0.0/16"
+NODE_IP = "198.19.0.10"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN = "fp8rl-test-admin"
 # the Pod Security level a tenant namespace enforces (what the chart labels its tenants with)

@@ -32,10 +32,8 @@ def tenant_kubeconfig(kube: KubeCluster, namespace: str, workdir: Path) -> Path:
             "rules": TENANT_RULES,
         }
         kube.apply(role)
-        kube.kubectl(
-            "create", "rolebinding", "rljob-user", "--role=rljob-user", f"--serviceaccount={namespace}:tenant",
-            "-n", namespace,
-        )  # fmt: skip
+        account = f"--serviceaccount={namespace}:tenant"
+        kube.kubectl("create", "rolebinding", "rljob-user", "--role=rljob-user", account, "-n", namespace)
     return kube.token_kubeconfig(workdir / f"tenant-{namespace}.kubeconfig", namespace, "tenant")
 
 
@@ -61,7 +59,9 @@ class Jobs:
         )  # fmt: skip
 
     def delete(self, name: str, wait: bool = True) -> None:
-        self.kube.kubectl("delete", "rljob", name, "-n", self.ns, f"--wait={str(wait).lower()}", kubeconfig=self.tenant)
+        self.kube.kubectl(
+            "delete", "rljob", name, "-n", self.ns, f"--wait={str(wait).lower()}", kubeconfig=self.tenant
+        )
 
     def get(self, name: str) -> dict[str, Any] | None:
         return self.kube.get("rljob", name, self.ns)

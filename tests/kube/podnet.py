@@ -20,6 +20,10 @@ Service port to the container port. Then it answers as the process in that pod w
 
 Anything else is a connection refused (502 from the proxy). This is the only simulated part of the
 chain; the test says which driver runs and when it ends, nothing else.
+
+The API server's ``pods/proxy`` and ``services/proxy`` requests reach this proxy addressed to the
+API server's own address (URL and ``Host``), with the pod or Service only in the
+``X-Forwarded-Uri`` header it adds; those are routed by that header.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import base64
 import http.server
 import ipaddress
 import json
+import re
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
@@ -163,8 +168,15 @@ class PodNetwork:
             return self._resolve_service(host, port)
         if ip not in ipaddress.ip_network(POD_CIDR):
             return None
+        # an IP is reused once its pod is gone: the one running now, not one being deleted
         pods = self.cluster.list("pods")
-        found = [p for p in pods if p.get("status", {}).get("podIP") == host]
+        found = [
+            p
+            for p in pods
+            if p.get("status", {}).get("podIP") == host
+            and p.get("status", {}).get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")
+        ]
         return (found[0], port) if found else None
 
     def _resolve_service(self, host: str, port: int) -> tuple[dict[str, Any], int] | None:
@@ -191,6 +203,24 @@ class PodNetwork:
             if ready:
                 return pod, _container_port(pod, target)
         return None
+
+    def resolve_forwarded(self, uri: str) -> tuple[dict[str, Any], int, str] | None:
+        """The pod, port and path of an API server proxy URI
+        (``/api/v1/namespaces/NS/pods|services/[SCHEME:]NAME[:PORT]/proxy/PATH``)."""
+        found = re.fullmatch(
+            r"/api/v1/namespaces/([^/]+)/(pods|services)/([^/]+)/proxy(/.*)?", uri.split("?")[0]
+        )
+        if found is None:
+            return None
+        ns, kind, ref, path = found.groups()
+        parts = urllib.parse.unquote(ref).split(":")
+        name, port = (parts[-2], parts[-1]) if len(parts) >= 2 else (parts[0], "80")
+        assert self.cluster is not None
+        if kind == "services":
+            target = self._resolve_service(f"{name}.{ns}.svc", int(port) if port.isdigit() else -1)
+            return (target[0], target[1], path or "/") if target else None
+        pod = self.cluster.get("pod", name, ns)
+        return (pod, int(port), path or "/") if pod is not None and port.isdigit() else None
 
     # -- the processes ------------------------------------------------------------------------------
 
@@ -280,13 +310,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if length:
             self.rfile.read(length)
         status, ctype, body = 502, "text/plain", b"bad proxy request"
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        target: tuple[dict[str, Any], int] | None = None
+        path = url.path + (f"?{url.query}" if url.query else "")
         if url.scheme == "http" and url.hostname:
-            target = net.resolve(url.hostname, url.port or 80)
+            if "x-forwarded-uri" in headers:
+                # the API server's pods/proxy and services/proxy name the pod or Service in the
+                # X-Forwarded-Uri it sets (the URL it sends is its own address)
+                found = net.resolve_forwarded(headers["x-forwarded-uri"])
+                if found is not None:
+                    target, path = (found[0], found[1]), found[2]
+            else:
+                target = net.resolve(url.hostname, url.port or 80)
             if target is None:
                 status, body = 502, b"no route to host"
             else:
-                path = url.path + (f"?{url.query}" if url.query else "")
-                headers = {k.lower(): v for k, v in self.headers.items()}
                 status, ctype, body = net.answer(target[0], target[1], self.command, path, headers)
         with net._lock:
             net.requests.append((self.headers.get("user-agent", ""), self.path, status))

@@ -3,6 +3,7 @@ implemented RBAC, Pod Security admission, scheduling on GPU pools and garbage co
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from operators.builders import kuberay_knows_auth_options
 from tests.helpers import wait_for
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import POD_CIDR, KubeCluster
 
 
 def pod(name: str, **spec: object) -> dict[str, object]:
@@ -94,7 +95,7 @@ def test_gpu_pods_land_on_the_gpu_pool_and_run(kube: KubeCluster, tenant: str) -
         lambda p: p and p["status"].get("phase") == "Running",
     )
     assert running["spec"]["nodeName"].startswith("h100-gen-")
-    assert running["status"]["podIP"].startswith("10.244.")
+    assert ipaddress.ip_address(running["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
     # a pod asking for more GPUs than any node has stays Pending, unschedulable
     big = pod("too-big", tolerations=gpu["spec"]["tolerations"])  # type: ignore[index]
     big["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "9"}}  # type: ignore[index]

@@ -8,7 +8,6 @@ Each test says which KubeRay and fp8rl transitions it waits for; a failure print
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,15 @@ def step_row(step: int, reward: float) -> dict[str, float]:
     return {m.STEP: step, m.REWARD_MEAN: reward, m.GENERATION_TOKENS_PER_S: 1000.0 + step}
 
 
+def running_pods(jobs: Jobs, name: str, count: int = 4) -> list[dict[str, Any]]:
+    return wait_for(
+        lambda: jobs.pods(name),
+        f"{count} pods of {name} Running",
+        lambda ps: len(ps) == count and all(p["status"].get("phase") == "Running" for p in ps),
+        timeout=90,
+    )
+
+
 def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     kube: KubeCluster, team_a: Jobs, podnet: PodNetwork
 ) -> None:
@@ -56,7 +64,12 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     # fp8rl: the RayJob, as the chart's operator ServiceAccount may make it
     rayjob = wait_for(lambda: jobs.rayjob(name), "the operator's RayJob")
     rljob = jobs.get(name) or {}
-    assert rayjob["metadata"]["ownerReferences"][0]["uid"] == rljob["metadata"]["uid"]
+    uid = rljob["metadata"]["uid"]
+    assert "fp8rl.io/finalizer" in rljob["metadata"]["finalizers"]
+    assert rayjob["metadata"]["ownerReferences"][0]["uid"] == uid
+    configmap = kube.get("configmap", f"{name}-spec", "team-a") or {}
+    assert configmap["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert json.loads(configmap["data"]["job.json"])["steps"] == 3
     # KubeRay: New -> Initializing (the RayCluster) -> Running (its submitter Job in K8sJobMode)
     rayjob = wait_for(
         lambda: jobs.rayjob(name),
@@ -66,13 +79,7 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     )
     cluster = rayjob["status"]["rayClusterName"]
     assert kube.get("raycluster", cluster, "team-a") is not None
-    pods = wait_for(
-        lambda: jobs.pods(name),
-        "head, workers and submitter Running",
-        lambda ps: len(ps) == 4 and all(p["status"].get("phase") == "Running" for p in ps),
-        timeout=90,
-    )
-    by_group = {p["metadata"]["labels"]["fp8rl.io/group"]: p for p in pods}
+    by_group = {p["metadata"]["labels"]["fp8rl.io/group"]: p for p in running_pods(jobs, name)}
     assert by_group["generation"]["spec"]["nodeName"].startswith("h100-gen-")
     assert by_group["training"]["spec"]["nodeName"] == "h100-train-0"
     assert by_group["head"]["spec"]["nodeName"].startswith("cpu-")  # no GPU asked, no toleration needed
@@ -97,10 +104,36 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     asked = [r for r in podnet.requests if "/api/jobs/" in r[1] and r[1].split("/")[2].startswith(cluster)]
     assert asked and {status for _, _, status in asked} == {401}, asked
 
+    # a spec change while it runs is refused, once, and the RayJob keeps its spec
+    jobs.patch(name, {"job": {**TINY, "steps": 99}})
+    wait_for(
+        lambda: jobs.status(name),
+        "the SpecChangeRefused condition",
+        lambda s: any(c["type"] == "SpecChangeRefused" and c["status"] for c in s.get("conditions", [])),
+    )
+    spec_hash = "fp8rl.io/spec-hash"
+    assert (jobs.rayjob(name) or {})["metadata"]["annotations"][spec_hash] == rayjob["metadata"][
+        "annotations"
+    ][spec_hash]
+    jobs.patch(name, {"job": TINY})  # put back
+
+    # suspend: KubeRay tears the Ray cluster down; resume: a new one, the driver continues
+    jobs.patch(name, {"suspend": True})
+    jobs.wait_phase(name, "Suspended")
+    wait_for(lambda: jobs.pods(name), "the pods to go on suspend", lambda ps: ps == [], timeout=60)
+    jobs.patch(name, {"suspend": False})
+    running_pods(jobs, name)
+    driver.exporter.observe(step_row(2, 0.5))
+    wait_for(
+        lambda: jobs.status(name),
+        "Running again after resume",
+        lambda s: s.get("phase") == "Running" and s.get("progress", {}).get("step") == 2,
+        timeout=90,
+    )
+
     # the last step, the driver's word, its exit: KubeRay gives up on the outcome 30 s after its
     # submitter ended; the operator knows better from what the driver said while it lingered
-    for step in (2, 3):
-        driver.exporter.observe(step_row(step, 0.5))
+    driver.exporter.observe(step_row(3, 0.5))
     driver.exporter.complete()
     wait_for(
         lambda: jobs.status(name),
@@ -113,14 +146,27 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     assert (jobs.rayjob(name) or {}).get("status", {}).get("reason") == (
         "JobDeploymentStatusTransitionGracePeriodExceeded"
     )
+    reasons = [r for r, _ in jobs.events(name)]
+    for reason in ("RayJobCreated", "Starting", "Running", "SpecChangeRefused", "Suspended", "Succeeded"):
+        assert reason in reasons, reasons
+    assert reasons.count("SpecChangeRefused") == 1
 
+    # delete: the finalizer holds the RLJob until its RayJob and pods are gone
     jobs.delete(name)
     assert jobs.get(name) is None
-    wait_for(lambda: jobs.pods(name), "the job's pods to go", lambda ps: ps == [])
-    for kind, obj in (("rayjob", name), ("configmap", f"{name}-spec"), ("networkpolicy", name)):
+    assert jobs.pods(name) == [] and jobs.rayjob(name) is None
+    for kind, obj in (("configmap", f"{name}-spec"), ("networkpolicy", name)):
         wait_for(lambda k=kind, o=obj: kube.get(k, o, "team-a"), f"{kind} {obj} to go", lambda x: x is None)
-    left = [s["metadata"]["name"] for s in kube.list("secrets", "team-a") if s["metadata"]["name"].startswith(name)]
-    wait_for(lambda: [s for s in left if kube.get("secret", s, "team-a")], "the token Secret collected", lambda x: x == [])
+    tokens = [
+        s["metadata"]["name"]
+        for s in kube.list("secrets", "team-a")
+        if s["metadata"]["name"].startswith(f"{name}-")
+    ]
+    wait_for(
+        lambda: [t for t in tokens if kube.get("secret", t, "team-a")],
+        "the token collected",
+        lambda x: x == [],
+    )
 
 
 def test_every_pod_passes_restricted_and_can_write_where_it_works(kube: KubeCluster, team_a: Jobs) -> None:

@@ -94,6 +94,13 @@ def rayjob(
 RAYJOB_UID = "rayjob-uid-7"
 
 
+def deleting_rayjob(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` being deleted: KubeRay's finalizer holds it while it stops the Ray job."""
+    body["metadata"]["deletionTimestamp"] = "2025-06-02T11:59:58Z"
+    body["metadata"]["finalizers"] = ["ray.io/rayjob-finalizer"]
+    return body
+
+
 def from_other_spec(body: dict[str, Any]) -> dict[str, Any]:
     body["metadata"]["annotations"][builders.SPEC_HASH] = "0123456789abcdef"
     return body
@@ -449,6 +456,31 @@ def cases() -> dict[str, Case]:
                 Event("Normal", "Starting", f"RayClusterStarting: {STARTING}"),
             ],
         ),
+        "resumed, the finished RayJob still held by KubeRay's finalizer: wait for it": Case(
+            resumed,
+            deleting_rayjob(rayjob(resumed, "Failed", reason="DeadlineExceeded", message="ran too long")),
+            configmap(resumed),
+            [],
+        ),
+        "resumed, the finished RayJob gone: its successor is a restart": Case(
+            resumed,
+            None,
+            configmap(resumed),
+            [
+                *guards(resumed),
+                CreateRayJob(built(resumed), Event("Warning", "RayJobRestarted", "RayJob team-a/j")),
+                WriteStatus(
+                    status(
+                        "Starting",
+                        "RayClusterStarting",
+                        STARTING,
+                        *RESUMED.conditions,
+                        cond("Starting", "RayClusterStarting", STARTING, NOW),
+                    )
+                ),
+                Event("Normal", "Starting", f"RayClusterStarting: {STARTING}"),
+            ],
+        ),
         "resumed but spec.suspend is set: no restart, the RayJob is suspended": Case(
             resumed_held,
             rayjob(resumed_held, "Failed", suspend=False),
@@ -505,6 +537,17 @@ def cases() -> dict[str, Case]:
                     )
                 ),
                 Event("Normal", "Pending", f"RayJobSuspended: {held}"),
+            ],
+        ),
+        "a Kueue job's RayJob is made suspended: Pending (queued), never Starting": Case(
+            kueue,
+            None,
+            None,
+            [
+                *guards(kueue),
+                CreateConfigMap(configmap(kueue)),
+                CreateRayJob(built(kueue), Event("Normal", "RayJobCreated", "RayJob team-a/j")),
+                WriteStatus(status("Pending", "RayJobSuspended", held)),
             ],
         ),
         "Kueue holds the RayJob suspended: left for Kueue, Pending says so": Case(
@@ -736,8 +779,8 @@ def foreign(kind: str, name: str, **metadata: Any) -> dict[str, Any]:
 
 def conflict_message(*objects: str) -> str:
     return (
-        f"{', '.join(objects)} exists and is not this RLJob's (operators.ownership: no owner reference to its "
-        "uid); the operator leaves it alone. Rename the RLJob, or remove that object and the job starts"
+        f"{', '.join(objects)} exists and is not this RLJob's (operators.ownership: no owner reference to "
+        "its uid); the operator leaves it alone. Rename the RLJob, or remove that object and the job starts"
     )
 
 

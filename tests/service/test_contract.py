@@ -4,7 +4,8 @@ schemathesis runs with every check (status codes, media types, headers, response
 ``Allow`` of a 405, negative data rejected, the stateful phase following the document's links),
 ``positive_data_acceptance`` aside (a valid-looking spec can still be refused on purpose, e.g.
 over a tenant's job limit), against a real ``fp8rl serve`` in both store modes: ``sql`` (jobs run
-as local drivers; one at a time, so the run stays small) and ``kubernetes`` on kmock. It must find
+as local drivers; one at a time, so the run stays small) and ``kubernetes`` on the real API server
+(tests/kube), acting as the chart's control plane ServiceAccount. It must find
 nothing. The command is the one in docs/control-plane.md; the seed is fixed so that CI is
 repeatable (run it by hand without ``--seed`` to explore further).
 """
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.kube_emulator import KubeEmulator
 from tests.service.servers import serve
 
 TOKEN = "contract-token-0123456789"
@@ -51,13 +51,11 @@ def test_the_sql_store_answers_as_documented(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_kubernetes_store_answers_as_documented(tmp_path: Path) -> None:
-    with (
-        KubeEmulator(tmp_path, namespaces=[TENANT]) as kube,
-        serve(
-            tmp_path, {TOKEN: TENANT}, "--store", "kubernetes", "--kubeconfig", str(kube.kubeconfig)
-        ) as url,
-    ):
+def test_the_kubernetes_store_answers_as_documented(
+    tmp_path: Path, tenant: str, control_plane_kubeconfig: Path
+) -> None:
+    args = ("--store", "kubernetes", "--kubeconfig", str(control_plane_kubeconfig))
+    with serve(tmp_path, {TOKEN: tenant}, *args) as url:
         result = schemathesis(url, tmp_path)
     _assert_clean(result)
 

@@ -7,7 +7,9 @@ server answers is one the document declares for that operation (the client is bu
 ``raise_on_unexpected_status``), and each error body parses into the generated ``Problem`` or
 ``ValidationProblem`` model, i.e. the document's schemas and media types describe what is sent.
 
-The kubernetes store runs no drivers (the operator would), so jobs here cost one object in kmock.
+The kubernetes store is the real API server (tests/kube), reached as the chart's control plane;
+it runs no drivers (the operator would, and it does not watch these tenants), so jobs here cost one
+RLJob each.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.kube_emulator import KubeEmulator
 from tests.helpers import tiny_spec
+from tests.kube import install
+from tests.kube.cluster import RESTRICTED, KubeCluster
 from tests.service import servers
 
 TOKENS = {
-    "gen-client-a-0123456789": "team-a",  # the lifecycle
-    "gen-client-b-0123456789": "team-b",  # the errors, on a tenant of their own so counts stay exact
-    "gen-client-c-0123456789": "team-c",  # no namespace on the cluster: 403
+    "gen-client-a-0123456789": "gen-client-a",  # the lifecycle
+    "gen-client-b-0123456789": "gen-client-b",  # the errors, on a tenant of their own so counts stay exact
+    "gen-client-c-0123456789": "gen-client-c",  # no namespace on the cluster: 403
 }
 TOKEN_A, TOKEN_B, TOKEN_C = TOKENS
 # The package name the generator derives from the document's title, "fp8rl control plane"
@@ -44,7 +47,7 @@ PROBLEM_JSON = "application/problem+json"
 
 
 def serve(workdir: Path, kubeconfig: Path, ready: str) -> Any:
-    """``fp8rl serve --store kubernetes`` on kmock with this file's tenants and body limit."""
+    """``fp8rl serve --store kubernetes`` on the test cluster with this file's tenants and body limit."""
     args = ("--store", "kubernetes", "--kubeconfig", str(kubeconfig))
     return servers.serve(
         workdir, TOKENS, *args, env={"FP8RL_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}, ready=ready
@@ -52,12 +55,12 @@ def serve(workdir: Path, kubeconfig: Path, ready: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(tmp_path_factory: pytest.TempPathFactory, kube: KubeCluster, chart: Path) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("serve")
-    with (
-        KubeEmulator(workdir, namespaces=["team-a", "team-b"]) as kube,
-        serve(workdir, kube.kubeconfig, "/readyz") as url,
-    ):
+    for namespace in ("gen-client-a", "gen-client-b"):
+        kube.namespace(namespace, RESTRICTED)
+    kubeconfig = kube.token_kubeconfig(workdir / "api.kubeconfig", install.NAMESPACE, "fp8rl-api")
+    with serve(workdir, kubeconfig, "/readyz") as url:
         yield url
 
 
@@ -137,7 +140,7 @@ def test_job_lifecycle_through_the_generated_client(gen: Any, server: str) -> No
         assert r.status_code == 201, r.content
         assert r.headers["location"] == f"/v1/jobs/{name}"
         assert type(r.parsed) is gen.models.JobPublic
-        assert r.parsed.name == name and r.parsed.tenant == "team-a"
+        assert r.parsed.name == name and r.parsed.tenant == "gen-client-a"
         assert r.parsed.status.phase == gen.models.Phase.PENDING
 
     r = gen.get.sync_detailed("job-2", client=api)
@@ -187,7 +190,7 @@ def test_errors_parse_as_generated_problem_models(gen: Any, server: str) -> None
 
     # 403: the tenant's namespace does not exist on the cluster
     r = gen.create.sync_detailed(client=client(gen, server, TOKEN_C), body=job_create(gen, "x"))
-    assert "team-c" in problem(gen, r, 403).detail
+    assert "gen-client-c" in problem(gen, r, 403).detail
 
     # 404: no such job, for each operation on /v1/jobs/{name}
     for op in (gen.get, gen.delete, gen.suspend, gen.resume):
@@ -230,9 +233,12 @@ def test_errors_parse_as_generated_problem_models(gen: Any, server: str) -> None
     assert gen.list.sync_detailed(client=api).parsed.total == 1
 
 
-def test_kubernetes_down_is_a_problem_with_retry_after(gen: Any, tmp_path: Path) -> None:
-    with KubeEmulator(tmp_path, namespaces=["team-a"]) as kube:
-        kubeconfig = kube.kubeconfig  # after this block nobody listens at its address
+def test_kubernetes_down_is_a_problem_with_retry_after(gen: Any, kube: KubeCluster, tmp_path: Path) -> None:
+    from tests.kube.cluster import free_port
+
+    kubeconfig = kube.write_kubeconfig(tmp_path / "down.kubeconfig", "nobody", "not-a-token")
+    # the cluster's CA, and an address nobody listens at
+    kubeconfig.write_text(kubeconfig.read_text().replace(kube.server, f"https://127.0.0.1:{free_port()}"))
     with serve(tmp_path, kubeconfig, "/healthz") as url:
         api = client(gen, url, TOKEN_A)
         for r in (gen.readyz.sync_detailed(client=api), gen.list.sync_detailed(client=api)):

@@ -15,25 +15,28 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.kube_emulator import KubeEmulator
 from operators import builders
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.kube import KubernetesJobStore, api_client
 from service.main import create_app
 from service.settings import Settings
+from tests.kube.cluster import KubeCluster
 
-NS = "team-a"
+pytestmark = pytest.mark.slow
 TOKEN = "image-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 EVIL = "docker.io/evil/miner:1"
 
 
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[tuple[TestClient, KubeEmulator]]:
-    with KubeEmulator(tmp_path, namespaces=[NS]) as kube:
-        store = KubernetesJobStore(api_client(str(kube.kubeconfig)))
-        yield TestClient(create_app(Settings(store="kubernetes"), store, {TOKEN: NS})), kube
+def api(
+    kube: KubeCluster, tenant: str, control_plane_kubeconfig: Path
+) -> Iterator[tuple[TestClient, KubeCluster, str]]:
+    """The REST API on the real API server, as the chart's control plane, for the tenant ``tenant``."""
+    store = KubernetesJobStore(api_client(str(control_plane_kubeconfig)))
+    yield TestClient(create_app(Settings(store="kubernetes"), store, {TOKEN: tenant})), kube, tenant
+    store.close()
 
 
 def fields(answer: Any) -> list[str]:
@@ -41,9 +44,9 @@ def fields(answer: Any) -> list[str]:
 
 
 def test_an_image_in_the_body_is_refused_with_422_and_nothing_is_recorded(
-    api: tuple[TestClient, KubeEmulator],
+    api: tuple[TestClient, KubeCluster, str],
 ) -> None:
-    http, kube = api
+    http, kube, ns = api
     inside = http.post(
         "/v1/jobs", json={"name": "j1", "spec": {"steps": 2, "cluster": {"image": EVIL}}}, headers=AUTH
     )
@@ -54,15 +57,15 @@ def test_an_image_in_the_body_is_refused_with_422_and_nothing_is_recorded(
     )
     assert beside.status_code == 422, beside.text
     assert "cluster" in fields(beside)
-    assert kube.objects("rljobs", NS) == []
+    assert kube.list("rljobs", ns) == []
 
 
 def test_a_job_the_service_records_runs_the_operators_default_image(
-    api: tuple[TestClient, KubeEmulator],
+    api: tuple[TestClient, KubeCluster, str],
 ) -> None:
-    http, kube = api
+    http, kube, ns = api
     assert http.post("/v1/jobs", json={"name": "j3", "spec": {"steps": 2}}, headers=AUTH).status_code == 201
-    [obj] = kube.objects("rljobs", NS)
+    [obj] = kube.list("rljobs", ns)
     assert "image" not in (obj["spec"].get("cluster") or {})
     job, settings = rl.RLJob.of(obj), OperatorSettings()
     assert builders.image_problems(job.spec, settings) == []

@@ -1,8 +1,11 @@
-"""``--store kubernetes`` against kmock (a real HTTP Kubernetes API emulator): each job is an RLJob in
-its tenant's namespace, created, listed, read, changed and deleted through the official client."""
+"""``--store kubernetes`` against the real API server (tests/kube), acting as the chart's control
+plane ServiceAccount: each job is an RLJob in its tenant's namespace, created, listed, read,
+changed and deleted through the official client, under the chart's RBAC. The tenants' namespaces
+here are not watched by the operator, so what is checked is the store alone."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +14,6 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
-from bench.kube_emulator import KubeEmulator
 from rljob import resource as rl
 from rljob.jobs import JobExists, JobNotFound, TenantNamespaceMissing
 from rljob.kube import KubernetesJobStore, api_client
@@ -20,10 +22,12 @@ from rljob.status import JobStatus, Phase
 from service.main import create_app
 from service.operator_handoff import OperatorHandoff
 from service.settings import Settings
+from tests.kube.cluster import KubeCluster
 
+pytestmark = pytest.mark.slow
 ALICE, BOB, CAROL = "alice-token-0123456789", "bob-token-0123456789ab", "carol-token-0123456789"
-TOKENS = {ALICE: "team-a", BOB: "team-b", CAROL: "team-c"}  # team-c has no namespace
 EXAMPLE = Path(__file__).parents[2] / "examples" / "arithmetic-cpu.yaml"
+_missing = itertools.count()
 
 
 def auth(token: str) -> dict[str, str]:
@@ -31,85 +35,98 @@ def auth(token: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def kube(tmp_path: Path) -> Iterator[KubeEmulator]:
-    with KubeEmulator(tmp_path, namespaces=["team-a", "team-b"]) as emulator:
-        yield emulator
+def tenants(tenant: str, second_tenant: str) -> dict[str, str]:
+    """Alice's and Bob's namespaces, and Carol's, which no admin created."""
+    return {ALICE: tenant, BOB: second_tenant, CAROL: f"no-such-namespace-{next(_missing)}"}
 
 
 @pytest.fixture
-def store(kube: KubeEmulator) -> Iterator[KubernetesJobStore]:
-    s = KubernetesJobStore(api_client(str(kube.kubeconfig)))
+def store(control_plane_kubeconfig: Path) -> Iterator[KubernetesJobStore]:
+    s = KubernetesJobStore(api_client(str(control_plane_kubeconfig)))
     yield s
     s.close()
 
 
 @pytest.fixture
-def api(store: KubernetesJobStore) -> TestClient:
+def api(store: KubernetesJobStore, tenants: dict[str, str]) -> TestClient:
     settings = Settings(store="kubernetes", max_concurrent_jobs=3, max_gpus=0)
-    return TestClient(create_app(settings, store, TOKENS, OperatorHandoff(store)))
+    return TestClient(create_app(settings, store, tenants, OperatorHandoff(store)))
 
 
-def test_the_rljob_is_the_record(store: KubernetesJobStore, kube: KubeEmulator) -> None:
+def rljobs(kube: KubeCluster, ns: str) -> list[dict[str, Any]]:
+    return kube.list("rljobs", ns)
+
+
+def test_the_rljob_is_the_record(
+    store: KubernetesJobStore, kube: KubeCluster, tenants: dict[str, str]
+) -> None:
+    a, b = tenants[ALICE], tenants[BOB]
     spec = load_spec(EXAMPLE)
-    job = store.create("team-a", "arith", spec)
-    assert job.name == "arith" and job.tenant == "team-a" and job.status.phase is Phase.PENDING
-    [obj] = kube.objects("rljobs", "team-a")
+    job = store.create(a, "arith", spec)
+    assert job.name == "arith" and job.tenant == a and job.status.phase is Phase.PENDING
+    [obj] = rljobs(kube, a)
     assert obj["apiVersion"] == "fp8rl.io/v1alpha1" and obj["kind"] == "RLJob"
-    assert obj["metadata"]["labels"][rl.TENANT_LABEL] == "team-a"
+    assert obj["metadata"]["labels"][rl.TENANT_LABEL] == a
     assert obj["spec"]["suspend"] is False
     # what the object holds is the whole spec, nothing else: it parses back to the same spec
+    # (the CRD's schema kept every field: a field it pruned would be missing here)
     assert JobSpec.model_validate(obj["spec"]["job"]) == spec
-    assert store.get("team-a", "arith").spec == spec
-    assert kube.objects("rljobs", "team-b") == []
+    assert store.get(a, "arith").spec == spec
+    assert rljobs(kube, b) == []
 
 
-def test_create_list_get_delete_per_namespace(store: KubernetesJobStore, kube: KubeEmulator) -> None:
+def test_create_list_get_delete_per_namespace(store: KubernetesJobStore, tenants: dict[str, str]) -> None:
+    a, b = tenants[ALICE], tenants[BOB]
     for name in ("b-job", "a-job"):
-        store.create("team-a", name, JobSpec(steps=3))
-    store.create("team-b", "a-job", JobSpec(steps=5))  # same name, other tenant: fine
+        store.create(a, name, JobSpec(steps=3))
+    store.create(b, "a-job", JobSpec(steps=5))  # same name, other tenant: fine
     with pytest.raises(JobExists):
-        store.create("team-a", "a-job", JobSpec())
-    with pytest.raises(TenantNamespaceMissing, match="team-c"):
-        store.create("team-c", "x", JobSpec())
-    jobs, total = store.query("team-a")
+        store.create(a, "a-job", JobSpec())
+    with pytest.raises(TenantNamespaceMissing, match=tenants[CAROL]):
+        store.create(tenants[CAROL], "x", JobSpec())
+    jobs, total = store.query(a)
     assert total == 2 and {j.name for j in jobs} == {"a-job", "b-job"}
-    assert store.get("team-b", "a-job").spec.steps == 5
-    page, total = store.query("team-a", limit=1, offset=1)
+    assert store.get(b, "a-job").spec.steps == 5
+    page, total = store.query(a, limit=1, offset=1)
     assert total == 2 and len(page) == 1
-    assert store.query(None)[1] == 3
-    store.delete("team-a", "a-job")
+    everyone = {(j.tenant, j.name) for j in store.query(None, limit=1000)[0]}
+    assert {(a, "a-job"), (a, "b-job"), (b, "a-job")} <= everyone
+    store.delete(a, "a-job")
     with pytest.raises(JobNotFound):
-        store.get("team-a", "a-job")
+        store.get(a, "a-job")
     with pytest.raises(JobNotFound):
-        store.delete("team-a", "a-job")
-    assert {o["metadata"]["name"] for o in kube.objects("rljobs")} == {"a-job", "b-job"}
+        store.delete(a, "a-job")
 
 
-def test_status_update_retries_on_a_conflicting_writer(store: KubernetesJobStore, kube: KubeEmulator) -> None:
+def test_status_update_retries_on_a_conflicting_writer(
+    store: KubernetesJobStore, tenants: dict[str, str], kube: KubeCluster
+) -> None:
     """A second writer (as the operator would be) changes the status between our read and write:
-    the API server answers 409 and the change is re-applied to what that writer wrote."""
-    store.create("team-a", "race", JobSpec())
+    the real API server answers 409 and the change is re-applied to what that writer wrote."""
+    a = tenants[ALICE]
+    store.create(a, "race", JobSpec())
     other = KubernetesJobStore(api_client(str(kube.kubeconfig)))
     calls: list[Phase] = []
 
     def change(s: JobStatus) -> JobStatus:
         calls.append(s.phase)
         if len(calls) == 1:  # interleave the other writer once
-            other.update("team-a", "race", lambda t: t.moved(Phase.STARTING, "RayJobCreated"))
+            other.update(a, "race", lambda t: t.moved(Phase.STARTING, "RayJobCreated"))
         return s.model_copy(update={"message": "seen"}) if s.phase is Phase.STARTING else s
 
-    job = store.update("team-a", "race", change)
+    job = store.update(a, "race", change)
     assert calls == [Phase.PENDING, Phase.STARTING]
     assert job.status.phase is Phase.STARTING and job.status.message == "seen"
-    [obj] = kube.objects("rljobs", "team-a")
+    [obj] = rljobs(kube, a)
     assert obj["status"]["phase"] == "Starting" and obj["status"]["reason"] == "RayJobCreated"
     other.close()
 
 
-def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeEmulator) -> None:
+def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeCluster, tenants: dict[str, str]) -> None:
+    a = tenants[ALICE]
     r = api.post("/v1/jobs", json={"name": "j1", "spec": {"steps": 7}}, headers=auth(ALICE))
     assert r.status_code == 201, r.text
-    assert r.json()["status"]["phase"] == "Pending" and r.json()["tenant"] == "team-a"
+    assert r.json()["status"]["phase"] == "Pending" and r.json()["tenant"] == a
     assert api.post("/v1/jobs", json={"name": "j1"}, headers=auth(ALICE)).status_code == 409
     # tenants are namespaces: Bob sees nothing of Alice's
     assert api.get("/v1/jobs/j1", headers=auth(BOB)).status_code == 404
@@ -120,7 +137,7 @@ def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeEmulator) -> Non
     assert r.status_code == 200 and r.json()["status"]["phase"] == "Suspended"
 
     def obj() -> dict[str, Any]:
-        [o] = kube.objects("rljobs", "team-a")
+        [o] = rljobs(kube, a)
         return o
 
     assert obj()["spec"]["suspend"] is True and obj()["status"]["phase"] == "Suspended"
@@ -135,12 +152,12 @@ def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeEmulator) -> Non
     assert api.get("/v1/jobs/j1/logs", headers=auth(ALICE)).status_code == 404
     # a tenant without a namespace gets a clear 403
     r = api.post("/v1/jobs", json={"name": "j1"}, headers=auth(CAROL))
-    assert r.status_code == 403 and "namespace 'team-c'" in r.json()["detail"]
+    assert r.status_code == 403 and f"namespace '{tenants[CAROL]}'" in r.json()["detail"]
     assert api.get("/readyz").status_code == 200
     series = generate_latest(api.app.state.metrics).decode()  # type: ignore[attr-defined]
-    assert 'fp8rl_jobs{namespace="team-a",phase="Pending"} 1.0' in series  # the metrics port's text
+    assert f'fp8rl_jobs{{namespace="{a}",phase="Pending"}} 1.0' in series  # the metrics port's text
     assert api.delete("/v1/jobs/j1", headers=auth(ALICE)).status_code == 204
-    assert kube.objects("rljobs") == []
+    assert rljobs(kube, a) == []
 
 
 def test_limits_count_the_tenants_rljobs(api: TestClient) -> None:
@@ -154,11 +171,16 @@ def test_limits_count_the_tenants_rljobs(api: TestClient) -> None:
     assert r.status_code == 403 and "asks for 1 GPUs" in r.json()["detail"], r.text
 
 
-def test_api_server_down_is_503(tmp_path: Path) -> None:
-    with KubeEmulator(tmp_path, namespaces=["team-a"]) as emulator:
-        kubeconfig = str(emulator.kubeconfig)
-    store = KubernetesJobStore(api_client(kubeconfig))  # points at a port nobody listens on now
-    api = TestClient(create_app(Settings(store="kubernetes"), store, TOKENS, OperatorHandoff(store)))
+def test_api_server_down_is_503(kube: KubeCluster, tmp_path: Path) -> None:
+    # the cluster's CA and a token, but a port nobody listens on
+    from tests.kube.cluster import free_port
+
+    config = kube.write_kubeconfig(tmp_path / "down.kubeconfig", "nobody", "not-a-token")
+    config.write_text(config.read_text().replace(kube.server, f"https://127.0.0.1:{free_port()}"))
+    store = KubernetesJobStore(api_client(str(config)))
+    api = TestClient(
+        create_app(Settings(store="kubernetes"), store, {ALICE: "team-a"}, OperatorHandoff(store))
+    )
     r = api.get("/v1/jobs", headers=auth(ALICE))
     assert r.status_code == 503 and "Kubernetes API server" in r.json()["detail"]
     assert api.get("/readyz").status_code == 503

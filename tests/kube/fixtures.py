@@ -1,5 +1,7 @@
-"""One real Kubernetes for the session (``tests/kube/README.md``): built once per machine, started
-once per test session (seconds), torn down at the end. Tests take namespaces of their own."""
+"""The fixtures of the real Kubernetes (``tests/kube/README.md``), a pytest plugin that
+``tests/conftest.py`` loads so that any test may ask for them: one cluster for the session, built
+once per machine and started once per run (seconds), torn down at the end. Tests take namespaces
+of their own (``tenant``) or act in the chart's tenants (team-a, team-b, team-c)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,15 @@ def operator(
     yield proc
     proc.stop()
     print(proc.tail())
+
+
+@pytest.fixture
+def second_tenant(kube: KubeCluster) -> str:
+    """Another tenant namespace (``tenant`` is the first)."""
+    return kube.namespace(f"tenant-{next(_names)}", {**RESTRICTED, "fp8rl.io/tenant": "true"})
+
+
+@pytest.fixture
+def control_plane_kubeconfig(kube: KubeCluster, chart: Path, tmp_path: Path) -> Path:
+    """Acting as the chart's control plane (its ServiceAccount ``fp8rl-api`` and nothing more)."""
+    return kube.token_kubeconfig(tmp_path / "api.kubeconfig", install.NAMESPACE, "fp8rl-api")
