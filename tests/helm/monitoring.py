@@ -165,7 +165,7 @@ def prometheus_config(driver: str, api: str, rule_file: Path) -> dict[str, Any]:
     }
 
 
-def _prometheus_cmd(workdir: Path, config: dict[str, Any], port: int) -> list[str]:
+def prometheus_cmd(workdir: Path, config: dict[str, Any], port: int) -> list[str]:
     """A real Prometheus on 127.0.0.1:``port`` with ``config`` (written to ``workdir``) and its
     data under ``workdir``."""
     path = workdir / "prometheus.yml"
@@ -198,7 +198,7 @@ def _stop(proc: subprocess.Popen[bytes], sig: int, grace_s: float, group: bool =
 
 
 @contextlib.contextmanager
-def _process(
+def run_process(
     cmd: list[str], log: Path, sig: int, grace_s: float, group: bool
 ) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
@@ -233,13 +233,13 @@ def monitored(workdir: Path) -> Iterator[Prometheus]:
         try:
             api_url = stack.enter_context(serve(workdir / "api", TOKENS, "--store", "sql", env=limits))
             _fail_job_at_once(api_url)
-            run = stack.enter_context(_process(run_cmd, logs[0], signal.SIGINT, 60, group=True))
+            run = stack.enter_context(run_process(run_cmd, logs[0], signal.SIGINT, 60, group=True))
             # the control plane's series are on its metrics port (as the chart's ServiceMonitor scrapes)
             driver, api = f"127.0.0.1:{run_port}", api_url.metrics.removeprefix("http://")
-            prom_cmd = _prometheus_cmd(
+            prom_cmd = prometheus_cmd(
                 workdir, prometheus_config(driver, api, workdir / "rules.yaml"), prom_port
             )
-            prom_proc = stack.enter_context(_process(prom_cmd, logs[2], signal.SIGTERM, 30, group=False))
+            prom_proc = stack.enter_context(run_process(prom_cmd, logs[2], signal.SIGTERM, 30, group=False))
             deadline = time.monotonic() + STARTUP_S
             missing = ["Prometheus to answer"]
             http = stack.enter_context(httpx.Client())
@@ -275,9 +275,9 @@ def scraping(workdir: Path, driver: str) -> Iterator[str]:
     interval, port = f"{SCRAPE_S}s", free_port()
     scrape = _scrape_config("fp8rl-jobs", endpoint, driver)
     config = {"global": {"scrape_interval": interval, "scrape_timeout": interval}, "scrape_configs": [scrape]}
-    cmd = _prometheus_cmd(workdir, config, port)
+    cmd = prometheus_cmd(workdir, config, port)
     url, log = f"http://127.0.0.1:{port}", workdir / "prometheus.log"
-    with _process(cmd, log, signal.SIGTERM, 30, group=False) as proc:
+    with run_process(cmd, log, signal.SIGTERM, 30, group=False) as proc:
 
         def ready() -> int | str:
             assert proc.poll() is None, f"prometheus exited with {proc.returncode}\n{_tail(log)}"

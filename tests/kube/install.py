@@ -37,7 +37,13 @@ VALUES: dict[str, Any] = {
         "generation": {"nodeSelector": {"fp8rl.test/pool": "generation"}, "gpusPerPod": 8},
         "training": {"nodeSelector": {"fp8rl.test/pool": "training"}, "gpusPerPod": 8},
     },
-    "jobDefaults": {"rayAuth": "secret", "pollSeconds": 1, "headMemory": "2Gi", "workerMemory": "8Gi"},
+    "jobDefaults": {
+        "rayAuth": "secret",
+        "pollSeconds": 1,
+        "headMemory": "2Gi",
+        "workerMemory": "8Gi",
+        "modelRoots": ["/runs/models"],  # tests/kube/test_pretrained_rljob.py: models on the job's volume
+    },
     "monitoring": {"enabled": False},
 }
 

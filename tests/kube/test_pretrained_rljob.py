@@ -1,16 +1,19 @@
 """An RLJob of the SmolLM2 example (``examples/smollm2-addition.yaml``) on a pretrained model shipped
-on the job's volume, through the real ``fp8rl operator`` on kmock, to a real Prometheus.
+on the job's volume, through the chart's operator and the real KubeRay on the test cluster
+(tests/kube), to a real Prometheus that finds the head pod as the chart's PodMonitor does.
 
 The RLJob mounts a ReadWriteMany volume (``spec.cluster.volumeClaim``, at ``/runs`` in every pod)
 that holds the model directory, and names it ``/runs/models/smollm2-135m-instruct``; the operator
-allows it because its ``model_roots`` (the chart's ``jobDefaults.modelRoots``) name ``/runs/models``.
-The operator builds the RayJob; the test plays KubeRay (the head pod, the RayJob's status) and the
-driver: it reads the spec the operator put in the ConfigMap, finds the model where the volume is on
-this machine (the models cache of ``fp8rl model fetch``), runs ONE real step of the real model in
-this process (:class:`~tests.workers.inprocess_actors.InProcessActors` and ``rl_step``, as the
-driver's actors run it, minus Ray) and serves its metrics row on a real ``PromExporter``. The
-operator mirrors the row into the RLJob's status, and a real Prometheus, scraping the exporter as
-the chart's PodMonitor scrapes a head pod, holds the row's values under their ``fp8rl_*`` names.
+allows it because its ``model_roots`` (the chart's ``jobDefaults.modelRoots``, set by the test
+install) name ``/runs/models``. The claim is bound to a volume an admin made, so the pods schedule.
+The operator builds the RayJob and KubeRay its pods; the test plays the driver (the one simulated
+part, tests/kube/README.md): it reads the spec the operator put in the ConfigMap, finds the model
+where the volume is on this machine (the models cache of ``fp8rl model fetch``), runs ONE real step
+of the real model in this process (:class:`~tests.workers.inprocess_actors.InProcessActors` and
+``rl_step``, as the driver's actors run it, minus Ray) and serves its metrics row on a real
+``PromExporter`` behind the head pod. The operator mirrors the row into the RLJob's status, and
+Prometheus, discovering the head pod through the API server, holds the row's values under their
+``fp8rl_*`` names.
 """
 
 from __future__ import annotations
@@ -18,11 +21,9 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import httpx
 import pytest
 import torch
 import yaml
@@ -34,11 +35,14 @@ from rljob import resource as rl
 from rljob.paths import POD_HOME
 from rljob.run_dir import JOB_SPEC, driver_argv
 from rljob.spec import JobSpec
-from tests.helm.monitoring import Prometheus, pod_monitor, scraping
 from tests.helpers import wait_for
-from tests.operators.test_operator_e2e import NS, RL, Cluster, running_cluster
+from tests.kube import install, prometheus
+from tests.kube.cluster import KubeCluster
+from tests.kube.jobs import Jobs, tenant_kubeconfig
+from tests.kube.podnet import PodNetwork
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-addition.yaml"
+NS = "team-c"
 JOB = "smollm2"
 CLAIM = "smollm2-models"  # the tenant's ReadWriteMany volume, holding models/smollm2-135m-instruct
 POD_MODELS = PurePosixPath(RUNS_DIR) / "models"  # the operator's model root: models on the job's volume
@@ -65,6 +69,25 @@ def rljob(name: str, model_name: str) -> dict[str, Any]:
     return body
 
 
+def volume(kube: KubeCluster) -> None:
+    """What an admin provides: a ReadWriteMany volume and the tenant's claim bound to it."""
+    kube.apply({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{NS}-{CLAIM}"},
+        "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "hostPath": {"path": "/srv/models"}, "claimRef": {"namespace": NS, "name": CLAIM}},
+    })  # fmt: skip
+    kube.apply({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CLAIM, "namespace": NS},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"{NS}-{CLAIM}",
+                 "resources": {"requests": {"storage": "10Gi"}}},
+    })  # fmt: skip
+    wait_for(
+        lambda: kube.get("pvc", CLAIM, NS),
+        "the claim bound",
+        lambda c: (c or {}).get("status", {}).get("phase") == "Bound",
+    )
+
+
 def test_a_model_on_the_jobs_volume_needs_the_operators_model_root() -> None:
     """The operator's confinement as text (its pods' files are out of its sight): ``/data`` and its
     ``model_roots`` only; the volume's ``/runs`` is not a root by itself, and ``..`` cannot climb out."""
@@ -77,15 +100,6 @@ def test_a_model_on_the_jobs_volume_needs_the_operators_model_root() -> None:
     assert path_problems(in_home, OperatorSettings()) == []
     climbs = rl.spec_of(rljob(JOB, f"{POD_MODELS}/../../etc/smollm2"))
     assert [p.split(":")[0] for p in path_problems(climbs, roots)] == ["spec.job.model.name"]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    """kmock and the operator (model root ``/runs/models``), whose driver metrics port is a real
-    exporter labelled as the driver labels this job's metrics."""
-    roots = {"FP8RL_OPERATOR_MODEL_ROOTS": json.dumps([str(POD_MODELS)])}
-    with running_cluster(tmp_path, JOB, RECIPE, roots) as c:
-        yield c
 
 
 def _selected(labels: dict[str, str], selector: dict[str, Any]) -> bool:
@@ -125,93 +139,79 @@ def one_real_step(spec: JobSpec) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
-    cluster: Cluster, smollm2_dir: Path, tmp_path: Path
+    kube: KubeCluster, operator: install.Process, podnet: PodNetwork, smollm2_dir: Path, tmp_path: Path
 ) -> None:
-    c = cluster
-    port = c.exporter.port  # type: ignore[attr-defined]
-    c.objects.create_namespaced_custom_object(*RL, rljob(JOB, str(POD_MODEL)))
-    [rayjob] = wait_for(c.rayjobs, "the RayJob")
-    c.wait_phase(JOB, "Starting")
+    jobs = Jobs(kube, NS, tenant_kubeconfig(kube, NS, tmp_path))
+    volume(kube)
+    body = rljob(JOB, str(POD_MODEL))
+    kube.kubectl("apply", "-n", NS, "-f", "-", kubeconfig=jobs.tenant, input=json.dumps(body))
+    rayjob = wait_for(lambda: jobs.rayjob(JOB), "the RayJob")
+    port = OperatorSettings().metrics_port  # the chart's jobDefaults.metricsPort, its default
 
     # the driver's command carries the spec the operator shipped in the ConfigMap: the model on the volume
-    spec_file = f"{SPEC_DIR}/{JOB_SPEC}"
     argv = driver_argv(
-        spec_file, f"{RUNS_DIR}/smollm2-addition", job=JOB, namespace=NS, resume=True, metrics_port=port
-    )
+        f"{SPEC_DIR}/{JOB_SPEC}", f"{RUNS_DIR}/smollm2-addition", job=JOB, namespace=NS, resume=True,
+        metrics_port=port, metrics_linger=10,  # rayAuth secret: three 1 s polls, but at least 10 s
+    )  # fmt: skip
     assert rayjob["spec"]["entrypoint"] == shlex.join(argv)
-    [cm] = [x for x in c.kube.objects("configmaps", NS) if x["metadata"]["name"] == f"{JOB}-spec"]
-    shipped = JobSpec.model_validate_json(cm["data"][JOB_SPEC])
+    configmap = kube.get("configmap", f"{JOB}-spec", NS) or {}
+    shipped = JobSpec.model_validate_json(configmap["data"][JOB_SPEC])
     assert shipped.model_dump() == JobSpec.model_validate(example_job(str(POD_MODEL))).model_dump()
     assert shipped.model.name == str(POD_MODEL) and shipped.tokenizer.name is None  # the model's own
 
-    # its resources: a CPU head, one generator and one trainer pod (the example's, on CPU), and
-    # the volume mounted at /runs in every pod, whose working directory is /data
-    ray_cluster = rayjob["spec"]["rayClusterSpec"]
-    head = ray_cluster["headGroupSpec"]
-    groups = {g["groupName"]: g for g in ray_cluster["workerGroupSpecs"]}
-    assert head["rayStartParams"]["num-gpus"] == "0"
-    assert [(n, g["replicas"], g["rayStartParams"]["num-gpus"]) for n, g in sorted(groups.items())] == [
-        ("generation", 1, "0"),
-        ("training", 1, "0"),
+    # KubeRay's pods: a CPU head, one generator and one trainer pod (the example's, on CPU), the
+    # volume mounted at /runs in every one, whose working directory is /data
+    pods = wait_for(
+        lambda: jobs.pods(JOB),
+        "head, workers and submitter Running",
+        lambda ps: len(ps) == 4 and all(p["status"].get("phase") == "Running" for p in ps),
+        timeout=90,
+    )
+    ray_pods = [p for p in pods if p["metadata"]["labels"]["fp8rl.io/group"] != "submitter"]
+    assert sorted(p["metadata"]["labels"]["fp8rl.io/group"] for p in ray_pods) == [
+        "generation",
+        "head",
+        "training",
     ]
-    for group in groups.values():
-        [container] = group["template"]["spec"]["containers"]
-        assert container["resources"]["limits"]["cpu"] == "1"
-        assert "nvidia.com/gpu" not in container["resources"]["limits"]
-    for template in [head["template"], *(g["template"] for g in groups.values())]:
-        pod = template["spec"]
-        [container] = pod["containers"]
+    for pod in ray_pods:
+        [container] = pod["spec"]["containers"]
         assert container["workingDir"] == str(POD_HOME)
-        [volume] = [v for v in pod["volumes"] if v.get("persistentVolumeClaim")]
-        assert volume["persistentVolumeClaim"] == {"claimName": CLAIM}
-        assert {"name": volume["name"], "mountPath": RUNS_DIR} in container["volumeMounts"]
-    # the chart's PodMonitor picks the head pod and its metrics port by name
-    monitor = pod_monitor()
-    assert _selected(head["template"]["metadata"]["labels"], monitor["spec"]["selector"])
-    [head_container] = head["template"]["spec"]["containers"]
-    [metrics_port] = [p for p in head_container["ports"] if p["name"] == "fp8rl-metrics"]
-    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "fp8rl-metrics"
-    assert metrics_port["containerPort"] == port
-
-    # KubeRay: the head pod is up and the driver runs
-    head_pod: Any = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{JOB}-head", "namespace": NS}}
-    head_pod["metadata"]["labels"] = head["template"]["metadata"]["labels"] | {
-        "ray.io/cluster": f"{JOB}-raycluster",
-        "ray.io/node-type": "head",
-    }
-    head_pod["status"] = {"podIP": "127.0.0.1", "phase": "Running"}
-    c.core.create_namespaced_pod(NS, head_pod)
-    c.kuberay(JOB, jobDeploymentStatus="Running", jobStatus="RUNNING", rayClusterName=f"{JOB}-raycluster")
-    c.wait_phase(JOB, "Running")
+        if pod["metadata"]["labels"]["fp8rl.io/group"] != "head":
+            assert container["resources"]["limits"]["cpu"] == "1"
+            assert "nvidia.com/gpu" not in container["resources"]["limits"]
+        [claim] = [v for v in pod["spec"]["volumes"] if v.get("persistentVolumeClaim")]
+        assert claim["persistentVolumeClaim"] == {"claimName": CLAIM}
+        assert any(
+            mt["name"] == claim["name"] and mt["mountPath"] == RUNS_DIR for mt in container["volumeMounts"]
+        )
 
     # the driver: the shipped spec, its volume's models directory being the fetched cache here
+    driver = podnet.run_driver(NS, JOB, RECIPE)
     here = smollm2_dir.parent / POD_MODEL.relative_to(POD_MODELS)
     local = shipped.model_copy(update={"model": shipped.model.model_copy(update={"name": str(here)})})
     started = time.monotonic()
     row = one_real_step(local)
     print(f"one real step of {JOB} ({RECIPE}): {time.monotonic() - started:.0f} s; {row}")
-    c.exporter.observe(row)  # type: ignore[attr-defined]
+    driver.exporter.observe(row)
     assert row["step"] == 1 and 0.0 <= row[m.REWARD_MEAN] <= 1.0
     assert 0.0 <= row[m.RESPONSE_TRUNCATED_FRACTION] <= 1.0
 
     # the operator mirrors it into the RLJob's status
-    def progress() -> dict[str, Any]:
-        found: dict[str, Any] = ((c.rljob(JOB) or {}).get("status") or {}).get("progress") or {}
-        return found
-
-    got = wait_for(progress, "progress at step 1", lambda p: p.get("step") == 1)
+    got = wait_for(
+        lambda: jobs.status(JOB).get("progress") or {}, "progress at step 1", lambda p: p.get("step") == 1
+    )
     assert (got["reward"], got["total_steps"]) == (row[m.REWARD_MEAN], shipped.steps)
     assert got["token_mult_prob_error"] == row[m.TOKEN_MULT_PROB_ERROR]
 
-    # a real Prometheus scraping the exporter as the PodMonitor scrapes the head pod holds the row
-    target = f"127.0.0.1:{port}"
-    with scraping(tmp_path / "prometheus", target) as url, httpx.Client() as http:
-
-        def query(expr: str) -> list[tuple[dict[str, str], float]]:
-            return [(s.labels, s.value) for s in Prometheus(url, time.time(), target, "", http).query(expr)]
-
+    # Prometheus, discovering pods through the API server with the chart's PodMonitor, holds the row
+    with prometheus.prometheus(kube, tmp_path / "prometheus", podnet.url) as url:
         selector = f'{{job="{JOB}"}}'
-        wait_for(lambda: query(f"fp8rl_step{selector}"), "Prometheus to hold the step", timeout=60)
+        found = wait_for(
+            lambda: prometheus.query(url, f"fp8rl_step{selector}"), "Prometheus to hold the step", timeout=60
+        )
+        [(labels, _)] = found
+        head = next(p for p in ray_pods if p["metadata"]["labels"]["fp8rl.io/group"] == "head")
+        assert labels["pod"] == head["metadata"]["name"]  # found by discovery: the head pod, nothing else
         for name, key in (
             ("fp8rl_step", m.STEP),
             ("fp8rl_reward_mean", m.REWARD_MEAN),
@@ -219,16 +219,21 @@ def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
             ("fp8rl_response_unreadable_fraction", m.RESPONSE_UNREADABLE_FRACTION),
         ):
             assert [p.name for p in m.PROMETHEUS if p.key == key] == [name]
-            [(labels, value)] = query(f"{name}{selector}")
+            [(labels, value)] = prometheus.query(url, f"{name}{selector}")
             assert (labels["namespace"], labels["recipe"]) == (NS, RECIPE), labels
             assert value == float(row[key]), (name, value, row[key])
 
     # the same RLJob naming the model where it lies on this machine, or climbing out of the root,
     # is refused by the operator: no RayJob, Failed with the field
-    c.objects.create_namespaced_custom_object(*RL, rljob("host-path", str(smollm2_dir)))
-    c.objects.create_namespaced_custom_object(*RL, rljob("climbs", f"{POD_MODELS}/../../etc/smollm2"))
+    for name, model in (("host-path", str(smollm2_dir)), ("climbs", f"{POD_MODELS}/../../etc/smollm2")):
+        kube.kubectl(
+            "apply", "-n", NS, "-f", "-", kubeconfig=jobs.tenant, input=json.dumps(rljob(name, model))
+        )
     for name in ("host-path", "climbs"):
-        failed = c.wait_phase(name, "Failed")
-        assert failed["status"]["reason"] == "InvalidSpec"
-        assert failed["status"]["message"].startswith("spec.job.model.name: "), failed["status"]
-    assert [r["metadata"]["name"] for r in c.rayjobs()] == [JOB]
+        failed = jobs.wait_phase(name, "Failed")
+        assert failed["reason"] == "InvalidSpec"
+        assert failed["message"].startswith("spec.job.model.name: "), failed
+        assert jobs.rayjob(name) is None
+        jobs.delete(name)
+    jobs.delete(JOB)
+    podnet.finish(NS, JOB)
