@@ -120,6 +120,7 @@ def test_a_resume_landing_mid_reconcile_is_not_undone(kube: KubeCluster, chart: 
     r.read_rayjob = resume_then_read  # type: ignore[method-assign]
     r.reconcile(tenant, "j3")  # read Failed; the resume lands; the RayJob still says Failed
     assert store.get(tenant, "j3").status.phase is Phase.PENDING
+
     # the next reconciles (the operator's ticks) delete the finished RayJob and, once KubeRay's
     # finalizer let it go, make its successor
     def tick() -> str | None:
