@@ -123,8 +123,11 @@ COPY service service
 RUN pip install --no-cache-dir -c /opt/venv/constraints.txt ".[worker,controlplane]"
 
 ENV PYTHONUNBUFFERED=1
+# The job's working directory (rljob.paths.POD_HOME): the operator mounts an emptyDir there, and it
+# belongs to the image's user too, so a pod run without that volume can still write where it works
+RUN mkdir -p /data && chown 1000:100 /data && chmod 0775 /data
 USER 1000
-WORKDIR /home/ray
+WORKDIR /data
 # Ray: GCS, dashboard (job submission), client; the driver's Prometheus /metrics
 # (operators/settings.py metrics_port)
 EXPOSE 6379 8265 10001 9400

@@ -33,8 +33,13 @@ def run(
     from rljob.kube import api_client
 
     # before kopf starts: a cluster whose KubeRay would run jobs without a token is refused in one
-    # line that says what to do (the startup handler checks again, for a KubeRay replaced later)
-    problem = Reconciler(api_client(kubeconfig), settings).kuberay_problem()
+    # line that says what to do. An API server that cannot be asked yet is left to kopf, whose
+    # startup handler makes the same check once it is logged in.
+    try:
+        problem = Reconciler(api_client(kubeconfig), settings).kuberay_problem()
+    except Exception as err:  # no kubeconfig, no route: kopf reports those in its own words
+        logging.getLogger("fp8rl.operator").debug("KubeRay check left to the startup handler: %s", err)
+        problem = None
     if problem:
         raise SystemExit(f"error: {problem}")
 

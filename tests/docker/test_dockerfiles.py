@@ -21,7 +21,9 @@ import typer.main
 import yaml
 
 from fp8rl.cli import app
+from operators import builders
 from operators.settings import OperatorSettings
+from rljob.paths import POD_HOME
 from service.settings import Settings
 from tests.docker.dockerfile import (
     DOCKER,
@@ -343,6 +345,19 @@ def test_worker_matches_the_operator_defaults() -> None:
     installed = {r.split("==")[0] for p in pip_installs(runtime) for r in p.requirements}
     for engine in ("torch", "vllm", "megatron-core", "transformer-engine", "ray[default]"):
         assert engine in installed, f"the worker image does not install {engine}"
+
+
+def test_worker_works_where_the_job_pods_work_and_may_write_there() -> None:
+    """The job pods run as uid 1000 in /data (rljob.paths.POD_HOME, the pods' workingDir). A runtime
+    creates a missing working directory as root, where uid 1000 cannot write (HEAD e7cfa40: the
+    default relative output_dir failed at mkdir), so the image makes it, owned by its user."""
+    final = dockerfile("worker").final
+    [user] = [ins.args for ins in final.all("USER")][-1:]
+    uid = user.split(":")[0]
+    assert uid == str(builders.POD_SECURITY["runAsUser"])
+    assert [ins.args for ins in final.all("WORKDIR")][-1] == str(POD_HOME)
+    made = re.search(rf"mkdir -p {POD_HOME}\b.*chown {uid}:(\d+) {POD_HOME}\b", run_text(final))
+    assert made and int(made.group(1)) == builders.POD_SECURITY["runAsGroup"], run_text(final)[-300:]
 
 
 def test_worker_pins_the_versions_the_adapters_target() -> None:

@@ -27,7 +27,7 @@ def test_serve_with_the_kubernetes_store(
         auth = ["--server", server, "--token", TOKEN]
         result = CliRunner().invoke(app, ["submit", str(EXAMPLE), "--name", "arith", *auth])
         assert result.exit_code == 0, result.output
-        [obj] = kube.list("rljobs", tenant)
+        [obj] = kube.objects("rljobs", tenant)
         assert obj["metadata"]["name"] == "arith" and obj["spec"]["job"]["steps"] == 250
         result = CliRunner().invoke(app, ["get", "arith", "-o", "json", *auth])
         assert json.loads(result.output)["status"]["phase"] == "Pending"

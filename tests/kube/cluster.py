@@ -446,7 +446,7 @@ class KubeCluster:
         found: dict[str, Any] = json.loads(done.stdout)
         return found
 
-    def list(
+    def objects(
         self, kind: str, namespace: str | None = None, selector: str | None = None
     ) -> list[dict[str, Any]]:
         args = ["get", kind, "-o", "json"] + (["-n", namespace] if namespace else ["-A"])
@@ -508,3 +508,17 @@ def running(built: Built, workdir: Path, proxy: str | None = None) -> Iterator[K
     cluster = KubeCluster(built, workdir, proxy)
     with cluster:
         yield cluster
+
+
+def wait_object(
+    get: Callable[[], dict[str, Any] | None],
+    what: str,
+    ok: Callable[[dict[str, Any]], object] = bool,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
+    """``wait_for`` an object that exists (``get`` gives None while it does not) and is ``ok``."""
+    from tests.helpers import wait_for
+
+    found = wait_for(get, what, lambda obj: obj is not None and bool(ok(obj)), timeout)
+    assert found is not None
+    return found

@@ -81,11 +81,11 @@ class Jobs:
         return self.kube.get("rayjob", name, self.ns)
 
     def pods(self, name: str) -> list[dict[str, Any]]:
-        return self.kube.list("pods", self.ns, f"fp8rl.io/rljob={name}")
+        return self.kube.objects("pods", self.ns, f"fp8rl.io/rljob={name}")
 
     def events(self, name: str) -> list[tuple[str, str]]:
         """(reason, message) of the events on the RLJob ``name``."""
-        found = self.kube.list("events", self.ns)
+        found = self.kube.objects("events", self.ns)
         return [
             (e.get("reason", ""), e.get("message", ""))
             for e in found

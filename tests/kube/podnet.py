@@ -62,7 +62,7 @@ class SimulatedDriver:
 
     def step(self, row: dict[str, float]) -> None:
         """The driver finished a step: its metrics change as the real driver's do."""
-        self.exporter.update(row)
+        self.exporter.observe(row)
 
 
 class PodNetwork:
@@ -111,7 +111,7 @@ class PodNetwork:
         driver.exporter.stop()
         assert self.cluster is not None
         selector = f"fp8rl.io/rljob={rljob},fp8rl.io/group=submitter"
-        for pod in self.cluster.list("pods", namespace, selector):
+        for pod in self.cluster.objects("pods", namespace, selector):
             if pod.get("status", {}).get("phase") == "Running":
                 self._exit(pod, 0)
 
@@ -169,7 +169,7 @@ class PodNetwork:
         if ip not in ipaddress.ip_network(POD_CIDR):
             return None
         # an IP is reused once its pod is gone: the one running now, not one being deleted
-        pods = self.cluster.list("pods")
+        pods = self.cluster.objects("pods")
         found = [
             p
             for p in pods
@@ -195,7 +195,7 @@ class PodNetwork:
         if target is None or not selector:
             return None
         label = ",".join(f"{k}={v}" for k, v in selector.items())
-        for pod in self.cluster.list("pods", parts[1], label):
+        for pod in self.cluster.objects("pods", parts[1], label):
             ready = any(
                 c["type"] == "Ready" and c["status"] == "True"
                 for c in pod.get("status", {}).get("conditions", [])

@@ -7,12 +7,13 @@ import ipaddress
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from operators.builders import kuberay_knows_auth_options
 from tests.helpers import wait_for
-from tests.kube.cluster import POD_CIDR, KubeCluster
+from tests.kube.cluster import POD_CIDR, KubeCluster, wait_object
 
 
 def pod(name: str, **spec: object) -> dict[str, object]:
@@ -21,7 +22,7 @@ def pod(name: str, **spec: object) -> dict[str, object]:
         "image": "registry.example/x:1",
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    body = {
+    body: dict[str, Any] = {
         "containers": [container],
         "securityContext": {
             "runAsNonRoot": True,
@@ -89,7 +90,7 @@ def test_gpu_pods_land_on_the_gpu_pool_and_run(kube: KubeCluster, tenant: str) -
     )
     gpu["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "8"}}  # type: ignore[index]
     kube.kubectl("apply", "-n", tenant, "-f", "-", input=json.dumps(gpu))
-    running = wait_for(
+    running = wait_object(
         lambda: kube.get("pod", "gpu", tenant),
         "the GPU pod to run",
         lambda p: p and p["status"].get("phase") == "Running",
@@ -100,7 +101,7 @@ def test_gpu_pods_land_on_the_gpu_pool_and_run(kube: KubeCluster, tenant: str) -
     big = pod("too-big", tolerations=gpu["spec"]["tolerations"])  # type: ignore[index]
     big["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "9"}}  # type: ignore[index]
     kube.kubectl("apply", "-n", tenant, "-f", "-", input=json.dumps(big))
-    pending = wait_for(
+    pending = wait_object(
         lambda: kube.get("pod", "too-big", tenant),
         "the scheduler to give up on the pod",
         lambda p: any(
@@ -111,7 +112,7 @@ def test_gpu_pods_land_on_the_gpu_pool_and_run(kube: KubeCluster, tenant: str) -
     # without the toleration a GPU pod never lands on a tainted GPU node
     untolerated = pod("untolerated", nodeSelector={"fp8rl.test/pool": "training"})
     kube.kubectl("apply", "-n", tenant, "-f", "-", input=json.dumps(untolerated))
-    stuck = wait_for(
+    stuck = wait_object(
         lambda: kube.get("pod", "untolerated", tenant),
         "the untolerated pod to be refused",
         lambda p: any(

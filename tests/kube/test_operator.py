@@ -17,7 +17,7 @@ import pytest
 from rljob import metrics as m
 from tests.helpers import wait_for
 from tests.kube import install
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import KubeCluster, wait_object
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.podnet import PodNetwork
 
@@ -62,7 +62,7 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     jobs, name = team_a, "life"
     jobs.apply(name, TINY)
     # fp8rl: the RayJob, as the chart's operator ServiceAccount may make it
-    rayjob = wait_for(lambda: jobs.rayjob(name), "the operator's RayJob")
+    rayjob = wait_object(lambda: jobs.rayjob(name), "the operator's RayJob")
     rljob = jobs.get(name) or {}
     uid = rljob["metadata"]["uid"]
     assert "fp8rl.io/finalizer" in rljob["metadata"]["finalizers"]
@@ -71,7 +71,7 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     assert configmap["metadata"]["ownerReferences"][0]["uid"] == uid
     assert json.loads(configmap["data"]["job.json"])["steps"] == 3
     # KubeRay: New -> Initializing (the RayCluster) -> Running (its submitter Job in K8sJobMode)
-    rayjob = wait_for(
+    rayjob = wait_object(
         lambda: jobs.rayjob(name),
         "KubeRay to run the RayJob",
         lambda r: (r or {}).get("status", {}).get("jobDeploymentStatus") == "Running",
@@ -156,10 +156,14 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
     assert jobs.get(name) is None
     assert jobs.pods(name) == [] and jobs.rayjob(name) is None
     for kind, obj in (("configmap", f"{name}-spec"), ("networkpolicy", name)):
-        wait_for(lambda k=kind, o=obj: kube.get(k, o, "team-a"), f"{kind} {obj} to go", lambda x: x is None)
+
+        def gone(k: str = kind, o: str = obj) -> bool:
+            return kube.get(k, o, "team-a") is None
+
+        wait_for(gone, f"{kind} {obj} to go")
     tokens = [
         s["metadata"]["name"]
-        for s in kube.list("secrets", "team-a")
+        for s in kube.objects("secrets", "team-a")
         if s["metadata"]["name"].startswith(f"{name}-")
     ]
     wait_for(

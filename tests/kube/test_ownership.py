@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import wait_for
 from tests.kube import install
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import KubeCluster, wait_object
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.test_operator import TINY
 
@@ -106,7 +106,7 @@ def test_removing_the_conflicting_object_lets_the_job_start(
     jobs.apply("later", TINY)
     jobs.wait_phase("later", "Failed")
     kube.kubectl("delete", "networkpolicy", "later", "-n", NS)
-    rayjob = wait_for(lambda: jobs.rayjob("later"), "the RayJob once the name is free")
+    rayjob = wait_object(lambda: jobs.rayjob("later"), "the RayJob once the name is free")
     assert rayjob["metadata"]["ownerReferences"][0]["name"] == "later"
     jobs.wait_phase("later", "Starting")
     own = kube.get("networkpolicy", "later", NS) or {}
@@ -124,7 +124,7 @@ def test_a_tenant_cannot_plant_the_token_secret(
         "create", "secret", "generic", "vault-ray-token", "--from-literal=auth_token=admin-secret", "-n", NS
     )
     jobs.apply("vault", TINY)
-    rayjob = wait_for(lambda: jobs.rayjob("vault"), "the RayJob")
+    rayjob = wait_object(lambda: jobs.rayjob("vault"), "the RayJob")
     uid = (jobs.get("vault") or {})["metadata"]["uid"]
     env = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     [token] = [e for e in env if e["name"] == "RAY_AUTH_TOKEN"]

@@ -37,7 +37,7 @@ from rljob.run_dir import JOB_SPEC, driver_argv
 from rljob.spec import JobSpec
 from tests.helpers import wait_for
 from tests.kube import install, prometheus
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import KubeCluster, wait_object
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.podnet import PodNetwork
 
@@ -145,7 +145,7 @@ def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
     volume(kube)
     body = rljob(JOB, str(POD_MODEL))
     kube.kubectl("apply", "-n", NS, "-f", "-", kubeconfig=jobs.tenant, input=json.dumps(body))
-    rayjob = wait_for(lambda: jobs.rayjob(JOB), "the RayJob")
+    rayjob = wait_object(lambda: jobs.rayjob(JOB), "the RayJob")
     port = OperatorSettings().metrics_port  # the chart's jobDefaults.metricsPort, its default
 
     # the driver's command carries the spec the operator shipped in the ConfigMap: the model on the volume

@@ -16,7 +16,7 @@ import yaml
 
 from tests.helpers import wait_for
 from tests.kube import install
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import KubeCluster, wait_object
 from tests.kube.install import CONTROL_PLANE_SA, OPERATOR_SA, RELEASE, TOKENS
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.podnet import PodNetwork
@@ -78,7 +78,7 @@ def test_the_operator_is_granted_exactly_what_it_calls(
     )  # fmt: skip
     jobs.patch("every", {"job": {**TINY, "steps": 5}})
     wait_for(lambda: jobs.events("every"), "the rebuild", lambda ev: any(r == "SpecApplied" for r, _ in ev))
-    policy = wait_for(
+    policy = wait_object(
         lambda: kube.get("networkpolicy", "every", ns),
         "the policy put back",
         lambda p: p is not None and len(p["spec"]["ingress"]) == 3,

@@ -17,7 +17,7 @@ from rljob.spec import JobSpec
 from rljob.status import Phase
 from tests.helpers import wait_for
 from tests.kube import install
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import KubeCluster, wait_object
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.test_operator import TINY
 
@@ -99,7 +99,7 @@ def test_a_resume_landing_mid_reconcile_is_not_undone(kube: KubeCluster, chart: 
         "job": TINY, "suspend": False, "cluster": {"activeDeadlineSeconds": 1}}})  # fmt: skip
     r = Reconciler(api, OperatorSettings(ray_auth="secret"))
     r.reconcile(tenant, "j3")
-    uid = wait_for(
+    uid = wait_object(
         lambda: kube.get("rayjob", "j3", tenant),
         "KubeRay to fail the RayJob at its deadline",
         lambda rj: (rj or {}).get("status", {}).get("jobDeploymentStatus") == "Failed",

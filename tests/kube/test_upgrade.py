@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helm.tools import CHART
 from tests.helpers import wait_for
 from tests.kube import install
 from tests.kube.cluster import RESTRICTED, KubeCluster
@@ -75,9 +76,7 @@ def test_helm_upgrade_from_0_1_0_keeps_a_running_job_running(
     running_since = [c for c in jobs.status("carried")["conditions"] if c["type"] == "Running"]
 
     # the upgrade, then the chart's operator (its pod restarts: the config's checksum changed)
-    install.helm(
-        kube, "upgrade", RELEASE, str(install.CHART), "-n", NS, "-f", str(path), "--wait", "--timeout=180s"
-    )
+    install.helm(kube, "upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(path), "--wait", "--timeout=180s")
     assert can_i(kube, "get", "configmaps") and not can_i(kube, "get", "secrets")
     labels = (kube.get("namespace", TENANT) or {})["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"  # new pods are held to it

@@ -19,7 +19,7 @@ from operators.settings import OperatorSettings
 from rljob.kube import api_client
 from tests.helpers import wait_for
 from tests.kube import install
-from tests.kube.cluster import KubeCluster
+from tests.kube.cluster import KubeCluster, wait_object
 from tests.kube.install import TOKENS
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.podnet import PodNetwork
@@ -54,7 +54,7 @@ def test_kubectl_apply_of_each_example_as_the_readme_writes_it(
     jobs = Jobs(kube, "team-a", tenant_kubeconfig(kube, "team-a", tmp_path))
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     kube.kubectl("apply", "-n", "team-a", "-f", str(example), kubeconfig=jobs.tenant)
-    rayjob = wait_for(lambda: jobs.rayjob(name), f"the RayJob of {example.name}")
+    rayjob = wait_object(lambda: jobs.rayjob(name), f"the RayJob of {example.name}")
     spec = rayjob["spec"]
     if rayjob["metadata"].get("labels", {}).get("kueue.x-k8s.io/queue-name"):
         # no Kueue here: the RayJob waits suspended for its queue to admit it, and says so
@@ -83,7 +83,7 @@ def test_a_job_posted_to_the_service_is_run_by_the_operator(
     with servers.serve(tmp_path, TOKENS, "--store", "kubernetes", "--kubeconfig", str(kubeconfig)) as url:
         body = {"name": "posted", "spec": {**TINY, "resources": {}}}
         assert httpx.post(f"{url}/v1/jobs", json=body, headers=auth).status_code == 201
-        rayjob = wait_for(lambda: kube.get("rayjob", "posted", "team-b"), "the RayJob of the posted job")
+        rayjob = wait_object(lambda: kube.get("rayjob", "posted", "team-b"), "the RayJob of the posted job")
         assert rayjob["metadata"]["labels"]["fp8rl.io/rljob"] == "posted"
 
         def phase() -> str:
@@ -110,7 +110,7 @@ def test_a_laptop_operator_reads_progress_through_the_api_server(
     that right and has not got it)."""
     jobs = Jobs(kube, "team-c", tenant_kubeconfig(kube, "team-c", tmp_path))
     jobs.apply("laptop", TINY)
-    rayjob = wait_for(
+    rayjob = wait_object(
         lambda: jobs.rayjob("laptop"),
         "KubeRay to run the RayJob",
         lambda r: (r or {}).get("status", {}).get("jobDeploymentStatus") == "Running",
@@ -176,7 +176,10 @@ def test_each_job_has_its_own_token_kept_when_its_rayjob_is_rebuilt(
     jobs = Jobs(kube, "team-c", tenant_kubeconfig(kube, "team-c", tmp_path))
     for name in ("tok-1", "tok-2"):
         jobs.apply(name, TINY)
-    rayjobs = {n: wait_for(lambda n=n: jobs.rayjob(n), f"the RayJob of {n}") for n in ("tok-1", "tok-2")}
+    def rayjob_of(name: str) -> dict[str, Any]:
+        return wait_object(lambda: jobs.rayjob(name), f"the RayJob of {name}")
+
+    rayjobs = {name: rayjob_of(name) for name in ("tok-1", "tok-2")}
 
     def token_ref(rayjob: dict[str, Any]) -> str:
         env = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
@@ -196,7 +199,7 @@ def test_each_job_has_its_own_token_kept_when_its_rayjob_is_rebuilt(
     assert secret["metadata"]["ownerReferences"][0]["uid"] == (jobs.get("tok-1") or {})["metadata"]["uid"]
     # someone deletes the running RayJob: it is rebuilt, with the same token
     kube.kubectl("delete", "rayjob", "tok-1", "-n", "team-c")
-    rebuilt = wait_for(
+    rebuilt = wait_object(
         lambda: jobs.rayjob("tok-1"),
         "the RayJob rebuilt",
         lambda r: r is not None and r["metadata"]["uid"] != rayjobs["tok-1"]["metadata"]["uid"],

@@ -57,7 +57,7 @@ def test_an_image_in_the_body_is_refused_with_422_and_nothing_is_recorded(
     )
     assert beside.status_code == 422, beside.text
     assert "cluster" in fields(beside)
-    assert kube.list("rljobs", ns) == []
+    assert kube.objects("rljobs", ns) == []
 
 
 def test_a_job_the_service_records_runs_the_operators_default_image(
@@ -65,7 +65,7 @@ def test_a_job_the_service_records_runs_the_operators_default_image(
 ) -> None:
     http, kube, ns = api
     assert http.post("/v1/jobs", json={"name": "j3", "spec": {"steps": 2}}, headers=AUTH).status_code == 201
-    [obj] = kube.list("rljobs", ns)
+    [obj] = kube.objects("rljobs", ns)
     assert "image" not in (obj["spec"].get("cluster") or {})
     job, settings = rl.RLJob.of(obj), OperatorSettings()
     assert builders.image_problems(job.spec, settings) == []

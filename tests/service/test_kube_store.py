@@ -54,7 +54,7 @@ def api(store: KubernetesJobStore, tenants: dict[str, str]) -> TestClient:
 
 
 def rljobs(kube: KubeCluster, ns: str) -> list[dict[str, Any]]:
-    return kube.list("rljobs", ns)
+    return kube.objects("rljobs", ns)
 
 
 def test_the_rljob_is_the_record(

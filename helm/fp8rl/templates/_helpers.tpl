@@ -122,6 +122,9 @@ clients (kubernetes, kopf) re-read the token file, so its rotation needs nothing
 {{- if and $digest (not (regexMatch "^sha256:[a-f0-9]{64}$" $digest)) }}
 {{- fail (printf "images.%s.digest must be sha256: and 64 lowercase hex digits (docker buildx imagetools inspect <image> prints it), not %q" $name $digest) }}
 {{- end }}
+{{- if regexMatch "^sha256:0{64}$" $digest }}
+{{- fail (printf "images.%s.digest is the all-zero placeholder: build and push the image (docker/README.md), then set the digest `docker buildx imagetools inspect <image>` prints, or leave it empty to pull by tag" $name) }}
+{{- end }}
 {{- end }}
 {{- if not (has .Values.images.pullPolicy (list "Always" "IfNotPresent" "Never")) }}
 {{- fail (printf "images.pullPolicy must be Always, IfNotPresent or Never, not %q" (toString .Values.images.pullPolicy)) }}
