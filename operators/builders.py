@@ -31,6 +31,7 @@ import posixpath
 import shlex
 from typing import Any
 
+from operators.attempts import CAUSE
 from operators.ownership import RLJOB_LABEL, meta
 from operators.settings import OperatorSettings
 from rljob import images, paths
@@ -225,6 +226,7 @@ def entrypoint(job: RLJob, s: OperatorSettings) -> str:
         resume=True,
         metrics_port=s.metrics_port,
         metrics_linger=metrics_linger(s),
+        in_place_retries=_pick(job.spec.cluster.in_place_retries, s.in_place_retries),
     )
     return shlex.join(argv)
 
@@ -259,8 +261,9 @@ def _group(job: RLJob, s: OperatorSettings, group: str, actors: int, gpus: int) 
     }
 
 
-def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
-    """The RayJob for an RLJob (same name and namespace)."""
+def rayjob(job: RLJob, s: OperatorSettings, cause: str = "created") -> dict[str, Any]:
+    """The RayJob for an RLJob (same name and namespace); ``cause``: why it is made (its
+    ``fp8rl.io/attempt-cause`` annotation, read back by ``operators.attempts``)."""
     spec, name = job.spec, job.metadata.name
     cluster, res = spec.cluster, spec.job.resources
     labels = QUEUE_LABELS[cluster.queue.scheduler](cluster.queue.name) if cluster.queue else {}
@@ -282,7 +285,7 @@ def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
     body: dict[str, Any] = {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": {**meta(job, name, labels), "annotations": {SPEC_HASH: spec_hash(spec)}},
+        "metadata": {**meta(job, name, labels), "annotations": {SPEC_HASH: spec_hash(spec), CAUSE: cause}},
         "spec": {
             # KubeRay (>= 1.5.1, with authOptions) submits with the token itself; a KubeRay that
             # cannot does not know the token, so a submitter pod that has it submits (ray_auth: secret)
@@ -293,7 +296,10 @@ def rayjob(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
                 cluster.ttl_seconds_after_finished, s.ttl_seconds_after_finished
             ),
             "activeDeadlineSeconds": _pick(cluster.active_deadline_seconds, s.active_deadline_seconds),
-            "backoffLimit": _pick(cluster.backoff_limit, s.backoff_limit),
+            # KubeRay retries a Failed RayJob on a new cluster; with ray_auth: secret every ending
+            # looks Failed to a KubeRay older than 1.5.1 (it cannot read the outcome), so a
+            # succeeded job would run again: the operator retries those itself (operators.plan)
+            "backoffLimit": _pick(cluster.backoff_limit, s.backoff_limit) if s.ray_auth == "kuberay" else 0,
             "suspend": suspend,
             "rayClusterSpec": {
                 "rayVersion": s.ray_version,

@@ -87,7 +87,7 @@ def registry(operator: OperatorSettings, kubeconfig: str | None = None) -> kopf.
         # after this many seconds (default 60: a deletion would hang a minute)
         settings.background.cancellation_polling = 1
         reconciler = Reconciler(api_client(kubeconfig), operator)
-        problem = reconciler.kuberay_problem()
+        problem = reconciler.rljob_crd_problem() or reconciler.kuberay_problem()
         if problem:  # no job may start on a Ray cluster that would not require its token
             raise kopf.PermanentError(problem)
         memo["reconciler"] = reconciler

@@ -32,11 +32,12 @@ def run(
     from operators.reconcile import Reconciler
     from rljob.kube import api_client
 
-    # before kopf starts: a cluster whose KubeRay would run jobs without a token is refused in one
-    # line that says what to do. An API server that cannot be asked yet is left to kopf, whose
-    # startup handler makes the same check once it is logged in.
+    # before kopf starts: a cluster whose RLJob CRD is older than this operator, or whose KubeRay
+    # would run jobs without a token, is refused in one line that says what to do. An API server
+    # that cannot be asked yet is left to kopf, whose startup handler makes the same checks.
     try:
-        problem = Reconciler(api_client(kubeconfig), settings).kuberay_problem()
+        reconciler = Reconciler(api_client(kubeconfig), settings)
+        problem = reconciler.rljob_crd_problem() or reconciler.kuberay_problem()
     except Exception as err:  # no kubeconfig, no route: kopf reports those in its own words
         logging.getLogger("fp8rl.operator").debug("KubeRay check left to the startup handler: %s", err)
         problem = None

@@ -49,6 +49,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from operators import builders
+from operators.attempts import Cause, retries_used, track
 from operators.ownership import Ownership, describe, ownership
 from operators.settings import OperatorSettings
 from operators.status import Target, advance, progress_of, restarts_of, run_complete, target_of
@@ -243,7 +244,10 @@ def plan(
 
     def create(reason: Reason) -> CreateRayJob:
         nonlocal observed
-        observed = builders.rayjob(job, settings)
+        cause = _CAUSES[reason]
+        if cause == "created" and status.attempts:
+            cause = "recreated"  # rebuilt from a changed spec: the job ran before
+        observed = builders.rayjob(job, settings, cause)
         kind = "Normal" if reason == Reason.RAYJOB_CREATED else "Warning"
         return CreateRayJob(observed, Event(kind, reason, f"RayJob {ns}/{name}"))
 
@@ -251,9 +255,12 @@ def plan(
         # KubeRay's finalizer stops a deleted RayJob's Ray job first: its successor, under the same
         # name, is made once it is gone (a create now would be refused as a conflict)
         return []
+    retry = _retry(rayjob, new, spec, settings, metrics) if rayjob is not None else None
     if rayjob is None:
         if status.phase is Phase.PENDING and status.reason == Reason.USER_RESUMED:
             why = Reason.RAYJOB_RESTARTED  # the finished RayJob went (below), this is its successor
+        elif status.reason == Reason.RETRYING and status.phase is Phase.STARTING:
+            why = Reason.RAYJOB_RETRIED  # the failed RayJob went (below), this is the next attempt
         elif status.phase in RUNNING:
             why = Reason.RAYJOB_RECREATED
         else:
@@ -276,6 +283,9 @@ def plan(
     ):
         # resumed after a failure: a finished RayJob does not run again, a new one does
         actions += [DeleteRayJob(_uid(rayjob)), *before_rayjob, create(Reason.RAYJOB_RESTARTED)]
+    elif retry is not None:
+        # failed where KubeRay cannot retry (it cannot tell): a new RayJob, once this one is gone
+        actions += [DeleteRayJob(_uid(rayjob))]
     else:
         suspended = bool((rayjob.get("spec") or {}).get("suspend"))
         kueue = bool(spec.cluster.queue and spec.cluster.queue.scheduler == "kueue")
@@ -290,6 +300,11 @@ def plan(
         new = _condition(
             new, Reason.DRIVER_COMPLETED, True, Reason.DRIVER_COMPLETED, DRIVER_COMPLETED_MESSAGE
         )
+    # a failure ends the attempt (with what the job would have said), also the one retried now
+    attempts = track(new.attempts, rayjob, metrics, target[0], target[1], target[2], now)
+    if retry is not None:
+        target = (Phase.STARTING, Reason.RETRYING, retry.message)
+    new = new.model_copy(update={"attempts": attempts}) if attempts != new.attempts else new
     new, passed = advance(new, target)
     if metrics and target[0] in _WITH_PROGRESS:
         new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
@@ -339,6 +354,51 @@ def _outcome_from_driver(target: Target, status: JobStatus, metrics: str | None)
             "driver did not report every step done: its log is on the head pod (kubectl logs)",
         )
     return target
+
+
+@dataclass(frozen=True)
+class Retry:
+    """A failed RayJob the operator replaces by a new one (a new Ray cluster)."""
+
+    message: str
+
+
+def _retry(
+    rayjob: dict[str, Any],
+    status: JobStatus,
+    spec: rl.RLJobSpec,
+    settings: OperatorSettings,
+    metrics: str | None,
+) -> Retry | None:
+    """With ``ray_auth: secret`` a KubeRay older than 1.5.1 sees every ending as a failure (it cannot
+    read the outcome), so the RayJob gets ``backoffLimit: 0`` and the operator retries in its
+    place: a RayJob that failed while the driver did not report every step done, not past its
+    deadline (as KubeRay would not either), not suspended, while retries are left
+    (``spec.cluster.backoffLimit``, else the operator's ``backoff_limit``)."""
+    if settings.ray_auth != "secret" or spec.suspend or _deployment(rayjob) != "Failed":
+        return None
+    st = rayjob.get("status") or {}
+    reason = str(st.get("reason") or "RayJobFailed")
+    done = (metrics is not None and run_complete(metrics)) or any(
+        c.type == Reason.DRIVER_COMPLETED and c.status for c in status.conditions
+    )
+    limit = spec.cluster.backoff_limit if spec.cluster.backoff_limit is not None else settings.backoff_limit
+    used = retries_used(status.attempts)
+    if done or reason == "DeadlineExceeded" or used >= limit or status.phase not in RUNNING:
+        return None
+    message = (
+        f"attempt {status.attempts[-1].number if status.attempts else 1} failed ({reason}); a new Ray "
+        f"cluster for the next (retry {used + 1} of {limit})"
+    )
+    return Retry(message)
+
+
+_CAUSES: dict[Reason, Cause] = {
+    Reason.RAYJOB_CREATED: "created",
+    Reason.RAYJOB_RECREATED: "recreated",
+    Reason.RAYJOB_RESTARTED: "resumed",
+    Reason.RAYJOB_RETRIED: "retried",
+}
 
 
 def _phase_event(phase: Phase, target: Target) -> Event:

@@ -115,6 +115,32 @@ class Reconciler:
             "the chart's jobDefaults.rayAuth=secret (FP8RL_OPERATOR_RAY_AUTH=secret)"
         )
 
+    def rljob_crd_problem(self) -> str | None:
+        """Why this operator must not run on this cluster's RLJob CRD, or None: an older CRD lacks
+        fields this operator writes (``rljob.crd.missing_fields``), which the API server would
+        drop, so every reconcile would write them again. ``helm upgrade`` does not update CRDs."""
+        from kubernetes import client
+
+        from rljob.crd import missing_fields
+
+        name = f"{rl.PLURAL}.{rl.GROUP}"
+        found = client.ApiextensionsV1Api(self.core.api_client).list_custom_resource_definition(
+            field_selector=f"metadata.name={name}"
+        )
+        crds = [self.core.api_client.sanitize_for_serialization(c) for c in found.items]
+        crds = [c for c in crds if c.get("metadata", {}).get("name") == name]
+        if not crds:
+            return f"no RLJob CRD ({name}) on the cluster: install the chart (its crds/ directory) first"
+        missing = missing_fields(crds[0])
+        if not missing:
+            return None
+        return (
+            f"the RLJob CRD on the cluster is older than this operator: it lacks {', '.join(missing)}, which "
+            "the API server would drop from what the operator writes. Apply this version's CRD first "
+            "(helm install/upgrade does not update CRDs): "
+            "kubectl apply --server-side --force-conflicts -f helm/fp8rl/crds/"
+        )
+
     def read_rayjob(self, ns: str, name: str) -> dict[str, Any] | None:
         rayjob: dict[str, Any] | None = unless_missing(
             self.objects.get_namespaced_custom_object, *RAY, ns, "rayjobs", name

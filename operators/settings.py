@@ -141,7 +141,19 @@ class OperatorSettings(BaseSettings):
     metrics_port: int = Field(9400, ge=1, le=65535, description="The driver's Prometheus port.")
     ttl_seconds_after_finished: int = Field(600, ge=0, description="Keep a finished job's cluster this long.")
     active_deadline_seconds: int = Field(7 * 24 * 3600, ge=1, description="Fail a job running longer.")
-    backoff_limit: int = Field(0, ge=0, le=100, description="Driver retries (resume from the checkpoint).")
+    backoff_limit: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="Retries of a failed job on a new Ray cluster (resume from the checkpoint).",
+    )
+    in_place_retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Times a failed driver is started again on the same Ray cluster where that is safe "
+        "(workers.driver_supervisor), before the job fails and backoff_limit rebuilds the cluster.",
+    )
     poll_seconds: float = Field(
         10.0, gt=0, le=3600, description="How often each job's RayJob and progress are read."
     )

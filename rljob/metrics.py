@@ -310,6 +310,10 @@ RESTART_ROLES: dict[str, str] = {"generator": FAULTS_GENERATOR_RESTARTS, "traine
 # operator reads it where KubeRay cannot read the Ray job's outcome (rayAuth: secret), and the
 # driver keeps serving it for --metrics-linger seconds after its last step for that read
 RUN_COMPLETE = "fp8rl_run_complete"
+# fp8rl_driver_attempt{previous_exit}: which run of the driver on this Ray cluster serves the metrics
+# (1, then 2, 3, ... after in-place retries, workers.driver_supervisor), and the exit code of the run
+# before it ("" for the first); the operator records each as an attempt on a reused cluster
+DRIVER_ATTEMPT = "fp8rl_driver_attempt"
 
 # fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
 # once a step has validated)

@@ -95,7 +95,20 @@ class ClusterSpec(_Strict):
         None, alias="activeDeadlineSeconds", ge=1, description="Fail the job after this long."
     )
     backoff_limit: int | None = Field(
-        None, alias="backoffLimit", ge=0, le=100, description="Retries of a failed driver."
+        None,
+        alias="backoffLimit",
+        ge=0,
+        le=100,
+        description="Retries of a failed job on a new Ray cluster (after the in-place ones).",
+    )
+    in_place_retries: int | None = Field(
+        None,
+        alias="inPlaceRetries",
+        ge=0,
+        le=10,
+        description="Times a failed driver is started again (--resume) on the same Ray cluster, where that "
+        "is safe: not after a bad spec, out of memory or too many actor faults, nor once the cluster lost a "
+        "node.",
     )
     ttl_seconds_after_finished: int | None = Field(
         None, alias="ttlSecondsAfterFinished", ge=0, description="Keep the Ray cluster this long after."

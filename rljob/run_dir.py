@@ -95,6 +95,7 @@ def driver_argv(
     resume: bool,
     metrics_port: int | None,
     metrics_linger: int = 0,
+    in_place_retries: int = 0,
     python: str = "python",
 ) -> list[str]:
     """The driver's command line: ``python -m <driver> SPEC --output DIR [--resume]
@@ -102,8 +103,9 @@ def driver_argv(
 
     ``resume``: continue from the newest checkpoint in ``output``; ``metrics_port``: serve
     Prometheus ``/metrics`` there (None: no HTTP server), and ``metrics_linger`` seconds more after
-    the run ends (0: none); ``job`` and ``namespace`` label the metrics. ``python``: the
-    interpreter (the image's ``python``, or the service's own).
+    the run ends (0: none); ``job`` and ``namespace`` label the metrics; ``in_place_retries``:
+    start a failed driver again on its Ray cluster (``workers.driver_supervisor``, 0: never).
+    ``python``: the interpreter (the image's ``python``, or the service's own).
     """
     argv = [python, "-m", DRIVER_MODULE, str(spec_file), "--output", str(output)]
     if resume:
@@ -112,4 +114,7 @@ def driver_argv(
         argv += ["--metrics-port", str(metrics_port)]
         if metrics_linger:
             argv += ["--metrics-linger", str(metrics_linger)]
-    return [*argv, "--job", job, "--namespace", namespace]
+    argv += ["--job", job, "--namespace", namespace]
+    if in_place_retries:
+        argv += ["--in-place-retries", str(in_place_retries)]
+    return argv

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,6 +74,7 @@ class Reason(StrEnum):
     RAYJOB_CREATED = "RayJobCreated"
     RAYJOB_RECREATED = "RayJobRecreated"
     RAYJOB_RESTARTED = "RayJobRestarted"
+    RAYJOB_RETRIED = "RayJobRetried"  # a failed job on a new Ray cluster (backoffLimit, rayAuth secret)
     RAYJOB_SUSPENDED = "RayJobSuspended"
     RAY_CLUSTER_STARTING = "RayClusterStarting"
     RETRYING = "Retrying"
@@ -147,6 +149,36 @@ class Condition(BaseModel):
 FAULTS_RECOVERED = "FaultsRecovered"
 
 
+# how many attempts a status keeps (the newest): a job retried without end must not grow its record
+MAX_ATTEMPTS = 20
+
+
+class Attempt(BaseModel):
+    """One run of the job's driver, as the operator saw it (kuberay#5211): on a Ray cluster made for
+    it (``new``: a RayJob of the operator's, or KubeRay rebuilding one after a failure) or on the
+    one the previous attempt ran on (``reused``: the driver started again in place,
+    ``spec.cluster.inPlaceRetries``). ``outcome`` is Running until it ends."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    number: int = Field(ge=1)
+    cluster: Literal["new", "reused"]
+    # why it began: the job's first RayJob, a retry after a failure (KubeRay's or the operator's
+    # backoffLimit: a new cluster; an in-place retry: the same one), a RayJob made again (deleted by
+    # someone, rebuilt from a changed spec) or a resume
+    cause: Literal["created", "retried", "in-place", "recreated", "resumed"] = "created"
+    outcome: Literal["Running", "Succeeded", "Failed", "Stopped"] = "Running"
+    reason: str = ""
+    message: str = ""
+    started: datetime
+    finished: datetime | None = None
+    # what identifies the attempt among the operator's reads: the RayJob's uid, KubeRay's count of
+    # its failed runs, the driver's own attempt on that cluster
+    ray_job_uid: str = ""
+    kuberay_failed: int = Field(0, ge=0)
+    driver_attempt: int = Field(1, ge=1)
+
+
 class Progress(BaseModel):
     """The latest step the driver reported."""
 
@@ -182,6 +214,7 @@ class JobStatus(BaseModel):
     message: str = ""
     conditions: list[Condition] = Field(default_factory=list)
     progress: Progress = Field(default_factory=Progress)
+    attempts: list[Attempt] = Field(default_factory=list, max_length=MAX_ATTEMPTS)
 
     def moved(self, target: Phase, reason: str, message: str = "", action: str | None = None) -> JobStatus:
         """A copy in phase ``target`` (checked), with the reason recorded as a condition."""

@@ -42,6 +42,7 @@ DRIVER_ENV_NAMES = frozenset(
         # engines/models), held to this list by a test
         *("FP8RL_HOME", "FP8RL_CUBLAS_BLOCKWISE", "FP8RL_DECODE_ATTENTION", "FP8RL_SMALL_M_GEMM"),
         *("FP8RL_TRITON", "FP8RL_RAY_GROUPS", "FP8RL_CPU_BF16_GEMM", "FP8RL_KV_WRITE"),
+        *("FP8RL_DRIVER_ATTEMPT", "FP8RL_DRIVER_PREVIOUS_EXIT"),
         # Hugging Face: where models are and whether to go online (never HF_TOKEN: see below)
         *("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"),
     }

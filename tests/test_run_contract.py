@@ -4,6 +4,7 @@ with the same command for the same job."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from datetime import UTC, datetime
@@ -55,8 +56,9 @@ def test_the_driver_command_line_in_both_forms() -> None:
 def test_the_service_and_the_operator_start_the_driver_with_one_command(tmp_path: Path) -> None:
     """Built from the same job (``j`` of tenant/namespace ``team-a``, resuming), the two commands
     are equal but for what is documented to differ: the interpreter, where the spec file and the
-    run directory are, and the operator's Prometheus port (local drivers serve none: the service
-    reads metrics.jsonl). Both parse with the driver's own parser."""
+    run directory are, the operator's Prometheus port (local drivers serve none: the service
+    reads metrics.jsonl) and its in-place retries on the Ray cluster (the service starts a failed
+    local driver again itself: driver_retries). Both parse with the driver's own parser."""
     spec = JobSpec(steps=3, output_dir="/runs/j")
     now = datetime.now(UTC)
     job = Job("team-a", "j", spec, JobStatus(), now, now)
@@ -72,14 +74,16 @@ def test_the_service_and_the_operator_start_the_driver_with_one_command(tmp_path
     assert (seen_local.spec, seen_local.output) == (str(tmp_path / "runs/team-a/j/job.json"), str(run.root))
     assert (seen_pod.spec, seen_pod.output) == ("/etc/fp8rl/job.json", "/runs/j")
     assert (seen_local.metrics_port, seen_pod.metrics_port) == (None, settings.metrics_port)
+    assert (seen_local.in_place_retries, seen_pod.in_place_retries) == (0, settings.in_place_retries)
     for seen in (seen_local, seen_pod):
         assert (seen.job, seen.namespace, seen.resume) == ("j", "team-a", True)
 
     def normalized(argv: list[str], spec_file: str, output: str) -> list[str]:
         out = ["PYTHON", *argv[1:]]
-        if "--metrics-port" in out:
-            i = out.index("--metrics-port")
-            del out[i : i + 2]
+        for flag in ("--metrics-port", "--in-place-retries"):
+            if flag in out:
+                i = out.index(flag)
+                del out[i : i + 2]
         return [{spec_file: "SPEC", output: "OUT"}.get(a, a) for a in out]
 
     assert normalized(local, seen_local.spec, seen_local.output) == normalized(
@@ -94,6 +98,6 @@ def test_the_driver_module_is_named_in_one_production_module() -> None:
         str(p.relative_to(ROOT))
         for package in PRODUCTION
         for p in (ROOT / package).rglob("*.py")
-        if "workers.driver" in p.read_text()
+        if re.search(r"workers\.driver\b(?!_)", p.read_text())
     )
     assert naming == ["rljob/run_dir.py"]

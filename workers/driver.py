@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from rljob.run_dir import DRIVER_MODULE, RunDir
 from rljob.spec import JobSpec
 from rljob.status import EXIT_OUT_OF_MEMORY, EXIT_TOO_MANY_FAULTS
 from workers import checkpoint
+from workers.driver_supervisor import ATTEMPT_ENV, PREVIOUS_EXIT_ENV
 from workers.engines.factory import check_engines
 from workers.faults import ActorFault, RestartLimitError
 from workers.job_run import JobRun, write_json
@@ -102,6 +105,7 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     log = MetricsLog(run_dir.metrics)
     rows: list[Mapping[str, Any]] = list(log.truncate(first_step - 1)) if opts.resume else []
     prom = PromExporter(opts.job or out.name, opts.namespace, spec.precision.recipe)
+    prom.attempt(int(os.environ.get(ATTEMPT_ENV) or 1), os.environ.get(PREVIOUS_EXIT_ENV, ""))
     port = prom.serve(opts.metrics_port) if opts.metrics_port is not None else None
     if port is not None:
         opts.log(f"Prometheus metrics on http://0.0.0.0:{port}/metrics")
@@ -160,7 +164,28 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--job", default="", help="job label of the metrics")
     p.add_argument("--namespace", default="default", help="namespace label of the metrics")
+    p.add_argument(
+        "--in-place-retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start a failed driver again on the same Ray cluster up to N times (0-10) where that is safe "
+        "(workers.driver_supervisor)",
+    )
     return p
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag N`` or ``--flag=N``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(f"{flag}="):
+            out.append(arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.metrics_linger <= 3600:
         print(f"error: --metrics-linger {args.metrics_linger}: give 0 to 3600 seconds", flush=True)
         return 2
+    if not 0 <= args.in_place_retries <= 10:
+        print(f"error: --in-place-retries {args.in_place_retries}: give 0 to 10", flush=True)
+        return 2
+    if args.in_place_retries:
+        from workers.driver_supervisor import supervise
+
+        driver_args = _without(list(sys.argv[1:] if argv is None else argv), "--in-place-retries")
+        return supervise(driver_args, args.in_place_retries, log=lambda line: print(line, flush=True))
     try:
         spec = load_spec(args.spec)
     except SpecError as err:

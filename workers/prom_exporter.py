@@ -8,7 +8,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from rljob.metrics import ACTOR_RESTARTS, LABELS, PHASES, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
+from rljob.metrics import (
+    ACTOR_RESTARTS,
+    DRIVER_ATTEMPT,
+    LABELS,
+    PHASES,
+    PROMETHEUS,
+    RESTART_ROLES,
+    RUN_COMPLETE,
+)
 
 
 class PromExporter:
@@ -42,6 +50,12 @@ class PromExporter:
         self._complete = Gauge(
             RUN_COMPLETE, "1 once the driver has done every step of the job", LABELS, registry=self.registry
         ).labels(**self.labels)
+        self._attempt = Gauge(
+            DRIVER_ATTEMPT,
+            "Run of the driver on this Ray cluster (in-place retries); how the one before ended",
+            (*LABELS, "previous_exit"),
+            registry=self.registry,
+        )
         self.port: int | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -50,6 +64,11 @@ class PromExporter:
         self.port = int(server.server_port)
         self._server = server
         return self.port
+
+    def attempt(self, number: int, previous_exit: str = "") -> None:
+        """This driver is run ``number`` on its Ray cluster; the one before exited with
+        ``previous_exit`` (``""`` for the first)."""
+        self._attempt.labels(**self.labels, previous_exit=previous_exit).set(number)
 
     def complete(self) -> None:
         """Every step of the job is done (``fp8rl_run_complete`` 1)."""

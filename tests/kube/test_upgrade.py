@@ -1,12 +1,19 @@
 """``helm upgrade`` from the previous chart (0.1.0, as released at HEAD e7cfa40, packaged in
-``tests/kube/data``) to this one, with an RLJob running: the job keeps running, its RayJob, Ray
-cluster and pods untouched, and the upgraded operator, with the chart's own ServiceAccount, takes
-it over. Under 0.1.0 the chart's operator could not reconcile at all (its role had no ``get`` on
-ConfigMaps), so the job runs there as the README then offered: ``fp8rl operator`` from a laptop
-with the admin's credentials."""
+``tests/kube/data``) to this one, on a cluster of its own (its CRDs are 0.1.0's, as on a real
+cluster that ran that release):
+
+1. Under 0.1.0 an RLJob is made. Nothing runs it: the chart's operator role has no ``get`` on
+   ConfigMaps (the API server says so).
+2. ``helm upgrade``: the roles are fixed, but helm does not update CRDs, and this operator writes
+   fields 0.1.0's RLJob CRD lacks (``status.attempts``). It refuses to start, naming the command;
+   once the CRD is applied as it says, it starts and runs the job made under 0.1.0.
+3. ``helm upgrade`` again, with changed values, while the job runs: the operator's pod restarts
+   with the new config, and the job keeps running, its RayJob, Ray cluster and pods untouched.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +22,38 @@ import yaml
 
 from tests.helm.tools import CHART
 from tests.helpers import wait_for
-from tests.kube import install
+from tests.kube import build, install
 from tests.kube.cluster import RESTRICTED, KubeCluster
 from tests.kube.jobs import Jobs, tenant_kubeconfig
 from tests.kube.podnet import PodNetwork
-from tests.kube.test_operator import TINY, step_row
+from tests.kube.test_operator import TINY, running_pods, step_row
 
 pytestmark = pytest.mark.slow
 PREVIOUS = Path(__file__).with_name("data") / "fp8rl-0.1.0.tgz"
 RELEASE, NS, TENANT = "prev", "prev-system", "prev-a"
+SA = (NS, "prev-fp8rl-operator")
 OPERATOR = f"system:serviceaccount:{NS}:prev-fp8rl-operator"
 
 
-def values() -> dict[str, Any]:
-    return {**install.VALUES, "tenants": [{"name": TENANT, "createNamespace": True}], "auth": {"tokens": {}}}
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KubeCluster, PodNetwork]]:
+    """A cluster of its own: no CRD of this version on it yet."""
+    net = PodNetwork().start()
+    cluster = KubeCluster(build.ensure(), tmp_path_factory.mktemp("kube-upgrade"), proxy=net.url)
+    net.attach(cluster)
+    with cluster:
+        yield cluster, net
+    net.stop()
+
+
+def values(poll_seconds: int) -> dict[str, Any]:
+    chosen = {
+        **install.VALUES,
+        "tenants": [{"name": TENANT, "createNamespace": True}],
+        "auth": {"tokens": {}},
+    }
+    chosen["jobDefaults"] = {**install.VALUES["jobDefaults"], "pollSeconds": poll_seconds}
+    return chosen
 
 
 def can_i(kube: KubeCluster, verb: str, resource: str) -> bool:
@@ -47,43 +72,59 @@ def snapshot(kube: KubeCluster, jobs: Jobs, name: str) -> dict[str, Any]:
     }
 
 
-def test_helm_upgrade_from_0_1_0_keeps_a_running_job_running(
-    kube: KubeCluster, chart: Path, podnet: PodNetwork, tmp_path: Path
-) -> None:
-    kube.namespace(NS, RESTRICTED)
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump(values()))
-    install.helm(
-        kube, "install", RELEASE, str(PREVIOUS), "-n", NS, "-f", str(path), "--wait", "--timeout=180s"
-    )
-    assert not can_i(kube, "get", "configmaps")  # 0.1.0's defect, as the API server decides it
+def helm_release(kube: KubeCluster, verb: str, chart: Path, workdir: Path, poll_seconds: int) -> None:
+    path = workdir / f"values-{verb}-{poll_seconds}.yaml"
+    path.write_text(yaml.safe_dump(values(poll_seconds)))
+    install.helm(kube, verb, RELEASE, str(chart), "-n", NS, "-f", str(path), "--wait", "--timeout=180s")
 
-    # a job running under 0.1.0, reconciled by an operator with the admin's credentials
-    config = install.operator_config(kube, tmp_path, "prev-fp8rl-operator", NS)
-    args = ("operator", f"--config={config}", f"--kubeconfig={kube.kubeconfig}", f"--namespace={TENANT}")
-    laptop = install.fp8rl("laptop-operator", tmp_path, *args)
+
+def test_helm_upgrade_from_0_1_0_runs_the_jobs_made_under_it_and_keeps_a_running_one_running(
+    fresh: tuple[KubeCluster, PodNetwork], tmp_path: Path
+) -> None:
+    kube, podnet = fresh
+    kube.namespace(NS, RESTRICTED)
+    helm_release(kube, "install", PREVIOUS, tmp_path, 1)
+    assert not can_i(kube, "get", "configmaps")  # 0.1.0's defect, as the API server decides it
     jobs = Jobs(kube, TENANT, tenant_kubeconfig(kube, TENANT, tmp_path))
+    jobs.apply("carried", TINY)
+
+    # the upgrade: roles fixed; the CRD is still 0.1.0's, and the operator says what to do
+    helm_release(kube, "upgrade", CHART, tmp_path, 1)
+    assert can_i(kube, "get", "configmaps") and not can_i(kube, "get", "secrets")
+    assert (kube.get("namespace", TENANT) or {})["metadata"]["labels"][
+        "pod-security.kubernetes.io/enforce"
+    ] == ("restricted")
+    config = install.operator_config(kube, tmp_path, "prev-fp8rl-operator", NS)
+    refused = install.start_operator(kube, tmp_path, podnet.url, (TENANT,), config, "old-crd", SA)
+    assert refused.proc.wait(timeout=90) != 0
+    last = refused.log.read_text().strip().splitlines()[-1]
+    assert last == (
+        "error: the RLJob CRD on the cluster is older than this operator: it lacks "
+        "spec.cluster.inPlaceRetries, status.attempts, which the API server would drop from what the "
+        "operator writes. Apply this version's CRD first (helm install/upgrade does not update CRDs): "
+        "kubectl apply --server-side --force-conflicts -f helm/fp8rl/crds/"
+    ), last
+    # as it says (helm owns the CRD's fields: without --force-conflicts the apply is refused)
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds"))
+
+    operator = install.start_operator(kube, tmp_path, podnet.url, (TENANT,), config, "operator", SA)
     try:
-        jobs.apply("carried", TINY)
-        wait_for(lambda: jobs.pods("carried"), "its pods Running", lambda ps: len(ps) == 4 and all(
-            p["status"].get("phase") == "Running" for p in ps), timeout=90)  # fmt: skip
+        running_pods(jobs, "carried")
         driver = podnet.run_driver(TENANT, "carried")
         driver.exporter.observe(step_row(1, 0.5))
         jobs.wait_phase("carried", "Running")
+        before = snapshot(kube, jobs, "carried")
+        running_since = [c for c in jobs.status("carried")["conditions"] if c["type"] == "Running"]
+        [attempt] = jobs.status("carried")["attempts"]  # the CRD keeps what the operator writes
+        assert (attempt["number"], attempt["cluster"], attempt["outcome"]) == (1, "new", "Running")
     finally:
-        laptop.stop()
-    before = snapshot(kube, jobs, "carried")
-    running_since = [c for c in jobs.status("carried")["conditions"] if c["type"] == "Running"]
+        operator.stop()
 
-    # the upgrade, then the chart's operator (its pod restarts: the config's checksum changed)
-    install.helm(kube, "upgrade", RELEASE, str(CHART), "-n", NS, "-f", str(path), "--wait", "--timeout=180s")
-    assert can_i(kube, "get", "configmaps") and not can_i(kube, "get", "secrets")
-    labels = (kube.get("namespace", TENANT) or {})["metadata"]["labels"]
-    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"  # new pods are held to it
+    # an upgrade with a job running: the operator's pod restarts with the new config
+    helm_release(kube, "upgrade", CHART, tmp_path, 2)
     config = install.operator_config(kube, tmp_path, "prev-fp8rl-operator", NS)
-    operator = install.start_operator(
-        kube, tmp_path, podnet.url, (TENANT,), config, "chart-operator", (NS, "prev-fp8rl-operator")
-    )
+    assert yaml.safe_load(config.read_text())["poll_seconds"] == 2
+    operator = install.start_operator(kube, tmp_path, podnet.url, (TENANT,), config, "upgraded", SA)
     try:
         driver.exporter.observe(step_row(2, 0.75))
         st = wait_for(
@@ -93,13 +134,12 @@ def test_helm_upgrade_from_0_1_0_keeps_a_running_job_running(
         )
         assert st["phase"] == "Running"
         assert [c for c in st["conditions"] if c["type"] == "Running"] == running_since  # never left it
+        assert len(st["attempts"]) == 1  # the same attempt: nothing restarted
         assert snapshot(kube, jobs, "carried") == before  # nothing rebuilt, restarted or rewritten
         calls = [c for c in kube.audit(OPERATOR) if c.namespace == TENANT]
         assert calls and not [c for c in calls if c.code == 403]
-        assert not [c for c in calls if c.verb in ("create", "delete") and c.resource == "rayjobs"]
         jobs.delete("carried")
         podnet.finish(TENANT, "carried")
     finally:
         operator.stop()
         print(operator.tail())
-    install.helm(kube, "uninstall", RELEASE, "-n", NS, "--wait")

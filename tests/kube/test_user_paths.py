@@ -176,6 +176,7 @@ def test_each_job_has_its_own_token_kept_when_its_rayjob_is_rebuilt(
     jobs = Jobs(kube, "team-c", tenant_kubeconfig(kube, "team-c", tmp_path))
     for name in ("tok-1", "tok-2"):
         jobs.apply(name, TINY)
+
     def rayjob_of(name: str) -> dict[str, Any]:
         return wait_object(lambda: jobs.rayjob(name), f"the RayJob of {name}")
 
