@@ -80,14 +80,17 @@ def decide(code: int, nodes_at_start: int, nodes_now: int, retried: int, limit: 
 def ray_nodes_alive() -> int:
     """Alive nodes of the Ray cluster this process runs in (the RayJob's head: RAY_ADDRESS); -1
     where none can be asked: a cluster that cannot be seen whole is not retried on."""
+    import logging
+
     import ray
 
     try:
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+        ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
     except Exception:  # no Ray cluster here, or it does not answer
         return -1
     try:
-        return sum(1 for node in ray.nodes() if node.get("Alive"))
+        nodes: list[dict[str, object]] = ray.nodes()  # type: ignore[no-untyped-call]
+        return len([node for node in nodes if node.get("Alive")])
     finally:
         ray.shutdown()
 

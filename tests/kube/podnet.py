@@ -58,6 +58,7 @@ class SimulatedDriver:
     port: int = 0  # where the exporter listens on 127.0.0.1
     state: str = "RUNNING"
     ended: bool = False
+    previous_exit: str = ""  # the exit of the attempt before (its supervisor's fp8rl_driver_attempt label)
     submission_ids: list[str] = field(default_factory=list)
 
     def step(self, row: dict[str, float]) -> None:
@@ -93,13 +94,32 @@ class PodNetwork:
 
     # -- what the tests drive -------------------------------------------------------------------
 
-    def run_driver(self, namespace: str, rljob: str, recipe: str = "fp8-e2e") -> SimulatedDriver:
-        """The driver of ``namespace/rljob`` starts: its metrics port answers from now on."""
+    def run_driver(
+        self, namespace: str, rljob: str, recipe: str = "fp8-e2e", attempt: int = 1, previous_exit: str = ""
+    ) -> SimulatedDriver:
+        """The driver of ``namespace/rljob`` starts (``attempt`` on its Ray cluster, as the
+        driver's supervisor numbers them): its metrics port answers from now on."""
         exporter = PromExporter(job=rljob, namespace=namespace, recipe=recipe)
+        exporter.attempt(attempt, previous_exit)
         port = exporter.serve(0, addr="127.0.0.1")
         driver = SimulatedDriver(namespace, rljob, exporter, port)
         with self._lock:
+            old = self.drivers.get((namespace, rljob))
             self.drivers[(namespace, rljob)] = driver
+        if old is not None:
+            old.exporter.stop()
+        return driver
+
+    def restart_driver(self, namespace: str, rljob: str, exit_code: int) -> SimulatedDriver:
+        """The driver exited with ``exit_code`` and its supervisor started it again on the same
+        Ray cluster (workers.driver_supervisor): the next attempt's metrics."""
+        with self._lock:
+            old = self.drivers[(namespace, rljob)]
+        attempt = int(old.exporter.registry.get_sample_value(
+            "fp8rl_driver_attempt", {**old.exporter.labels, "previous_exit": old.previous_exit}
+        ) or 1)  # fmt: skip
+        driver = self.run_driver(namespace, rljob, old.exporter.labels["recipe"], attempt + 1, str(exit_code))
+        driver.previous_exit = str(exit_code)
         return driver
 
     def finish(self, namespace: str, rljob: str, succeeded: bool = True) -> None:

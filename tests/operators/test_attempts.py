@@ -34,7 +34,7 @@ def attempt_metrics(number: int, previous_exit: str = "") -> str:
 
 
 def first(uid: str = "u1", started: datetime = T0, cause: str = "created") -> Attempt:
-    return Attempt(number=1, cluster="new", cause=cause, started=started, ray_job_uid=uid)  # type: ignore[arg-type]
+    return Attempt(number=1, cluster="new", cause=cause, started=started, ray_job_uid=uid)
 
 
 def test_the_first_read_of_a_rayjob_begins_attempt_1_and_a_quiet_read_changes_nothing() -> None:
