@@ -1,4 +1,5 @@
-"""An in-memory Kubernetes API over real HTTP (kmock), for tests and ``fp8rl bench operator``.
+"""An in-memory Kubernetes API over real HTTP (kmock), for ``fp8rl bench operator`` (a laptop has no
+cluster; the tests run on a real API server, tests/kube).
 
 ``KubeEmulator`` runs kmock's ``KubernetesEmulator`` on a random local port in a background thread
 with its own event loop, declares the resources fp8rl touches (namespaces, ConfigMaps, Secrets,
@@ -143,6 +144,11 @@ class KubeEmulator:
             for ns in self.namespaces:
                 obj = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}
                 handler.objects["v1/namespaces", None, ns] = obj
+            # the RLJob CRD, installed as the chart installs it: the operator reads it at start
+            from rljob.crd import crd
+
+            crds = "apiextensions.k8s.io/v1/customresourcedefinitions"
+            handler.objects[crds, None, "rljobs.fp8rl.io"] = crd()
             self._ready.set()
             await self._stop.wait()
 

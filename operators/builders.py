@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import posixpath
 import shlex
 from typing import Any
 
 from operators.attempts import CAUSE
 from operators.ownership import RLJOB_LABEL, meta
 from operators.settings import OperatorSettings
-from rljob import images, paths
 from rljob import resource as rl
 from rljob.paths import POD_HOME
 from rljob.resource import Pool, RLJob, RLJobSpec
@@ -359,71 +357,6 @@ def _submitter(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
         spec["serviceAccountName"] = s.service_account
     labels = {RLJOB_LABEL: job.metadata.name, "fp8rl.io/group": "submitter"}
     return {"metadata": {"labels": labels}, "spec": spec}
-
-
-def placement_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
-    """Asks no node of the default pools can meet: a pod wanting more GPUs than a node has would
-    stay Pending forever, so the operator fails the job at once, naming the field. A job that
-    picks its own pool (``spec.cluster.<group>.nodeSelector``) is not checked."""
-    res, out = spec.job.resources, []
-    if res.share_gpu:
-        out.append(
-            "spec.job.resources.share_gpu: true puts every actor on one GPU of one machine (fp8rl run); "
-            "on a cluster each pod gets whole GPUs: set it to false"
-        )
-    checks = (
-        ("generation", "gpus_per_generator", res.gpus_per_generator, s.generation_max_gpus_per_pod),
-        ("training", "gpus_per_trainer", res.gpus_per_trainer, s.training_max_gpus_per_pod),
-    )
-    for group, field, asked, most in checks:
-        own_pool = getattr(spec.cluster, group).node_selector is not None
-        if most is not None and asked > most and not own_pool:
-            out.append(
-                f"spec.job.resources.{field}: {asked} GPUs in one pod, but nodes of the {group} pool have "
-                f"{most}; ask for at most {most}, or name a larger pool in spec.cluster.{group}.nodeSelector"
-            )
-    return out
-
-
-def path_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
-    """Files the job names outside its pods' /data and the read-only roots (:mod:`rljob.paths`):
-    the same rule the service applies at POST, here for RLJobs created with kubectl."""
-    found = paths.path_problems(spec.job, POD_HOME, s.model_roots, resolve=False)
-    return [f"spec.job.{p.field}: {p.message}" for p in found]
-
-
-def output_problems(spec: RLJobSpec) -> list[str]:
-    """Where the driver writes must be writable in its pod: relative (under /data, the pods' work
-    directory) or absolute under /data, or under /runs when ``spec.cluster.volumeClaim`` mounts a
-    volume there. Anything else (``/runs`` without a volume, ``/tmp``, ``/``) fails at the first
-    checkpoint, as uid 1000 on a root-owned directory."""
-    out = spec.job.output_dir
-    if not posixpath.isabs(out):
-        out = posixpath.join(str(POD_HOME), out)
-    out = posixpath.normpath(out)
-    writable = [str(POD_HOME)] + ([RUNS_DIR] if spec.cluster.volume_claim else [])
-    if any(out == root or out.startswith(root + "/") for root in writable):
-        return []
-    runs = (
-        f"; {RUNS_DIR} is writable only with spec.cluster.volumeClaim (a volume mounted there)"
-        if out.startswith(RUNS_DIR + "/") or out == RUNS_DIR
-        else ""
-    )
-    return [
-        f"spec.job.output_dir: {spec.job.output_dir!r} is not writable in the job's pods: give a path "
-        f"relative to {POD_HOME} (e.g. runs/<name>), where the driver runs{runs}"
-    ]
-
-
-def image_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
-    """``spec.cluster.image`` outside the operator's allow-list (:mod:`rljob.images`). The
-    operator's own default image is not checked: the chart set it."""
-    image = spec.cluster.image
-    if image is None:
-        return []
-    found = images.image_problems(image, s.image_prefixes())
-    hint = "the cluster's admin allows more with the chart's jobDefaults.allowedImages"
-    return [f"spec.cluster.image: {problem}; {hint}" for problem in found]
 
 
 def _pick(own: int | None, default: int) -> int:

@@ -2,8 +2,8 @@
 
 ``plan(rljob, Observed(rayjob, configmap, networkpolicy), settings, metrics, now)`` looks at the
 RLJob, the objects of its names as read from the API server (None where absent) and the driver's
-Prometheus text, and returns the actions that bring the cluster to what the RLJob asks, in the
-order they must run.
+Prometheus text, and returns the actions (``operators.actions``) that bring the cluster to what
+the RLJob asks, in the order they must run.
 ``operators.reconcile`` reads, plans and executes; nothing here talks to the API server, so every
 branch is tested with plain dicts (``tests/operators/test_plan.py``).
 
@@ -48,7 +48,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from operators import builders
+from operators import admission, builders
+from operators.actions import (
+    Action,
+    CreateConfigMap,
+    CreateNetworkPolicy,
+    CreateRayJob,
+    CreateRayTokenSecret,
+    DeleteRayJob,
+    Event,
+    Observed,
+    PatchRayJobSuspend,
+    ReplaceConfigMap,
+    ReplaceNetworkPolicySpec,
+    WriteStatus,
+)
 from operators.attempts import Cause, retries_used, track
 from operators.ownership import Ownership, describe, ownership
 from operators.settings import OperatorSettings
@@ -63,108 +77,6 @@ REFUSED_MESSAGE = (
 )
 RUNNING = frozenset({Phase.STARTING, Phase.RUNNING})  # a spec change is refused in these
 _WITH_PROGRESS = frozenset({Phase.RUNNING, Phase.SUCCEEDED})  # the driver's metrics are read in these
-
-
-# -- the actions ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Event:
-    """A core/v1 Event on the RLJob (``kubectl describe rljob``)."""
-
-    type: str  # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class CreateConfigMap:
-    """Create the job-spec ConfigMap (one that exists already is left as it is)."""
-
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ReplaceConfigMap:
-    """Replace the data of the existing job-spec ConfigMap."""
-
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class CreateNetworkPolicy:
-    """Create the job's NetworkPolicy."""
-
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ReplaceNetworkPolicySpec:
-    """Replace the spec of the job's own NetworkPolicy (the settings changed since it was made)."""
-
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class CreateRayTokenSecret:
-    """Create the job's Ray token Secret with a new random token (one that exists is kept). The
-    token is drawn when the action runs, so that the plan stays a function of what was read."""
-
-    job: rl.RLJob
-
-
-@dataclass(frozen=True)
-class CreateRayJob:
-    """Create the RayJob; ``event`` is posted only if this call created it (not on 409: another
-    operator run was first)."""
-
-    body: dict[str, Any]
-    event: Event
-
-
-@dataclass(frozen=True)
-class DeleteRayJob:
-    """Delete the RLJob's RayJob (same name and namespace) if it is still the object of ``uid``
-    (a precondition: never one made since it was read); one already gone is fine."""
-
-    uid: str
-
-
-@dataclass(frozen=True)
-class PatchRayJobSuspend:
-    """Set the RayJob's ``spec.suspend``."""
-
-    suspend: bool
-
-
-@dataclass(frozen=True)
-class WriteStatus:
-    """Write the RLJob's whole status, at the ``resourceVersion`` that was read."""
-
-    status: JobStatus
-
-
-Action = (
-    CreateNetworkPolicy
-    | ReplaceNetworkPolicySpec
-    | CreateRayTokenSecret
-    | CreateConfigMap
-    | ReplaceConfigMap
-    | CreateRayJob
-    | DeleteRayJob
-    | PatchRayJobSuspend
-    | WriteStatus
-    | Event
-)
-
-
-@dataclass(frozen=True)
-class Observed:
-    """The objects of the RLJob's names as read (None: absent or not read), whoever they belong to."""
-
-    rayjob: dict[str, Any] | None = None
-    configmap: dict[str, Any] | None = None
-    networkpolicy: dict[str, Any] | None = None
 
 
 # -- what to read ----------------------------------------------------------------------------------
@@ -210,12 +122,7 @@ def plan(
     except ValidationError as err:
         return _fail_invalid(status, "; ".join(describe_errors(err)), now)
     spec = job.spec
-    refused = (
-        builders.placement_problems(spec, settings)
-        + builders.path_problems(spec, settings)
-        + builders.output_problems(spec)
-        + builders.image_problems(spec, settings)
-    )
+    refused = admission.problems(spec, settings)
     if refused:
         return _fail_invalid(status, "; ".join(refused), now)
     found = [

@@ -22,8 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from operators import builders
-from operators.ownership import RLJOB_LABEL, Ownership, ownership
-from operators.plan import (
+from operators.actions import (
     Action,
     CreateConfigMap,
     CreateNetworkPolicy,
@@ -36,10 +35,9 @@ from operators.plan import (
     ReplaceConfigMap,
     ReplaceNetworkPolicySpec,
     WriteStatus,
-    plan,
-    settled,
-    wants_progress,
 )
+from operators.ownership import RLJOB_LABEL, Ownership, ownership
+from operators.plan import plan, settled, wants_progress
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.kube import CONFLICT_RETRIES

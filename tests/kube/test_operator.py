@@ -87,6 +87,15 @@ def test_an_rljob_runs_through_kuberay_to_pods_on_the_gpu_pools_and_back(
         limits = by_group[group]["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == "1"
     jobs.wait_phase(name, "Starting")
+    # the job's NetworkPolicy, made before the RayJob, selects every pod of the job and admits no one
+    # unnamed (each rule names its sources)
+    policy = kube.get("networkpolicy", name, "team-a") or {}
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert policy["metadata"]["creationTimestamp"] <= rayjob["metadata"]["creationTimestamp"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert all(selector.items() <= p["metadata"]["labels"].items() for p in jobs.pods(name))
+    for rule in policy["spec"]["ingress"]:
+        assert rule["from"] and all(peer.get("podSelector") is not None for peer in rule["from"])
 
     # the driver starts (simulated): its metrics answer, the operator reads them at the pod's IP
     driver = podnet.run_driver("team-a", name)

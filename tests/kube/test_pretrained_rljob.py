@@ -28,7 +28,8 @@ import pytest
 import torch
 import yaml
 
-from operators.builders import RUNS_DIR, SPEC_DIR, path_problems
+from operators.admission import path_problems
+from operators.builders import RUNS_DIR, SPEC_DIR
 from operators.settings import OperatorSettings
 from rljob import metrics as m
 from rljob import resource as rl

@@ -8,8 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from operators import builders
+from operators.actions import CreateRayJob, DeleteRayJob, Event, Observed, WriteStatus
 from operators.attempts import CAUSE, track
-from operators.plan import CreateRayJob, DeleteRayJob, Event, Observed, WriteStatus, plan
+from operators.plan import plan
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.status import MAX_ATTEMPTS, Attempt, Condition, JobStatus, Phase

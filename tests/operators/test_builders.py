@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from operators import builders
+from operators import admission, builders
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.crd import openapi_to_jsonschema
@@ -256,21 +256,21 @@ def test_a_pod_asking_more_gpus_than_the_default_pool_has_is_refused() -> None:
     tp8 = {"generator_engine": "vllm", "gpus_per_generator": 8, "generator_tensor_parallel_size": 8}
     job = {"resources": {"generators": 2, "trainers": 1, **tp8, "gpus_per_trainer": 1}}
     spec = rl.RLJobSpec.model_validate({"job": job})
-    [problem] = builders.placement_problems(spec, settings)
+    [problem] = admission.placement_problems(spec, settings)
     assert problem.startswith("spec.job.resources.gpus_per_generator: 8 GPUs in one pod")
     assert "have 4" in problem and "spec.cluster.generation.nodeSelector" in problem
     # its own pool: the operator does not know that pool's nodes, so it does not refuse
     own = rl.RLJobSpec.model_validate({"job": job, "cluster": {"generation": {"nodeSelector": {"p": "big"}}}})
-    assert builders.placement_problems(own, settings) == []
+    assert admission.placement_problems(own, settings) == []
     # at the limit, and with no limit configured: fine
     job["resources"].update(gpus_per_generator=4, generator_tensor_parallel_size=4)
-    assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), settings) == []
+    assert admission.placement_problems(rl.RLJobSpec.model_validate({"job": job}), settings) == []
     job["resources"].update(gpus_per_generator=16, generator_tensor_parallel_size=16)
-    assert builders.placement_problems(rl.RLJobSpec.model_validate({"job": job}), OperatorSettings()) == []
+    assert admission.placement_problems(rl.RLJobSpec.model_validate({"job": job}), OperatorSettings()) == []
 
 
 def test_the_operator_refuses_share_gpu() -> None:
-    from operators.builders import placement_problems
+    from operators.admission import placement_problems
     from operators.settings import OperatorSettings
     from rljob.resource import RLJobSpec
 
@@ -286,16 +286,16 @@ def test_files_outside_the_pods_data_are_refused_and_jobs_run_in_data() -> None:
     or a read-only root of the operator's settings."""
     obj = rljob()  # model Qwen/Qwen2.5-1.5B-Instruct: relative, a Hugging Face id
     settings = OperatorSettings(model_roots=["/models"])
-    assert builders.path_problems(rl.spec_of(obj), settings) == []
+    assert admission.path_problems(rl.spec_of(obj), settings) == []
     for template in [build(obj)["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]]:
         assert template["spec"]["containers"][0]["workingDir"] == "/data"
     obj["spec"]["job"]["task"] = {"dataset": "/etc/passwd"}
     obj["spec"]["job"]["model"] = {"name": "/models/../root/.cache/x", "pretrained": False}
-    problems = builders.path_problems(rl.spec_of(obj), settings)
+    problems = admission.path_problems(rl.spec_of(obj), settings)
     assert [p.split(":")[0] for p in problems] == ["spec.job.task.dataset", "spec.job.model.name"]
     obj["spec"]["job"]["model"] = {"name": "/models/llama-8b"}  # a shared root
     obj["spec"]["job"]["task"] = {"dataset": "data/addition.jsonl"}
-    assert builders.path_problems(rl.spec_of(obj), settings) == []
+    assert admission.path_problems(rl.spec_of(obj), settings) == []
 
 
 def pod_templates(rayjob: dict[str, Any]) -> list[dict[str, Any]]:
@@ -413,17 +413,17 @@ def test_a_peer_for_every_namespace_is_refused() -> None:
 
 def test_an_image_outside_the_allow_list_is_refused_naming_the_field() -> None:
     obj = rljob()  # names no image: the operator's default
-    assert builders.image_problems(rl.spec_of(obj), OperatorSettings()) == []  # the default image
+    assert admission.image_problems(rl.spec_of(obj), OperatorSettings()) == []  # the default image
     obj["spec"]["cluster"]["image"] = "registry.example/fp8rl-worker-evil:1"
     settings = OperatorSettings(allowed_images=["registry.example/fp8rl-worker"])
-    [problem] = builders.image_problems(rl.spec_of(obj), settings)
+    [problem] = admission.image_problems(rl.spec_of(obj), settings)
     assert problem.startswith("spec.cluster.image: 'registry.example/fp8rl-worker-evil:1' is not an allowed")
     assert "jobDefaults.allowedImages" in problem
     obj["spec"]["cluster"]["image"] = "registry.example/fp8rl-worker@sha256:" + "0" * 64
-    assert builders.image_problems(rl.spec_of(obj), settings) == []
+    assert admission.image_problems(rl.spec_of(obj), settings) == []
     # without a list: the repository of the operator's own image, any tag or digest of it
     obj["spec"]["cluster"]["image"] = "ghcr.io/fp8rl/worker:0.9.9"
-    assert builders.image_problems(rl.spec_of(obj), OperatorSettings()) == []
+    assert admission.image_problems(rl.spec_of(obj), OperatorSettings()) == []
 
 
 def test_the_kuberay_crd_check_finds_auth_options() -> None:

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from operators import builders
-from operators.plan import (
-    REFUSED_MESSAGE,
+from operators.actions import (
     Action,
     CreateConfigMap,
     CreateNetworkPolicy,
@@ -27,10 +26,8 @@ from operators.plan import (
     ReplaceConfigMap,
     ReplaceNetworkPolicySpec,
     WriteStatus,
-    plan,
-    settled,
-    wants_progress,
 )
+from operators.plan import REFUSED_MESSAGE, plan, settled, wants_progress
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.status import Condition, JobStatus, Progress

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from operators import builders
+from operators import admission, builders
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.kube import KubernetesJobStore, api_client
@@ -68,6 +68,6 @@ def test_a_job_the_service_records_runs_the_operators_default_image(
     [obj] = kube.objects("rljobs", ns)
     assert "image" not in (obj["spec"].get("cluster") or {})
     job, settings = rl.RLJob.of(obj), OperatorSettings()
-    assert builders.image_problems(job.spec, settings) == []
+    assert admission.image_problems(job.spec, settings) == []
     head = builders.rayjob(job, settings)["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
     assert head["spec"]["containers"][0]["image"] == settings.image
