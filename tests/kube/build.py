@@ -16,8 +16,8 @@ so an interrupted build starts again; a lock keeps two builds of one key from ra
 module and build caches make a rebuild after a pin change cost only what changed.
 
 ``python -m tests.kube.build`` builds (or finds) it and prints the directory; ``make kube`` runs
-that. A cold build took 9 minutes on 2 cores (2026-11-28; modules downloaded, Go's build cache
-empty); a warm start costs nothing.
+that. A cold build took 10 min 19 s on 2 cores (2026-11-28: empty module and build caches, 1.2 GB
+of modules downloaded); a warm start costs nothing.
 """
 
 from __future__ import annotations

@@ -17,10 +17,16 @@ from typing import Any
 
 import yaml
 
-from tests.helm.tools import CHART, tool
+from tests.helm.tools import tool
 from tests.kube.cluster import RESTRICTED, KubeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
+# Another checkout's operator, control plane and chart (FP8RL_TEST_OTHER_CHECKOUT=<its root>), to
+# show what a test sees on an earlier commit: the processes run from there, and its chart is
+# installed. The tests themselves, and the cluster, stay this checkout's.
+OTHER = os.environ.get("FP8RL_TEST_OTHER_CHECKOUT")
+SOURCE = Path(OTHER) if OTHER else ROOT
+INSTALLED_CHART = SOURCE / "helm" / "fp8rl"
 RELEASE, NAMESPACE = "fp8rl", "fp8rl-system"
 TENANTS = ("team-a", "team-b", "team-c")
 TOKENS = {f"{tenant}-token-0123456789abcdef": tenant for tenant in TENANTS}
@@ -57,7 +63,7 @@ def helm(kube: KubeCluster, *args: str, check: bool = True) -> subprocess.Comple
 
 
 def install(
-    kube: KubeCluster, workdir: Path, values: dict[str, Any] | None = None, chart: Path = CHART
+    kube: KubeCluster, workdir: Path, values: dict[str, Any] | None = None, chart: Path = INSTALLED_CHART
 ) -> Path:
     """``helm install`` the chart into ``NAMESPACE`` (itself Pod Security ``restricted``, so the
     chart's own pods are held to it too) and wait for its Deployments."""
@@ -95,10 +101,12 @@ def fp8rl(name: str, workdir: Path, *args: str, env: dict[str, str] | None = Non
     log = workdir / f"{name}.log"
     full = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "HTTP_PROXY", "http_proxy")}
     full.update(env or {})
+    if OTHER:
+        full["PYTHONPATH"] = str(SOURCE)
     argv = [sys.executable, "-m", "fp8rl", *args]
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=full, cwd=ROOT, start_new_session=True
+            argv, stdout=out, stderr=subprocess.STDOUT, env=full, cwd=SOURCE, start_new_session=True
         )
     return Process(name, log, proc, env or {})
 
