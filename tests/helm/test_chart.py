@@ -93,6 +93,7 @@ def test_gpu_cluster_values_render_valid_objects_that_the_code_accepts(
     worker = values["images"]["worker"]
     assert settings.image == f"{worker['repository']}:{worker['tag']}"  # the example's own registry
     assert settings.ray_auth == "secret"  # the example says which KubeRay it is for
+    assert settings.in_place_retries == 2 and settings.progress_route == "pod-ip"  # in the cluster
     assert settings.generation.node_selector == values["gpuPools"]["generation"]["nodeSelector"]
     assert settings.training.node_selector == values["gpuPools"]["training"]["nodeSelector"]
     assert [t.key for t in settings.generation.tolerations or []] == ["nvidia.com/gpu"]

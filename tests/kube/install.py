@@ -23,10 +23,11 @@ from tests.kube.cluster import RESTRICTED, KubeCluster
 ROOT = Path(__file__).resolve().parents[2]
 # Another checkout's operator, control plane and chart (FP8RL_TEST_OTHER_CHECKOUT=<its root>), to
 # show what a test sees on an earlier commit: the processes run from there, and its chart is
-# installed. The tests themselves, and the cluster, stay this checkout's.
+# installed (FP8RL_TEST_CHART=<a chart directory> installs another). The tests themselves, and the
+# cluster, stay this checkout's.
 OTHER = os.environ.get("FP8RL_TEST_OTHER_CHECKOUT")
 SOURCE = Path(OTHER) if OTHER else ROOT
-INSTALLED_CHART = SOURCE / "helm" / "fp8rl"
+INSTALLED_CHART = Path(os.environ.get("FP8RL_TEST_CHART") or SOURCE / "helm" / "fp8rl")
 RELEASE, NAMESPACE = "fp8rl", "fp8rl-system"
 TENANTS = ("team-a", "team-b", "team-c")
 TOKENS = {f"{tenant}-token-0123456789abcdef": tenant for tenant in TENANTS}
