@@ -18,6 +18,15 @@ from tests.kube.podnet import PodNetwork
 _names = itertools.count()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on the test cluster run last, in their order: the cluster starts with the first of
+    them and stays up only while they run, not beside the CPU-heavy tests of the rest of the suite."""
+    on_cluster = [item for item in items if "kube" in getattr(item, "fixturenames", ())]
+    if on_cluster:
+        others = [item for item in items if "kube" not in getattr(item, "fixturenames", ())]
+        items[:] = others + on_cluster
+
+
 @pytest.fixture(scope="session")
 def podnet() -> Iterator[PodNetwork]:
     net = PodNetwork().start()
