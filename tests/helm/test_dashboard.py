@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rljob.metrics import ACTOR_RESTARTS, PHASES, PROMETHEUS, RUN_COMPLETE
+from rljob.metrics import ACTOR_RESTARTS, DRIVER_ATTEMPT, PHASES, PROMETHEUS, RUN_COMPLETE
 from rljob.status import Phase
 from tests.helm.grafana import (
     LABEL_VALUES,
@@ -201,11 +201,12 @@ def test_dashboard_shows_every_exported_metric(prom: Prometheus) -> None:
         "fp8rl_jobs",
         ACTOR_RESTARTS.name,
         RUN_COMPLETE,
+        DRIVER_ATTEMPT,
     }
     used = {name for _, t in targets(load()) for name in metric_names(t["expr"])}
-    # fp8rl_run_complete is the operator's (a job's outcome where KubeRay cannot read it; the
-    # RLJob's phase shows it), not a panel's
-    assert wanted - used == {RUN_COMPLETE}
+    # the operator's, not a panel's: fp8rl_run_complete (a job's outcome where KubeRay cannot read
+    # it) and fp8rl_driver_attempt (in-place retries); the RLJob's phase and attempts show them
+    assert wanted - used == {RUN_COMPLETE, DRIVER_ATTEMPT}
     step_time = [p for p in panels(load()) if "fp8rl_step_duration_seconds" in panel_metrics(p)]
     assert [p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] for p in step_time] == ["normal"]
     assert all(phase in step_time[0]["description"] for phase in PHASES)

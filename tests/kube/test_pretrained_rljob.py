@@ -153,6 +153,7 @@ def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
     argv = driver_argv(
         f"{SPEC_DIR}/{JOB_SPEC}", f"{RUNS_DIR}/smollm2-addition", job=JOB, namespace=NS, resume=True,
         metrics_port=port, metrics_linger=10,  # rayAuth secret: three 1 s polls, but at least 10 s
+        in_place_retries=2,  # the chart's jobDefaults.inPlaceRetries
     )  # fmt: skip
     assert rayjob["spec"]["entrypoint"] == shlex.join(argv)
     configmap = kube.get("configmap", f"{JOB}-spec", NS) or {}

@@ -2,9 +2,10 @@
 GPU example's tenants would collide with the session's): the namespace, the tokens Secret, the
 install with the example's values and the digests a push printed, and the pods it lists.
 
-The example turns the Prometheus Operator's monitors on, so its CRDs must be on the cluster (as
-kube-prometheus-stack puts them there); here they are stand-ins with an open schema, made by the
-test: the API server stores the chart's monitors, nothing reads them."""
+The example turns the Prometheus Operator's monitors on and puts its Grafana dashboard in the
+namespace ``monitoring``, so the Prometheus Operator's CRDs and that namespace must be on the cluster
+(kube-prometheus-stack puts them there, the README's prerequisite); here the CRDs are stand-ins with
+an open schema, made by the test: the API server stores the chart's monitors, nothing reads them."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_the_readme_helm_install_as_written(fresh: KubeCluster, tmp_path: Path) 
     ):
         kube.apply(monitoring_crd(kind, plural))
     kube.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
+    kube.namespace("monitoring")
     readme = (ROOT / "README.md").read_text()
     assert "kubectl create namespace fp8rl-system" in readme
     assert "helm install fp8rl helm/fp8rl -n fp8rl-system -f examples/helm-values-gpu.yaml" in readme
@@ -112,3 +114,5 @@ def test_the_readme_helm_install_as_written(fresh: KubeCluster, tmp_path: Path) 
         kube.kubectl("get", "servicemonitors,podmonitors,prometheusrules", "-A", "-o", "json").stdout
     )
     assert {m["kind"] for m in monitors["items"]} == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    dashboard = kube.get("configmap", "fp8rl-dashboard", "monitoring")
+    assert dashboard is not None and dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"

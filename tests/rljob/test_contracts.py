@@ -15,10 +15,15 @@ CRD = Path(__file__).resolve().parents[2] / "helm" / "fp8rl" / "crds" / "rljobs.
 
 
 def key_constants() -> dict[str, str]:
+    """The JSONL keys among the module's constants (not the exporter's own Prometheus names,
+    ``fp8rl_run_complete`` and ``fp8rl_driver_attempt``, which no row carries)."""
     return {
         name: value
         for name, value in vars(metrics).items()
-        if name.isupper() and isinstance(value, str) and name not in ("LABELS",)
+        if name.isupper()
+        and isinstance(value, str)
+        and name not in ("LABELS",)
+        and not value.startswith("fp8rl_")
     }
 
 
