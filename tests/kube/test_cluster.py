@@ -34,6 +34,16 @@ def pod(name: str, **spec: object) -> dict[str, object]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": body}
 
 
+def unschedulable(kube: KubeCluster, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Apply the pod ``body`` and wait for the scheduler to say it cannot place it."""
+    kube.kubectl("apply", "-n", tenant, "-f", "-", input=json.dumps(body))
+    return wait_object(
+        lambda: kube.get("pod", body["metadata"]["name"], tenant),
+        f"the scheduler to give up on pod {body['metadata']['name']}",
+        lambda p: any(c.get("reason") == "Unschedulable" for c in p.get("status", {}).get("conditions", [])),
+    )
+
+
 def test_versions_are_the_pinned_ones(kube: KubeCluster) -> None:
     version = json.loads(kube.kubectl("version", "-o", "json").stdout)["serverVersion"]
     assert version["gitVersion"] == "v1.37.2"
@@ -100,25 +110,10 @@ def test_gpu_pods_land_on_the_gpu_pool_and_run(kube: KubeCluster, tenant: str) -
     # a pod asking for more GPUs than any node has stays Pending, unschedulable
     big = pod("too-big", tolerations=gpu["spec"]["tolerations"])  # type: ignore[index]
     big["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "9"}}  # type: ignore[index]
-    kube.kubectl("apply", "-n", tenant, "-f", "-", input=json.dumps(big))
-    pending = wait_object(
-        lambda: kube.get("pod", "too-big", tenant),
-        "the scheduler to give up on the pod",
-        lambda p: any(
-            c.get("reason") == "Unschedulable" for c in (p or {}).get("status", {}).get("conditions", [])
-        ),
-    )
+    pending = unschedulable(kube, tenant, big)
     assert pending["status"]["phase"] == "Pending"
     # without the toleration a GPU pod never lands on a tainted GPU node
-    untolerated = pod("untolerated", nodeSelector={"fp8rl.test/pool": "training"})
-    kube.kubectl("apply", "-n", tenant, "-f", "-", input=json.dumps(untolerated))
-    stuck = wait_object(
-        lambda: kube.get("pod", "untolerated", tenant),
-        "the untolerated pod to be refused",
-        lambda p: any(
-            c.get("reason") == "Unschedulable" for c in (p or {}).get("status", {}).get("conditions", [])
-        ),
-    )
+    stuck = unschedulable(kube, tenant, pod("untolerated", nodeSelector={"fp8rl.test/pool": "training"}))
     assert "untolerated taint" in json.dumps(stuck["status"]["conditions"])
 
 
