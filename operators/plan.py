@@ -231,6 +231,13 @@ OUTCOME_UNREAD = "JobDeploymentStatusTransitionGracePeriodExceeded"
 DRIVER_COMPLETED_MESSAGE = "the driver reported every step done (fp8rl_run_complete)"
 
 
+def _driver_done(status: JobStatus, metrics: str | None) -> bool:
+    """The driver said it did every step: now (its metrics) or earlier (condition DriverCompleted)."""
+    return (metrics is not None and run_complete(metrics)) or any(
+        c.type == Reason.DRIVER_COMPLETED and c.status for c in status.conditions
+    )
+
+
 def _outcome_from_driver(target: Target, status: JobStatus, metrics: str | None) -> Target:
     """Where KubeRay does not know the Ray job's status (``rayAuth: secret`` under KubeRay older
     than 1.5.1), the driver's own metrics decide: a driver that serves them trains (Running, not
@@ -245,10 +252,7 @@ def _outcome_from_driver(target: Target, status: JobStatus, metrics: str | None)
             "the driver serves its metrics (KubeRay has not read the Ray job)",
         )
     if phase is Phase.FAILED and reason == OUTCOME_UNREAD:
-        done = (metrics is not None and run_complete(metrics)) or any(
-            c.type == Reason.DRIVER_COMPLETED and c.status for c in status.conditions
-        )
-        if done:
+        if _driver_done(status, metrics):
             return (
                 Phase.SUCCEEDED,
                 Reason.COMPLETED,
@@ -286,9 +290,7 @@ def _retry(
         return None
     st = rayjob.get("status") or {}
     reason = str(st.get("reason") or "RayJobFailed")
-    done = (metrics is not None and run_complete(metrics)) or any(
-        c.type == Reason.DRIVER_COMPLETED and c.status for c in status.conditions
-    )
+    done = _driver_done(status, metrics)
     limit = spec.cluster.backoff_limit if spec.cluster.backoff_limit is not None else settings.backoff_limit
     used = retries_used(status.attempts)
     if done or reason == "DeadlineExceeded" or used >= limit or status.phase not in RUNNING:
