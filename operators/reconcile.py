@@ -88,6 +88,18 @@ class Reconciler:
 
     # -- reads ----------------------------------------------------------------------------------
 
+    def read_crd(self, name: str) -> dict[str, Any] | None:
+        """The CRD ``name`` as a dict, or None (listed by name: the operator may list and watch
+        CRDs, not get them)."""
+        from kubernetes import client
+
+        found = client.ApiextensionsV1Api(self.core.api_client).list_custom_resource_definition(
+            field_selector=f"metadata.name={name}"
+        )
+        crds = [self.core.api_client.sanitize_for_serialization(c) for c in found.items]
+        crds = [c for c in crds if c.get("metadata", {}).get("name") == name]
+        return dict(crds[0]) if crds else None
+
     def kuberay_problem(self) -> str | None:
         """Why jobs must not start with these settings, or None. With ``ray_auth: kuberay`` the
         RayJob CRD must know ``authOptions``: an older KubeRay drops it unnoticed and every job's
@@ -95,17 +107,11 @@ class Reconciler:
         be created until KubeRay is installed, and each such failure is reported then)."""
         if self.settings.ray_auth != "kuberay":
             return None
-        from kubernetes import client
-
-        found = client.ApiextensionsV1Api(self.core.api_client).list_custom_resource_definition(
-            field_selector="metadata.name=rayjobs.ray.io"
-        )
-        crds = [self.core.api_client.sanitize_for_serialization(c) for c in found.items]
-        crds = [c for c in crds if c.get("metadata", {}).get("name") == "rayjobs.ray.io"]
-        if not crds:
+        crd = self.read_crd("rayjobs.ray.io")
+        if crd is None:
             log.warning("no RayJob CRD (rayjobs.ray.io): is KubeRay installed?")
             return None
-        if builders.kuberay_knows_auth_options(crds[0]):
+        if builders.kuberay_knows_auth_options(crd):
             return None
         return (
             "KubeRay's RayJob CRD has no rayClusterSpec.authOptions (KubeRay older than 1.5.1): every "
@@ -117,19 +123,13 @@ class Reconciler:
         """Why this operator must not run on this cluster's RLJob CRD, or None: an older CRD lacks
         fields this operator writes (``rljob.crd.missing_fields``), which the API server would
         drop, so every reconcile would write them again. ``helm upgrade`` does not update CRDs."""
-        from kubernetes import client
-
         from rljob.crd import missing_fields
 
         name = f"{rl.PLURAL}.{rl.GROUP}"
-        found = client.ApiextensionsV1Api(self.core.api_client).list_custom_resource_definition(
-            field_selector=f"metadata.name={name}"
-        )
-        crds = [self.core.api_client.sanitize_for_serialization(c) for c in found.items]
-        crds = [c for c in crds if c.get("metadata", {}).get("name") == name]
-        if not crds:
+        crd = self.read_crd(name)
+        if crd is None:
             return f"no RLJob CRD ({name}) on the cluster: install the chart (its crds/ directory) first"
-        missing = missing_fields(crds[0])
+        missing = missing_fields(crd)
         if not missing:
             return None
         return (
