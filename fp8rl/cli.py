@@ -4,6 +4,7 @@ does the work, imported lazily so that ``fp8rl --help`` starts fast and needs no
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -138,6 +139,7 @@ def serve_cmd(
     import uvicorn
 
     from service.auth import TokenFileError
+    from service.listener import ListenerLimits, uvicorn_options
     from service.main import create_app
     from service.settings import Settings
 
@@ -150,13 +152,22 @@ def serve_cmd(
         "store": store,
         "kubeconfig": kubeconfig,
     }
+    os.umask(0o077)  # the database, run directories and logs: the service's user's alone
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
         application = create_app(settings, run_jobs=True)
     except (ValueError, TokenFileError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
-    uvicorn.run(application, host=settings.host, port=settings.port, log_level="info")
+    limits = ListenerLimits(
+        header_timeout_s=settings.header_timeout_s,
+        idle_timeout_s=settings.idle_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        max_connections=settings.max_connections,
+    )
+    uvicorn.run(
+        application, host=settings.host, port=settings.port, log_level="info", **uvicorn_options(limits)
+    )
 
 
 @app.command("operator")

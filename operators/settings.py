@@ -12,7 +12,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rljob.images import repository_of
 from rljob.resource import Pool, Toleration
 
 # a Kubernetes resource quantity, e.g. 16Gi, 500M, 1.5Ti
@@ -160,7 +159,8 @@ class OperatorSettings(BaseSettings):
     allowed_images: list[str] = Field(
         default_factory=list,
         description="Prefixes of the images an RLJob may name in spec.cluster.image (rljob.images: the "
-        "prefix itself, or it followed by ':tag', '@digest' or '/path'); empty: the repository of `image`.",
+        "prefix itself, or it followed by ':tag' or '@digest'; a path under it only where it ends in '/'); "
+        "empty: `image` itself.",
     )
     ray_auth: Literal["kuberay", "secret"] = Field(
         "kuberay",
@@ -205,9 +205,9 @@ class OperatorSettings(BaseSettings):
         return value
 
     def image_prefixes(self) -> list[str]:
-        """The allow-list of ``spec.cluster.image`` (``allowed_images``, else the repository of
-        the default ``image``)."""
-        return list(self.allowed_images) or [repository_of(self.image)]
+        """The allow-list of ``spec.cluster.image`` (``allowed_images``, else the default ``image``
+        itself: not every tag of its repository)."""
+        return list(self.allowed_images) or [self.image]
 
     @classmethod
     def load(cls, path: Path | None = None) -> OperatorSettings:

@@ -3,22 +3,25 @@
 Whoever may create an RLJob picks ``spec.cluster.image``, and the operator runs that image in
 pods with the tenant's GPUs, volume and service account. So the image must come from a path the
 cluster's admin allowed (the chart's ``jobDefaults.allowedImages``, and always the chart's own
-worker repository). The operator refuses any other (the RLJob fails with InvalidSpec, naming the
-field); the REST API gives tenants no image field at all (its body is the job spec only).
+worker image, exactly as the chart pins it). The operator refuses any other (the RLJob fails with
+InvalidSpec, naming the field); the REST API gives tenants no image field at all (its body is the
+job spec only).
 
 The rule, for an image reference ``image`` and an allowed ``prefix``:
 
 - ``image`` must be a well-formed reference: ``[registry[:port]/]path[:tag][@algorithm:hex]``
   with the lower-case path components of the OCI distribution grammar (so no ``..``, spaces or
   upper case can make two spellings of one name);
-- ``image == prefix``, or ``image`` continues ``prefix`` at a boundary: ``prefix`` followed by
-  ``/`` (a repository under that path), ``@`` (a digest), or ``:`` and a tag (text without ``/``:
-  ``registry.example:5000/x`` is another registry, not a tag of ``registry.example``). A prefix
-  that itself ends in ``/``, ``:`` or ``@`` has its boundary built in.
+- ``image == prefix``, or ``image`` is ``prefix``'s repository with a tag or digest: ``prefix``
+  followed by ``@`` (a digest) or ``:`` and a tag (text without ``/``: ``registry.example:5000/x``
+  is another registry, not a tag of ``registry.example``). A repository *under* the prefix's path is
+  allowed only where the prefix says so by ending in ``/``; a prefix that ends in ``:`` or ``@``
+  allows only tags or only digests of its repository.
 
-So ``registry.example/fp8rl-worker`` allows ``registry.example/fp8rl-worker:1.2``,
-``registry.example/fp8rl-worker@sha256:...`` and ``registry.example/fp8rl-worker/cuda12:1``, but
-not ``registry.example/fp8rl-worker-evil:1``. A prefix is text, not a trust root: a registry
+So ``registry.example/fp8rl-worker`` allows ``registry.example/fp8rl-worker:1.2`` and
+``registry.example/fp8rl-worker@sha256:...``, but neither ``registry.example/fp8rl-worker/cuda12:1``
+(a sub-path: list it, or allow ``registry.example/fp8rl-worker/``) nor
+``registry.example/fp8rl-worker-evil:1``. A prefix is text, not a trust root: a registry
 that lets anyone push under the allowed path lets anyone supply the image; pin digests where
 that matters.
 """
@@ -65,7 +68,9 @@ def allowed_by(image: str, prefix: str) -> bool:
         sep, tail = prefix[-1], rest
     else:
         sep, tail = rest[0], rest[1:]
-    if sep in "/@":
+    if sep == "/":
+        return prefix[-1] == "/"  # a sub-path only where the prefix itself ends in "/"
+    if sep == "@":
         return True
     return sep == ":" and "/" not in tail  # a tag, not a registry's port
 
@@ -82,6 +87,6 @@ def image_problems(image: str, allowed_prefixes: Sequence[str]) -> list[str]:
         return []
     allowed = ", ".join(repr(p) for p in allowed_prefixes) or "none"
     return [
-        f"{image!r} is not an allowed image: it must be one of {allowed}, or continue one with "
-        "':<tag>', '@<digest>' or '/<path>'"
+        f"{image!r} is not an allowed image: it must be one of {allowed}, or that repository with "
+        "':<tag>' or '@<digest>' (a path under one only where it ends in '/')"
     ]

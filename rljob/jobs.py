@@ -23,7 +23,10 @@ class JobNotFound(Exception):
 
 
 class InvalidRecord(Exception):
-    """A stored job whose spec the models reject (an RLJob written with kubectl past the CRD)."""
+    """A stored job whose spec or status the models reject (an RLJob written with kubectl past the
+    CRD; a SQL row an earlier version wrote). ``problem``: what is wrong, without the advice."""
+
+    problem: str = ""
 
 
 class TenantNamespaceMissing(Exception):
@@ -37,10 +40,13 @@ class OverLimit(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """A tenant's caps on active jobs and on the GPUs they request together."""
+    """A tenant's caps on active jobs and on the GPUs they request together, and on the jobs it
+    keeps stored in every phase and their size (spec and status as JSON, bytes); None: no cap."""
 
     jobs: int
     gpus: int
+    stored_jobs: int | None = None
+    stored_bytes: int | None = None
 
 
 @dataclass
@@ -68,7 +74,16 @@ class JobStore(Protocol):
         self, tenant: str | None, phase: Phase | None = None, limit: int = 50, offset: int = 0
     ) -> tuple[list[Job], int]: ...
 
-    def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job: ...
+    def update(
+        self,
+        tenant: str,
+        name: str,
+        change: Callable[[JobStatus], JobStatus],
+        limits: Limits | None = None,
+    ) -> Job:
+        """Apply ``change`` to the job's status; with ``limits``, refuse (``OverLimit``) a change
+        that makes the job active where the tenant's other active jobs leave no room."""
+        ...
 
     def delete(self, tenant: str, name: str) -> None: ...
 
@@ -83,6 +98,21 @@ def gpus_of(spec: JobSpec) -> int:
     """GPUs a job requests: generators and trainers times their GPUs each."""
     r = spec.resources
     return r.generators * r.gpus_per_generator + r.trainers * r.gpus_per_trainer
+
+
+def check_storage(tenant: str, stored: int, size: int, adding: int, limits: Limits) -> None:
+    """Raise ``OverLimit`` if a tenant that keeps ``stored`` jobs of ``size`` bytes in all may not
+    store one more of ``adding`` bytes."""
+    if limits.stored_jobs is not None and stored >= limits.stored_jobs:
+        raise OverLimit(
+            f"tenant {tenant!r} keeps {stored} jobs (limit {limits.stored_jobs}, max_stored_jobs, every "
+            "phase counted); delete finished or cancelled jobs first"
+        )
+    if limits.stored_bytes is not None and size + adding > limits.stored_bytes:
+        raise OverLimit(
+            f"tenant {tenant!r}'s stored jobs take {size} bytes and this one {adding} (limit "
+            f"{limits.stored_bytes}, max_stored_bytes); delete finished or cancelled jobs first"
+        )
 
 
 def check_limits(tenant: str, spec: JobSpec, active: int, used: int, limits: Limits) -> None:

@@ -14,6 +14,7 @@ in a pod, else ``KUBECONFIG`` / ``~/.kube/config``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -31,10 +32,11 @@ from rljob.jobs import (
     Limits,
     TenantNamespaceMissing,
     check_limits,
+    check_storage,
     gpus_of,
 )
 from rljob.spec import JobSpec, describe_errors
-from rljob.status import ACTIVE, JobStatus, Phase
+from rljob.status import ACTIVE, IllegalTransition, JobStatus, Phase
 
 log = logging.getLogger("fp8rl.rljob")
 
@@ -86,7 +88,12 @@ class KubernetesJobStore:
             spec = rl.spec_of(obj).job
         except ValidationError as err:
             problems = "; ".join(describe_errors(err))
-            raise InvalidRecord(f"RLJob {meta.get('name')!r} has an invalid spec: {problems}") from None
+            invalid = InvalidRecord(
+                f"RLJob {meta.get('name')!r} has an invalid spec: {problems}; "
+                "fix it (kubectl edit) or delete it"
+            )
+            invalid.problem = problems
+            raise invalid from None
         status = rl.status_of(obj)
         created = rl.created_of(obj)
         stamps = [c.last_transition for c in status.conditions]
@@ -121,10 +128,17 @@ class KubernetesJobStore:
         hard cap there)."""
         from kubernetes.client.exceptions import ApiException
 
-        if limits is not None:
-            check_limits(tenant, spec, *self.usage(tenant), limits)
-
         body = rl.manifest(name, tenant, spec, tenant=tenant)
+        if limits is not None:
+            items = self._list(tenant)
+            size = sum(
+                len(json.dumps(obj.get("spec") or {})) + len(json.dumps(obj.get("status") or {}))
+                for obj in items
+            )
+            check_storage(tenant, len(items), size, len(json.dumps(body["spec"])), limits)
+            active = [j for j in self._valid(items) if j.status.phase in ACTIVE]
+            check_limits(tenant, spec, len(active), sum(gpus_of(j.spec) for j in active), limits)
+
         try:
             obj = cast(
                 dict[str, Any], self._objects.create_namespaced_custom_object(*self._args(tenant), body)
@@ -161,9 +175,26 @@ class KubernetesJobStore:
         jobs.sort(key=lambda j: (j.created, j.name))
         return jobs[offset : offset + limit], len(jobs)
 
-    def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job:
+    def update(
+        self,
+        tenant: str,
+        name: str,
+        change: Callable[[JobStatus], JobStatus],
+        limits: Limits | None = None,
+    ) -> Job:
         """Read, apply ``change`` (which may raise IllegalTransition), write with the version read;
-        on 409 Conflict read again and re-apply."""
+        on 409 Conflict read again and re-apply. With ``limits``, a change that makes the job active
+        is refused with ``OverLimit`` where the tenant's other active jobs leave no room (read just
+        before: as with ``create``, two racing resumes may both pass; a ResourceQuota is the hard cap)."""
+        if limits is not None:
+            job = self.get(tenant, name)
+            if job.status.phase not in ACTIVE:
+                try:
+                    activates = change(job.status).phase in ACTIVE
+                except IllegalTransition:
+                    activates = False  # the write below raises it again
+                if activates:
+                    check_limits(tenant, job.spec, *self.usage(tenant), limits)
         return self._job(self.write_status(tenant, name, change))
 
     def write_status(

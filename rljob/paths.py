@@ -42,12 +42,18 @@ def _inside(path: str, root: str) -> bool:
 
 
 def path_problems(
-    spec: JobSpec, home: str | PurePath, read_only: Sequence[str | PurePath] = (), resolve: bool = True
+    spec: JobSpec,
+    home: str | PurePath,
+    read_only: Sequence[str | PurePath] = (),
+    resolve: bool = True,
+    shown_home: str | None = None,
 ) -> list[PathProblem]:
     """The path fields of ``spec`` that lead outside ``home`` and ``read_only``.
 
     ``resolve``: follow symlinks on this machine's file system (the service runs the driver here);
     ``False`` normalizes the text only (the files are in pods this process cannot see).
+    ``shown_home``: how the messages name the home (the service names it without the host's
+    directories, ``<data-dir>/tenants/<tenant>``); default: ``home`` itself.
     """
 
     def norm(p: str) -> str:
@@ -75,13 +81,19 @@ def path_problems(
                 PathProblem(
                     field,
                     f"{value!r} leads outside the tenant's files: give a path relative to the tenant's "
-                    f"directory ({home}), where the job runs{shared}; '..' and symlinks may not lead out",
+                    f"directory ({shown_home or home}), where the job runs{shared}; '..' and symlinks may "
+                    "not lead out",
                 )
             )
     return out
 
 
 POD_HOME = PurePosixPath("/data")  # a job's working directory in its pods on Kubernetes
+
+
+def shown_home(tenant: str) -> str:
+    """A tenant's home as messages name it: no directory of the service's host in them."""
+    return f"<data-dir>/tenants/{tenant}"
 
 
 def tenant_home(data_dir: Path, tenant: str) -> Path:

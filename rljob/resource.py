@@ -44,7 +44,10 @@ RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
+
+
+YEAR_S = 366 * 86400  # the longest deadline or retention an RLJob takes
 
 
 class Toleration(_Strict):
@@ -92,7 +95,7 @@ class ClusterSpec(_Strict):
         None, alias="priorityClassName", description="PriorityClass of the job's pods."
     )
     active_deadline_seconds: int | None = Field(
-        None, alias="activeDeadlineSeconds", ge=1, description="Fail the job after this long."
+        None, alias="activeDeadlineSeconds", ge=1, le=YEAR_S, description="Fail the job after this long."
     )
     backoff_limit: int | None = Field(
         None,
@@ -111,7 +114,11 @@ class ClusterSpec(_Strict):
         "node.",
     )
     ttl_seconds_after_finished: int | None = Field(
-        None, alias="ttlSecondsAfterFinished", ge=0, description="Keep the Ray cluster this long after."
+        None,
+        alias="ttlSecondsAfterFinished",
+        ge=0,
+        le=YEAR_S,
+        description="Keep the Ray cluster this long after.",
     )
     volume_claim: str | None = Field(
         None,

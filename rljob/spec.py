@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 # ResourcesSpec lives in its own module and is re-exported here
 from rljob.resources_spec import ResourcesSpec as ResourcesSpec
-from rljob.spec_base import StrictModel
+from rljob.spec_base import MAX_SEED, StrictModel
 
 # TaskSpec (prompts, answers, rewards) lives in its own module and is re-exported here
 from rljob.task_spec import AnswerFormat as AnswerFormat
@@ -36,6 +36,10 @@ def expand_home(path: str | None) -> str | None:
     if path is None or not (path == "~" or path.startswith("~/")):
         return path
     return os.path.expanduser(path)
+
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an AdamW beta: a decay rate
+LayerCount = Annotated[int, Field(ge=0, le=128)]  # decoder layers (TinyModel.num_layers' range)
 
 
 class TinyModel(StrictModel):
@@ -75,7 +79,9 @@ class ModelSpec(StrictModel):
     tiny: TinyModel | None = Field(
         None, description="Inline tiny model config for CPU runs. Set exactly one of `name` and `tiny`."
     )
-    init_seed: int = Field(0, ge=0, description="Seed of the random initialisation (tiny or not pretrained).")
+    init_seed: int = Field(
+        0, ge=0, le=MAX_SEED, description="Seed of the random initialisation (tiny or not pretrained)."
+    )
 
     @field_validator("name")
     @classmethod
@@ -111,7 +117,7 @@ class RolloutSpec(StrictModel):
     max_new_tokens: int = Field(32, ge=1, le=131072, description="Longest response, tokens.")
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int = Field(0, ge=0, description="Seed of prompt order and sampling.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of prompt order and sampling.")
     max_staleness: int = Field(
         0,
         ge=0,
@@ -142,9 +148,14 @@ class ImportanceSamplingSpec(StrictModel):
 
     mode: IsMode = Field("tis", description="none | tis | icepop | seq-tis | seq-mask-tis | geo-mask.")
     low: float = Field(
-        0.5, ge=0.0, description="Lower bound on w (icepop, seq-mask-tis, geo-mask); at most `high`."
+        0.5,
+        ge=0.0,
+        le=1000.0,
+        description="Lower bound on w (icepop, seq-mask-tis, geo-mask); at most `high`.",
     )
-    high: float = Field(2.0, gt=0.0, description="Upper bound / truncation C on w; at least `low`.")
+    high: float = Field(
+        2.0, gt=0.0, le=1000.0, description="Upper bound / truncation C on w; at least `low`."
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> ImportanceSamplingSpec:
@@ -173,8 +184,8 @@ class OptimizerSpec(StrictModel):
 
     lr: float = Field(1e-5, gt=0.0, le=1.0, description="Learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    grad_clip: float = Field(1.0, gt=0.0, description="Max global gradient norm.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    grad_clip: float = Field(1.0, gt=0.0, le=1e6, description="Max global gradient norm.")
     micro_batch_size: int = Field(32, ge=1, le=65536, description="Sequences per forward/backward pass.")
 
 
@@ -242,7 +253,7 @@ class PrecisionSpec(StrictModel):
         "values; false: the trainer attends over BF16 K/V (NeMo RL's choice) and importance sampling "
         "corrects the difference (docs/precision.md: FP8 KV cache).",
     )
-    keep_bf16_layers: tuple[int, int] = Field(
+    keep_bf16_layers: tuple[LayerCount, LayerCount] = Field(
         (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
     )
     power_of_two_scales: bool = Field(False, description="Round FP8 scales to powers of two.")
@@ -257,13 +268,6 @@ class PrecisionSpec(StrictModel):
         "with the first differing token and layer. Recipes bf16 and fp8-e2e, native engines, CPU only; "
         "slower (docs/precision.md: exact on-policy RL).",
     )
-
-    @field_validator("keep_bf16_layers")
-    @classmethod
-    def _non_negative(cls, v: tuple[int, int]) -> tuple[int, int]:
-        if min(v) < 0:
-            raise ValueError("layer counts must be >= 0")
-        return v
 
 
 class JobSpec(StrictModel):
@@ -280,7 +284,9 @@ class JobSpec(StrictModel):
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     steps: int = Field(20, ge=1, le=10_000_000, description="RL steps.")
-    checkpoint_interval: int = Field(10, ge=1, description="Steps between checkpoints (and at the end).")
+    checkpoint_interval: int = Field(
+        10, ge=1, le=10_000_000, description="Steps between checkpoints (and at the end)."
+    )
     output_dir: str = Field("runs/job", description="Metrics, checkpoints, audit and resolved spec go here.")
 
     @model_validator(mode="after")

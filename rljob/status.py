@@ -61,6 +61,7 @@ class Reason(StrEnum):
     WORKER_EXITED = "WorkerExited"
     DRIVER_RESTARTED = "DriverRestarted"  # a failed driver started again with --resume (bounded)
     TOO_MANY_FAULTS = "TooManyFaults"  # more actor faults than resources.max_<role>_restarts
+    DEADLINE_EXCEEDED = "DeadlineExceeded"  # ran past its wall-clock limit (max_job_seconds)
     # the driver, recovering from a data-plane fault in place (condition FAULTS_RECOVERED)
     GENERATOR_RESTARTED = "GeneratorRestarted"
     TRAINER_RESTARTED = "TrainerRestarted"

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rljob.spec_base import StrictModel
+from rljob.spec_base import MAX_SEED, StrictModel
+from rljob.task_params import params_problems
 
 AnswerFormat = Literal["auto", "last-number", "first-line", "answer-tag", "boxed"]
 
@@ -26,7 +27,12 @@ class TaskSpec(StrictModel):
         "source: this, or `dataset` (which replaces this default; setting both is an error).",
     )
     params: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments of the reasoning-gym generator."
+        default_factory=dict,
+        description="Keyword arguments of the reasoning-gym generator: its config's fields, except size "
+        "and seed (task.size, task.seed) and any that names a file; numbers finite and at most 10x the "
+        "field's default (at least 100) in magnitude, strings of at most 256 characters that are not "
+        "paths (docs/job-spec.md: task.params).",
+        max_length=256,
     )
     dataset: str | None = Field(
         None,
@@ -41,7 +47,7 @@ class TaskSpec(StrictModel):
         return self.reasoning_gym
 
     size: int = Field(10_000, ge=1, le=10_000_000, description="Number of distinct problems generated.")
-    seed: int = Field(0, ge=0, description="Seed of the problem generator.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the problem generator.")
     prompt_template: str = Field(
         "{question}\nAnswer: ", description="Prompt text; `{question}` is replaced by the problem."
     )
@@ -87,6 +93,9 @@ class TaskSpec(StrictModel):
             self.__dict__["reasoning_gym"] = None
         if self.reasoning_gym is None and self.dataset is None:
             raise ValueError("set task.reasoning_gym (a generator name) or task.dataset (a JSONL path)")
+        refused = params_problems(self.reasoning_gym, self.params)
+        if refused:
+            raise ValueError("; ".join(f"{field}: {message}" for field, message in refused))
         if "{question}" not in self.prompt_template:
             raise ValueError("task.prompt_template must contain {question}")
         if self.system_prompt is not None and not self.chat_template:

@@ -6,8 +6,10 @@
   (``FP8RL_MODEL_ROOTS``). On the embedded default symlinks are followed; on Kubernetes the files
   live in the pods, so only the path text is checked (and again by the operator).
 - **Sizes**: the tenant's caps on one job (``FP8RL_MAX_PROBLEMS``, ``FP8RL_MAX_NEW_TOKENS``,
-  ``FP8RL_MAX_ACTORS``, per tenant in ``FP8RL_TENANT_LIMITS``): problems generated in memory,
-  response length, Ray actors.
+  ``FP8RL_MAX_ACTORS``, ``FP8RL_MAX_PARAMETERS``, ``FP8RL_MAX_TOKENS_PER_STEP``,
+  ``FP8RL_MAX_THREADS``, ``FP8RL_MAX_TASK_PARAMS_BYTES``, per tenant in ``FP8RL_TENANT_LIMITS``):
+  problems generated in memory, response length, Ray actors, a tiny model's parameters, tokens a
+  step generates and trains on, torch threads, and ``task.params`` (:mod:`rljob.costs`).
 
 Every problem is one ``(field, message)`` with the field as a path into the request body
 (``spec.task.dataset``), answered as a 422 like any invalid field.
@@ -15,7 +17,8 @@ Every problem is one ``(field, message)`` with the field as a path into the requ
 
 from __future__ import annotations
 
-from rljob.paths import POD_HOME, path_problems
+from rljob.costs import costs
+from rljob.paths import POD_HOME, path_problems, shown_home
 from rljob.spec import JobSpec
 from service.settings import Settings
 
@@ -25,9 +28,12 @@ def admission_problems(spec: JobSpec, tenant: str, settings: Settings) -> list[t
     if settings.store == "kubernetes":
         paths = path_problems(spec, POD_HOME, settings.read_only_roots, resolve=False)
     else:
-        paths = path_problems(spec, settings.tenant_home(tenant), settings.read_only_roots)
+        paths = path_problems(
+            spec, settings.tenant_home(tenant), settings.read_only_roots, shown_home=shown_home(tenant)
+        )
     out = [(f"spec.{p.field}", p.message) for p in paths]
     caps = settings.caps(tenant)
+    cost = costs(spec)
     problems = spec.task.size + (spec.validation.size if spec.validation.interval else 0)
     sizes = (
         ("spec.task.size", problems, "max_problems", "task.size + validation.size"),
@@ -43,6 +49,20 @@ def admission_problems(spec: JobSpec, tenant: str, settings: Settings) -> list[t
             "max_actors",
             "resources.trainers + generators",
         ),
+        ("spec.model.tiny", cost.parameters, "max_parameters", "the tiny model's parameter count"),
+        (
+            "spec.rollout.max_new_tokens",
+            cost.tokens_per_step,
+            "max_tokens_per_step",
+            "rollout.prompts_per_step x group_size x max_new_tokens",
+        ),
+        (
+            "spec.resources.threads_per_actor",
+            cost.threads,
+            "max_threads",
+            "(resources.trainers + generators) x threads_per_actor",
+        ),
+        ("spec.task.params", cost.params_bytes, "max_task_params_bytes", "task.params as JSON (bytes)"),
     )
     for field, asked, cap, what in sizes:
         if asked > caps[cap]:

@@ -55,7 +55,10 @@ DRIVER_ENV_PREFIXES = (
 )
 # Never passed by the lists above, whatever the prefix (HF_TOKEN, RAY_AUTH_TOKEN, ..._API_KEY):
 # a site that means its drivers to have one names it in driver_env
-SECRET_NAME = re.compile(r"(^|_)(TOKEN|SECRET|PASS|PASSWORD|PASSWD|CREDENTIALS?|KEY|AUTH)(_|$)")
+SECRET_NAME = re.compile(
+    r"(^|_)(TOKEN|SECRETS?|PASS|PASSWORD|PASSWD|PASSWORDFILE|PASSPHRASE|PWD|CREDENTIALS?|KEY|APIKEY|"
+    r"AUTH|DSN|COOKIE|SESSION)(_|$)"
+)
 
 
 def driver_environment(environ: Mapping[str, str], extra: Iterable[str] = ()) -> dict[str, str]:
@@ -99,7 +102,13 @@ class DriverProcess:
         of its own, its output appended to ``log``."""
         with log.open("ab") as f:
             popen = subprocess.Popen(
-                argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, env=env
+                argv,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=cwd,
+                env=env,
+                umask=0o077,  # what it writes (checkpoints, logs) is its tenant's alone: 0600/0700
             )
         return cls(popen.pid, popen)
 
@@ -136,6 +145,31 @@ class DriverProcess:
             self.popen.wait()
 
 
+def sessions_memory(sessions: Iterable[int]) -> dict[int, int]:
+    """``{session id: bytes}``: the memory the processes of each session use together, as their
+    proportional set size (shared pages divided among the processes that map them, so Ray's object
+    store counts once), read from ``/proc``. A process that exits while it is read is left out."""
+    wanted = set(sessions)
+    out = dict.fromkeys(wanted, 0)
+    if not wanted:
+        return out
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            sid = int(stat[stat.rindex(")") + 2 :].split()[3])  # field 6: the session id
+            if sid not in wanted:
+                continue
+            for line in (entry / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    out[sid] += int(line.split()[1]) * 1024
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 @dataclass(frozen=True)
 class DriverLimits:
     """What one driver (and the local Ray processes it starts, which inherit all three) may take."""
@@ -143,6 +177,8 @@ class DriverLimits:
     memory_bytes: int | None = None  # address space of each process (RLIMIT_AS); None: no limit
     cpus: int | None = None  # CPUs it may run on (affinity); None: all
     nice: int = 10  # added to the service's niceness, so the API answers while drivers compute
+    wall_clock_s: float | None = None  # the job's drivers are stopped after this long; None: never
+    resident_bytes: int | None = None  # memory its session's processes use together (PSS); None: any
 
 
 def confine(pid: int, tenant: str, limits: DriverLimits) -> None:

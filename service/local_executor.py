@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -38,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rljob import metrics as m
-from rljob.jobs import Job, JobNotFound, JobStore
+from rljob.jobs import InvalidRecord, Job, JobNotFound, JobStore
 from rljob.metrics import MetricsLog
-from rljob.paths import path_problems, tenant_home
+from rljob.paths import path_problems, shown_home, tenant_home
 from rljob.run_dir import RunDir, driver_argv
 from rljob.status import (
     EXIT_OUT_OF_MEMORY,
@@ -59,8 +60,10 @@ from service.driver_process import (
     DriverProcess,
     confine,
     driver_environment,
+    sessions_memory,
 )
 
+log = logging.getLogger(__name__)
 # a resume waits this long for the suspended driver to save its step and exit, then kills it
 RESUME_WAIT_S = 120.0
 BAD_INPUT_EXIT = 2  # the driver's exit on a bad spec or output directory: starting again cannot help
@@ -78,6 +81,7 @@ class _Running:
     retries: int = 0  # drivers of this job started again after a failure (driver_retries)
     faults_seen: int = 0  # bytes of faults.jsonl already in the job's condition
     started: float = 0.0  # wall clock at start: rows stamped before it are an earlier driver's
+    first_started: float = 0.0  # wall clock when this run of the job began (restarts keep it)
 
 
 def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
@@ -136,14 +140,17 @@ class LocalExecutor:
         limits: Callable[[str], DriverLimits] = lambda tenant: DriverLimits(),
         driver_retries: int = 2,
         driver_env: Sequence[str] = (),
+        max_drivers: int | None = None,
     ) -> None:
         self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
         self.driver_env = tuple(driver_env)  # names passed to drivers beyond driver_environment's own
         self.driver_retries = driver_retries  # a failed driver is started again this often (--resume)
         self.read_only = read_only or []  # the service's read-only roots (FP8RL_MODEL_ROOTS)
         self.limits = limits  # what a tenant's drivers may take of this machine
+        self.max_drivers = max_drivers  # local drivers at once, every tenant's; None: no cap
         self._procs: dict[tuple[str, str], _Running] = {}
         self._lock = threading.Lock()
+        self._starting = threading.Lock()  # one start at a time: a job is never started twice
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="fp8rl-executor", daemon=True)
 
@@ -164,8 +171,12 @@ class LocalExecutor:
         metrics = MetricsLog(run.metrics)
         proc = DriverProcess.attach(run.driver_pid)
         if proc is not None and proc.poll() is None:
+            # its wall-clock limit counts from when its pid record was written (its own start)
+            began = run.driver_pid.stat().st_mtime
             with self._lock:
-                self._procs[(job.tenant, job.name)] = _Running(job, proc, run.driver_log, metrics)
+                self._procs[(job.tenant, job.name)] = _Running(
+                    job, proc, run.driver_log, metrics, started=began, first_started=began
+                )
         elif _finished(job, metrics):
             self._move(job, Phase.SUCCEEDED, Reason.COMPLETED, "finished while the control plane was down")
         else:
@@ -183,13 +194,40 @@ class LocalExecutor:
 
     # -- actions (called by the routes) ---------------------------------------------------------
 
-    def submit(self, job: Job, retries: int = 0, why: str = "") -> None:
-        """Start ``job``'s driver (``--resume`` when its run directory holds a run). ``retries``:
-        the drivers of this job that failed and were started again (``why``: the last failure)."""
+    def submit(self, job: Job, retries: int = 0, why: str = "", first_started: float | None = None) -> None:
+        """Start ``job``'s driver (``--resume`` when its run directory holds a run), unless
+        ``max_drivers`` drivers run already: then it stays Pending, and the monitor starts it when
+        one ends (oldest Pending job first). ``retries``: the drivers of this job that failed and
+        were started again (``why``: the last failure); a restart takes the slot its failed driver
+        left."""
+        key = (job.tenant, job.name)
+        with self._starting:
+            with self._lock:
+                current, busy = self._procs.get(key), len(self._procs)
+            if retries == 0:
+                if current is not None and current.proc.poll() is None:
+                    return  # its driver runs (the queue and a route both asked)
+                if self.max_drivers is not None and busy >= self.max_drivers:
+                    return  # queued: Pending until a driver slot frees
+            self._start(job, retries, why, first_started)
+
+    def _start_queued(self) -> None:
+        """Start the oldest Pending jobs while driver slots are free."""
+        if self.max_drivers is None:
+            return
+        with self._lock:
+            free = self.max_drivers - len(self._procs)
+        if free <= 0:
+            return
+        pending, _ = self.store.query(None, Phase.PENDING, limit=free)
+        for job in pending:
+            self.submit(job)
+
+    def _start(self, job: Job, retries: int, why: str, first_started: float | None) -> None:
         home = tenant_home(self.data_dir, job.tenant)
         home.mkdir(parents=True, exist_ok=True)
         # checked at POST; again here, since a symlink may have changed since (nothing is opened)
-        outside = path_problems(job.spec, home, self.read_only)
+        outside = path_problems(job.spec, home, self.read_only, shown_home=shown_home(job.tenant))
         if outside:
             problem = "; ".join(f"{p.field}: {p.message}" for p in outside)
             self._move(job, Phase.FAILED, Reason.PATH_OUTSIDE_TENANT, problem)
@@ -203,8 +241,15 @@ class LocalExecutor:
         proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home, env=env)
         confine(proc.pid, job.tenant, self.limits(job.tenant))
         proc.save(run.driver_pid)
+        now = time.time()
         running = _Running(
-            job, proc, run.driver_log, MetricsLog(run.metrics), retries=retries, started=time.time()
+            job,
+            proc,
+            run.driver_log,
+            MetricsLog(run.metrics),
+            retries=retries,
+            started=now,
+            first_started=first_started if first_started is not None else now,
         )
         running.faults_seen = -1  # the condition is refreshed from the file on the first look
         with self._lock:
@@ -225,7 +270,7 @@ class LocalExecutor:
                 return noted.model_copy(update={"reason": Reason.DRIVER_RESTARTED, "message": message})
             return s
 
-        with contextlib.suppress(IllegalTransition, JobNotFound):
+        with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
             self.store.update(job.tenant, job.name, change)
 
     def suspend(self, job: Job) -> None:
@@ -256,7 +301,7 @@ class LocalExecutor:
                 del self._procs[(job.tenant, job.name)]
         try:
             current = self.store.get(job.tenant, job.name)
-        except JobNotFound:
+        except (JobNotFound, InvalidRecord):
             return
         if current.status.phase is Phase.PENDING:  # not suspended or cancelled again meanwhile
             self.submit(current)
@@ -282,10 +327,36 @@ class LocalExecutor:
             return s if s.phase is target else s.moved(target, reason, message)
 
         # the user may have moved it meanwhile (e.g. cancelled or deleted): their move wins
-        with contextlib.suppress(IllegalTransition, JobNotFound):
+        with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
             self.store.update(job.tenant, job.name, change)
 
-    def _observe(self, key: tuple[str, str], r: _Running) -> None:
+    def _over_limit(self, key: tuple[str, str], r: _Running, used: int | None) -> bool:
+        """Stop a running job over its wall-clock or resident-memory limit (``used``: the bytes
+        its processes use, where it has that limit): Failed, resumable. True if it was stopped."""
+        limits = self.limits(r.job.tenant)
+        if limits.wall_clock_s is not None and time.time() - r.first_started > limits.wall_clock_s:
+            reason, message = (
+                Reason.DEADLINE_EXCEEDED,
+                f"the job ran {limits.wall_clock_s:g} s, its wall-clock limit (max_job_seconds); resume "
+                "it to go on from its last checkpoint",
+            )
+        elif limits.resident_bytes is not None and used is not None and used > limits.resident_bytes:
+            reason, message = (
+                Reason.OUT_OF_MEMORY,
+                f"the job's processes used {used // 2**20} MiB, over its limit of "
+                f"{limits.resident_bytes // 2**20} MiB (max_resident_mb); ask for less (smaller batches, "
+                "fewer actors) or a higher limit",
+            )
+        else:
+            return False
+        with self._lock:
+            if self._procs.get(key) is r:
+                del self._procs[key]
+        r.proc.kill()
+        self._move(r.job, Phase.FAILED, reason, message)
+        return True
+
+    def _observe(self, key: tuple[str, str], r: _Running, used: int | None = None) -> None:
         rows, r.offset = r.metrics.read_new(r.offset)
         if rows and int(rows[-1]["step"]) != r.seen_step:
             r.seen_step = int(rows[-1]["step"])
@@ -302,11 +373,12 @@ class LocalExecutor:
                     else s
                 )
 
-            with contextlib.suppress(IllegalTransition, JobNotFound):
+            with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
                 self.store.update(r.job.tenant, r.job.name, change)
         self._note_faults(r)
         code = r.proc.poll()
         if code is None:
+            self._over_limit(key, r, used)
             return
         with self._lock:
             if self._procs.get(key) is not r:
@@ -316,7 +388,7 @@ class LocalExecutor:
             return  # suspended: the job's phase says so already
         try:
             current = self.store.get(r.job.tenant, r.job.name).status.phase
-        except JobNotFound:
+        except (JobNotFound, InvalidRecord):
             return
         if current is Phase.SUSPENDED or current is Phase.CANCELLED:
             return
@@ -339,7 +411,7 @@ class LocalExecutor:
             if code == EXIT_TOO_MANY_FAULTS:
                 self._move(r.job, Phase.FAILED, Reason.TOO_MANY_FAULTS, last)
             elif code != BAD_INPUT_EXIT and r.retries < self.driver_retries:
-                self.submit(r.job, r.retries + 1, f"driver exited {how}: {last}")
+                self.submit(r.job, r.retries + 1, f"driver exited {how}: {last}", r.first_started)
             else:
                 self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
 
@@ -356,15 +428,24 @@ class LocalExecutor:
         if condition is None:
             return
         reason, message = condition
-        with contextlib.suppress(IllegalTransition, JobNotFound):
+        with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
             self.store.update(r.job.tenant, r.job.name, lambda s: s.noted(FAULTS_RECOVERED, reason, message))
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.poll_s):
             with self._lock:
                 items = list(self._procs.items())
+            watched = [r.proc.pid for _, r in items if self.limits(r.job.tenant).resident_bytes]
+            memory = sessions_memory(watched)
             for key, r in items:
-                self._observe(key, r)
+                try:
+                    self._observe(key, r, memory.get(r.proc.pid))
+                except Exception:  # one job's surprise never stops the watch over the others
+                    log.exception("watching job %r of tenant %r failed; watching on", key[1], key[0])
+            try:
+                self._start_queued()
+            except Exception:
+                log.exception("starting queued jobs failed; trying again at the next poll")
 
 
 def read_metrics(data_dir: Path, job: Job) -> list[dict[str, object]]:

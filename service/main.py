@@ -45,10 +45,10 @@ def _kube_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _invalid_record(request: Request, exc: Exception) -> JSONResponse:
-    return problem_response(409, f"{exc}; fix it (kubectl edit) or delete it", "invalid-record")
+    return problem_response(409, str(exc), "invalid-record")
 
 
-# The error statuses each operation can answer (problems.document_errors adds 405 and 413)
+# The error statuses each operation can answer (problems.document_errors adds 405, 408 and 413)
 _V1 = [401]
 ERRORS: dict[tuple[str, str], list[int]] = {
     ("POST", "/v1/jobs"): [*_V1, 403, 409, 422, 503],
@@ -56,7 +56,7 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("GET", "/v1/jobs/{name}"): [*_V1, 404, 409, 503],
     ("DELETE", "/v1/jobs/{name}"): [*_V1, 404, 503],
     ("POST", "/v1/jobs/{name}:suspend"): [*_V1, 404, 409, 503],
-    ("POST", "/v1/jobs/{name}:resume"): [*_V1, 404, 409, 503],
+    ("POST", "/v1/jobs/{name}:resume"): [*_V1, 403, 404, 409, 503],
     ("GET", "/v1/jobs/{name}/metrics"): [*_V1, 404, 409, 422, 503],
     ("GET", "/v1/jobs/{name}/logs"): [*_V1, 404, 409, 422, 503],
     ("GET", "/readyz"): [503],
@@ -98,6 +98,7 @@ def build_executor(settings: Settings, store: JobStore) -> Executor:
         limits=settings.driver_limits,
         driver_retries=settings.driver_retries,
         driver_env=settings.driver_env_names,
+        max_drivers=settings.max_local_drivers,
     )
 
 
@@ -152,6 +153,8 @@ def create_app(
         version=__version__,
         description="Submit and watch end-to-end FP8 RL post-training jobs.",
         lifespan=lifespan,
+        # no redirect to the path with(out) a trailing slash: it would be built from the Host header
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.store = store
@@ -159,7 +162,7 @@ def create_app(
     app.state.executor = owned or executor
     app.state.metrics = registry
     # outermost last: a body without a token is refused before the body limit counts a byte of it
-    app.add_middleware(middleware.BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(middleware.BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(middleware.TokenFirst, auth=auth)
     app.add_exception_handler(InvalidRecord, _invalid_record)
     if settings.store == "kubernetes":

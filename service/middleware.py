@@ -10,10 +10,15 @@ a large body in memory:
   resolves the route's dependencies, so without this the tenant check would come after the read.)
 - :class:`BodyLimit`: the body is counted while it streams in, whatever its framing
   (``Content-Length``, ``Transfer-Encoding: chunked``, or neither); the message that goes over the
-  limit is never handed to the app, and the answer is 413. Nothing is buffered here.
+  limit is never handed to the app, and the answer is 413. Nothing is buffered here. The body
+  must also arrive within ``timeout_s`` of the headers (408 otherwise): a client that trickles a
+  body does not hold a connection and a worker for long (:mod:`service.listener` bounds the headers).
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -32,6 +37,13 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body over {limit} bytes; job specs are small, check what is sent")
 
 
+class BodyTimeout(HTTPException):
+    """Raised by the limited ``receive`` when the body has not arrived within its deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"request body not received within {timeout_s:g} s; send it at once")
+
+
 def _carries_body(headers: Headers) -> bool:
     """A body follows the headers: a non-zero ``Content-Length`` or any ``Transfer-Encoding``
     (RFC 9112 section 6.3: without either, the request has no body)."""
@@ -45,9 +57,10 @@ class BodyLimit:
     instead (and again on any later call). If the app lets that escape before it started its
     response, the 413 is sent here."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,14 +72,23 @@ class BodyLimit:
             return
         received = 0
         started = False
+        complete = False  # the body's last message arrived: later receives wait for a disconnect
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, complete
             if received > self.limit:
                 raise BodyTooLarge(self.limit)
-            message = await receive()
+            if complete or deadline is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise BodyTimeout(self.timeout_s or 0.0) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.limit:
                     raise BodyTooLarge(self.limit)
             return message
@@ -78,10 +100,10 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited_receive, tracked_send)
-        except BodyTooLarge as err:
-            if started:  # too late for a 413: the server ends the connection
+        except (BodyTooLarge, BodyTimeout) as err:
+            if started:  # too late for a 413 or 408: the server ends the connection
                 raise
-            await problem_response(413, str(err.detail))(scope, receive, send)
+            await problem_response(err.status_code, str(err.detail))(scope, receive, send)
 
 
 class TokenFirst:

@@ -155,6 +155,7 @@ _ERRORS: dict[int, tuple[str, dict[str, str]]] = {
         {},
     ),
     405: ("The method is not allowed on this path.", {"Allow": "The allowed methods."}),
+    408: ("The request body did not arrive within the service's deadline.", {}),
     409: ("The job's state does not allow this (name taken, wrong phase, invalid record).", {}),
     413: ("The request body is over the service's limit.", {}),
     422: ("Some fields are invalid: `errors` lists each.", {}),
@@ -194,7 +195,7 @@ def document_errors(
     """Make ``app.openapi()`` say what the handlers answer.
 
     ``errors``: ``{(METHOD, path): [status, ...]}`` for each operation (every operation also gets
-    the statuses any request can meet: 405, and 413 where a body is read). FastAPI's own 422
+    the statuses any request can meet: 405, and 408 and 413 where a body is read). FastAPI's own 422
     (``HTTPValidationError``) is replaced by :class:`ValidationProblem`. ``extra``: per
     ``(METHOD, path)`` a dict merged into the operation's responses (success media types and
     headers).
@@ -222,7 +223,7 @@ def document_errors(
                 responses.pop("422", None)
                 statuses = set(errors.get(key, [])) | {405}
                 if method in ("post", "put", "patch"):
-                    statuses.add(413)  # the body limit applies to every such request
+                    statuses |= {408, 413}  # the body's deadline and limit apply to every such request
                 if "requestBody" in op:
                     statuses.add(400)
                 for status in sorted(statuses):

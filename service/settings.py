@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -9,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rljob import paths
+from rljob.jobs import Limits
 from service.driver_process import DriverLimits
 
 
@@ -22,10 +24,53 @@ class TenantLimits(BaseModel):
     max_problems: int | None = Field(None, ge=1, description="task.size + validation.size of one job.")
     max_new_tokens: int | None = Field(None, ge=1, description="rollout.max_new_tokens of one job.")
     max_actors: int | None = Field(None, ge=2, description="resources.trainers + generators of one job.")
+    max_parameters: int | None = Field(None, ge=1, description="Parameters of one job's tiny model.")
+    max_tokens_per_step: int | None = Field(
+        None, ge=1, description="prompts_per_step x group_size x max_new_tokens of one job."
+    )
+    max_threads: int | None = Field(None, ge=1, description="Actors x threads_per_actor of one job.")
+    max_task_params_bytes: int | None = Field(None, ge=2, description="task.params as JSON, bytes.")
     max_memory_mb: int | None = Field(
         None, ge=0, description="Address space of each of a local job's processes, MiB (0: none)."
     )
     max_cpus: int | None = Field(None, ge=0, description="CPUs a local job's processes may run on (0: all).")
+    max_resident_mb: int | None = Field(
+        None, ge=0, description="Memory a local job's processes use (0: none)."
+    )
+    max_job_seconds: int | None = Field(
+        None, ge=0, description="Wall-clock limit of a local job's run (0: none)."
+    )
+    max_stored_jobs: int | None = Field(None, ge=1, description="Jobs kept, every phase counted.")
+    max_stored_bytes: int | None = Field(
+        None, ge=1024, description="Bytes of the jobs kept (spec and status)."
+    )
+
+
+AUTO = -1  # max_resident_mb, max_cpus: from the machine (auto_resident_mb, auto_cpus)
+
+
+def auto_resident_mb() -> int:
+    """Half the machine's memory, in MiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 // 2**20
+
+
+def auto_cpus() -> int:
+    """All CPUs this process may use but one, where it may use 4 or more (the service keeps one
+    for itself); else 0, all."""
+    n = len(os.sched_getaffinity(0))
+    return n - 1 if n >= 4 else 0
+
+
+# the caps on one job, each a setting and a TenantLimits field (service.admission)
+CAPS = (
+    "max_problems",
+    "max_new_tokens",
+    "max_actors",
+    "max_parameters",
+    "max_tokens_per_step",
+    "max_threads",
+    "max_task_params_bytes",
+)
 
 
 class Settings(BaseSettings):
@@ -45,7 +90,29 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("fp8rl-data"), description="SQLite database and job run directories.")
     tokens_file: Path | None = Field(None, description="YAML/JSON {token: tenant}; required to serve.")
     store: Literal["sql", "kubernetes"] = Field("sql", description="Where jobs are recorded.")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body, bytes.")
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, le=64 << 20, description="Largest accepted request body, bytes."
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="A request's line and headers must arrive within this many seconds of the "
+        "connection's start or the previous response (service.listener).",
+    )
+    idle_timeout_s: float = Field(
+        5.0, gt=0, le=300, description="An idle keep-alive connection is closed after this many seconds."
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="A request's body must arrive within this many seconds (else 408)."
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        le=100_000,
+        description="Open connections to the API port at once; one more is closed unread (keep it well "
+        "under the process's file limit, ulimit -n).",
+    )
     max_concurrent_jobs: int = Field(
         4, ge=0, description="Each tenant's default: jobs Pending/Starting/Running at once."
     )
@@ -61,17 +128,74 @@ class Settings(BaseSettings):
     max_actors: int = Field(
         64, ge=2, description="Each tenant's default: resources.trainers + generators of one job."
     )
+    max_parameters: int = Field(
+        2_000_000_000,
+        ge=1,
+        description="Each tenant's default: parameters of one job's tiny model (rljob.costs; a "
+        "pretrained model is bounded by its files).",
+    )
+    max_tokens_per_step: int = Field(
+        1 << 26,
+        ge=1,
+        description="Each tenant's default: prompts_per_step x group_size x max_new_tokens of one job "
+        "(every response of a step at its longest).",
+    )
+    max_threads: int = Field(
+        256,
+        ge=1,
+        description="Each tenant's default: (trainers + generators) x threads_per_actor of one job "
+        "(0 threads counts as 1).",
+    )
+    max_task_params_bytes: int = Field(
+        16_384, ge=2, le=1 << 20, description="Each tenant's default: task.params of one job as JSON, bytes."
+    )
     max_memory_mb: int = Field(
         0,
         ge=0,
         description="Each tenant's default: address space (RLIMIT_AS) of each process of a local job "
-        "(driver and its Ray processes), MiB; 0 = no limit. For CPU jobs: CUDA reserves far more "
-        "address space than it uses, so leave it 0 where jobs use GPUs.",
+        "(driver and its Ray processes), MiB, a hard limit the kernel enforces at allocation; 0 = none "
+        "(the default: CUDA, and a pretrained model's mapped files, reserve far more address space than "
+        "they use; max_resident_mb bounds what is used).",
+    )
+    max_resident_mb: int = Field(
+        AUTO,
+        ge=AUTO,
+        description="Each tenant's default: memory a local job's processes use together (their "
+        "proportional set size, read every poll), MiB; over it the job is stopped, Failed with reason "
+        "OutOfMemory. -1 (the default) = half the machine's memory; 0 = none.",
     )
     max_cpus: int = Field(
-        0,
+        AUTO,
+        ge=AUTO,
+        description="Each tenant's default: CPUs a local job's processes may run on (affinity); 0 = all; "
+        "-1 (the default) = all but one on a machine with 4 or more (the service keeps one), else all.",
+    )
+    max_job_seconds: int = Field(
+        7 * 86400,
         ge=0,
-        description="Each tenant's default: CPUs a local job's processes may run on (affinity); 0 = all.",
+        le=366 * 86400,
+        description="Each tenant's default: wall-clock limit of a local job's run, seconds (restarts of "
+        "its driver count; a resume starts a new run); 0 = none. Over it the job is Failed, reason "
+        "DeadlineExceeded, resumable.",
+    )
+    max_stored_jobs: int = Field(
+        1000,
+        ge=1,
+        le=10_000_000,
+        description="Each tenant's default: jobs kept in every phase (finished ones too); delete some to "
+        "submit more.",
+    )
+    max_stored_bytes: int = Field(
+        64 << 20,
+        ge=1024,
+        description="Each tenant's default: bytes of the jobs kept (their spec and status as JSON).",
+    )
+    max_local_drivers: int = Field(
+        4,
+        ge=1,
+        le=1024,
+        description="Local drivers running at once, all tenants together (--store sql); more jobs wait "
+        "Pending, oldest first, until one ends.",
     )
     driver_nice: int = Field(
         10, ge=0, le=19, description="Scheduling priority of local drivers: below the service's own (0)."
@@ -124,21 +248,36 @@ class Settings(BaseSettings):
         return paths.tenant_home(self.data_dir, tenant)
 
     def caps(self, tenant: str) -> dict[str, int]:
-        """The size caps of ``tenant``'s jobs: max_problems, max_new_tokens, max_actors."""
+        """The size caps of ``tenant``'s jobs (``CAPS``)."""
         own = self.tenant_limits.get(tenant, TenantLimits())
-        names = ("max_problems", "max_new_tokens", "max_actors")
+        names = CAPS
         return {n: getattr(own, n) if getattr(own, n) is not None else getattr(self, n) for n in names}
 
     def driver_limits(self, tenant: str) -> DriverLimits:
-        """What each of ``tenant``'s local drivers may take (memory, CPUs, priority)."""
+        """What each of ``tenant``'s local drivers may take (memory, CPUs, priority, wall clock)."""
         own = self.tenant_limits.get(tenant, TenantLimits())
         mib = own.max_memory_mb if own.max_memory_mb is not None else self.max_memory_mb
         cpus = own.max_cpus if own.max_cpus is not None else self.max_cpus
-        return DriverLimits(mib * 2**20 if mib else None, cpus or None, self.driver_nice)
+        seconds = own.max_job_seconds if own.max_job_seconds is not None else self.max_job_seconds
+        used = own.max_resident_mb if own.max_resident_mb is not None else self.max_resident_mb
+        used = auto_resident_mb() if used == AUTO else used
+        cpus = auto_cpus() if cpus == AUTO else cpus
+        return DriverLimits(
+            mib * 2**20 if mib else None,
+            cpus or None,
+            self.driver_nice,
+            seconds or None,
+            used * 2**20 if used else None,
+        )
 
-    def limits(self, tenant: str) -> tuple[int, int]:
-        """(max concurrent jobs, max GPUs) of ``tenant``."""
+    def limits(self, tenant: str) -> Limits:
+        """``tenant``'s caps: active jobs, their GPUs, and the jobs and bytes it keeps stored."""
         own = self.tenant_limits.get(tenant, TenantLimits())
-        jobs = own.max_concurrent_jobs if own.max_concurrent_jobs is not None else self.max_concurrent_jobs
-        gpus = own.max_gpus if own.max_gpus is not None else self.max_gpus
-        return jobs, gpus
+
+        def pick(name: str) -> int:
+            value = getattr(own, name)
+            return int(value if value is not None else getattr(self, name))
+
+        return Limits(
+            pick("max_concurrent_jobs"), pick("max_gpus"), pick("max_stored_jobs"), pick("max_stored_bytes")
+        )

@@ -10,10 +10,16 @@ has returned, and the database runs ``synchronous=FULL``: the WAL is fsynced at 
 job acknowledged with 201 survives a SIGKILL of the service and a power loss alike. Reads use
 connections of their own (WAL readers never wait for the writer, nor it for them), so a GET is not
 held up by a commit on disk.
+
+A row the models cannot read (a spec or status written by an older version, or by hand) never
+stops the service: the first read that meets it marks it (its ``invalid`` column says what is
+wrong, and the executor and the limits stop counting it), listings and the executor skip it, a GET
+answers 409 with the problem, and DELETE removes it. Every other job is served as before.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import sqlite3
 import threading
@@ -25,7 +31,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from rljob.jobs import Job, JobExists, JobNotFound, Limits, check_limits, gpus_of
+from pydantic import ValidationError
+
+from rljob.jobs import (
+    InvalidRecord,
+    Job,
+    JobExists,
+    JobNotFound,
+    Limits,
+    check_limits,
+    check_storage,
+    gpus_of,
+)
 from rljob.spec import JobSpec
 from rljob.status import ACTIVE, JobStatus, Phase
 
@@ -39,10 +56,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     gpus    INTEGER NOT NULL,
     created TEXT NOT NULL,
     updated TEXT NOT NULL,
+    invalid TEXT,
+    bytes   INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (tenant, name)
 )
 """
 _COLUMNS = "tenant, name, spec, status, created, updated"
+_READABLE = "invalid IS NULL"  # rows the models read; the others are marked with what is wrong
+log = logging.getLogger(__name__)
 GROUP_MAX = 256  # writes committed together at most
 T = TypeVar("T")
 Write = Callable[[sqlite3.Connection], Any]  # runs in the writer thread, inside its transaction
@@ -53,23 +74,52 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _row(row: tuple[str, ...]) -> Job:
-    tenant, name, spec, status, created, updated = row
-    return Job(
-        tenant,
-        name,
-        JobSpec.model_validate_json(spec),
-        JobStatus.model_validate_json(status),
-        datetime.fromisoformat(created),
-        datetime.fromisoformat(updated),
+def _unreadable(name: str, problem: str) -> InvalidRecord:
+    err = InvalidRecord(
+        f"job {name!r} is stored in a form this version cannot read ({problem[:500]}); nothing runs "
+        f"it: delete it (DELETE /v1/jobs/{name}) and submit it again"
     )
+    err.problem = problem
+    return err
+
+
+def _problem(err: Exception) -> str:
+    if isinstance(err, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '(record)'}: {e['msg']}" for e in err.errors()
+        )
+    return f"{type(err).__name__}: {err}"
+
+
+def _row(row: tuple[str, ...]) -> Job:
+    """The job of a row; ``InvalidRecord`` if the models refuse its spec or status."""
+    tenant, name, spec, status, created, updated = row
+    try:
+        return Job(
+            tenant,
+            name,
+            JobSpec.model_validate_json(spec),
+            JobStatus.model_validate_json(status),
+            datetime.fromisoformat(created),
+            datetime.fromisoformat(updated),
+        )
+    except (ValidationError, ValueError, TypeError) as err:
+        raise _unreadable(name, _problem(err)) from None
 
 
 _ACTIVE_PHASES = sorted(p.value for p in ACTIVE)
 _USAGE = (
     "SELECT COUNT(*), COALESCE(SUM(gpus), 0) FROM jobs WHERE tenant = ? AND phase IN "
-    f"({', '.join('?' * len(_ACTIVE_PHASES))})"
+    f"({', '.join('?' * len(_ACTIVE_PHASES))}) AND {_READABLE}"
 )
+
+
+def _stored(db: sqlite3.Connection, tenant: str) -> tuple[int, int]:
+    """(jobs, bytes of their spec and status) ``tenant`` keeps, in every phase."""
+    count, size = db.execute(
+        "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?", (tenant,)
+    ).fetchone()
+    return int(count), int(size)
 
 
 def _usage(db: sqlite3.Connection, tenant: str) -> tuple[int, int]:
@@ -136,6 +186,14 @@ class SqlJobStore:
         self._db = self._connect()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if "invalid" not in columns:  # a database of an earlier version
+            self._db.execute("ALTER TABLE jobs ADD COLUMN invalid TEXT")
+        if "bytes" not in columns:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0")
+            self._db.execute("UPDATE jobs SET bytes = length(spec) + length(status)")
+        # what a tenant keeps (every phase), counted from this index alone at each POST
+        self._db.execute("CREATE INDEX IF NOT EXISTS jobs_stored ON jobs (tenant, bytes)")
         # usage() counts a tenant's active jobs and sums their GPUs from this index alone: without
         # gpus in it, every POST read each active row, spec JSON and all (overflow pages)
         self._db.execute("DROP INDEX IF EXISTS jobs_tenant_phase")
@@ -185,23 +243,31 @@ class SqlJobStore:
     def create(self, tenant: str, name: str, spec: JobSpec, limits: Limits | None = None) -> Job:
         now = _now()
         status = JobStatus()
+        spec_json, status_json = spec.model_dump_json(), status.model_dump_json()
+        size = len(spec_json) + len(status_json)
         row = (
             tenant,
             name,
-            spec.model_dump_json(),
-            status.model_dump_json(),
+            spec_json,
+            status_json,
             status.phase.value,
             gpus_of(spec),
             now.isoformat(),
             now.isoformat(),
+            size,
         )
 
         def insert(db: sqlite3.Connection) -> bool:
             if limits is not None:  # in the writer's transaction: no other write comes between
+                exists = db.execute("SELECT 1 FROM jobs WHERE tenant = ? AND name = ?", (tenant, name))
+                if exists.fetchone() is not None:
+                    return False
+                check_storage(tenant, *_stored(db, tenant), size, limits)
                 check_limits(tenant, spec, *_usage(db, tenant), limits)
             cur = db.execute(
-                "INSERT OR IGNORE INTO jobs (tenant, name, spec, status, phase, gpus, created, updated) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO jobs "
+                "(tenant, name, spec, status, phase, gpus, created, updated, bytes) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
             return cur.rowcount == 1  # 0: the (tenant, name) key is taken
@@ -213,23 +279,55 @@ class SqlJobStore:
     def get(self, tenant: str, name: str) -> Job:
         with self._reader() as db:
             row = db.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE tenant = ? AND name = ?", (tenant, name)
+                f"SELECT {_COLUMNS}, invalid FROM jobs WHERE tenant = ? AND name = ?", (tenant, name)
             ).fetchone()
         if row is None:
             raise JobNotFound(name)
-        return _row(row)
+        if row[-1] is not None:
+            raise _unreadable(name, row[-1])
+        return self._read_or_mark(row[:-1])
+
+    def _read_or_mark(self, row: tuple[str, ...]) -> Job:
+        """The job of ``row``; a row the models refuse is marked (once) before ``InvalidRecord``."""
+        try:
+            return _row(row)
+        except InvalidRecord as err:
+            self._mark(row[0], row[1], err.problem)
+            raise
+
+    def _mark(self, tenant: str, name: str, problem: str) -> None:
+        log.warning(
+            "job %r of tenant %r cannot be read (%s): marked, and skipped from now on", name, tenant, problem
+        )
+
+        def mark(db: sqlite3.Connection) -> None:
+            db.execute(
+                "UPDATE jobs SET invalid = ? WHERE tenant = ? AND name = ? AND invalid IS NULL",
+                (problem[:1000], tenant, name),
+            )
+
+        self._write(mark)
 
     def query(
         self, tenant: str | None, phase: Phase | None = None, limit: int = 50, offset: int = 0
     ) -> tuple[list[Job], int]:
-        where, args = [], []
+        for _ in range(2):  # a row met unreadable is marked, and the page read again without it
+            jobs, total, unread = self._query_once(tenant, phase, limit, offset)
+            if not unread:
+                return jobs, total
+        return jobs, total
+
+    def _query_once(
+        self, tenant: str | None, phase: Phase | None, limit: int, offset: int
+    ) -> tuple[list[Job], int, int]:
+        where, args = [_READABLE], []
         if tenant is not None:
             where.append("tenant = ?")
             args.append(tenant)
         if phase is not None:
             where.append("phase = ?")
             args.append(phase.value)
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        clause = f"WHERE {' AND '.join(where)}"
         with self._reader() as db:
             db.execute("BEGIN")  # one snapshot: the count and the page agree
             try:
@@ -240,26 +338,48 @@ class SqlJobStore:
                 ).fetchall()
             finally:
                 db.execute("COMMIT")
-        return [_row(r) for r in rows], int(total)
+        jobs, unread = [], 0
+        for r in rows:
+            try:
+                jobs.append(self._read_or_mark(r))
+            except InvalidRecord:
+                unread += 1
+        return jobs, int(total), unread
 
-    def update(self, tenant: str, name: str, change: Callable[[JobStatus], JobStatus]) -> Job:
-        """Apply ``change`` to the stored status atomically (it may raise IllegalTransition)."""
+    def update(
+        self,
+        tenant: str,
+        name: str,
+        change: Callable[[JobStatus], JobStatus],
+        limits: Limits | None = None,
+    ) -> Job:
+        """Apply ``change`` to the stored status atomically (it may raise IllegalTransition). With
+        ``limits``, a change that makes the job active (a resume) is refused with ``OverLimit``
+        where the tenant's other active jobs leave no room, in the same transaction."""
 
         def read_change_write(db: sqlite3.Connection) -> tuple[str, ...]:
             row = db.execute(
-                f"SELECT {_COLUMNS} FROM jobs WHERE tenant = ? AND name = ?", (tenant, name)
+                f"SELECT {_COLUMNS}, invalid FROM jobs WHERE tenant = ? AND name = ?", (tenant, name)
             ).fetchone()
             if row is None:
                 raise JobNotFound(name)
-            new = change(JobStatus.model_validate_json(row[3]))
+            if row[-1] is not None:
+                raise _unreadable(name, row[-1])
+            try:
+                old = JobStatus.model_validate_json(row[3])
+            except ValidationError as err:
+                raise _unreadable(name, _problem(err)) from None
+            new = change(old)
+            if limits is not None and old.phase not in ACTIVE and new.phase in ACTIVE:
+                check_limits(tenant, JobSpec.model_validate_json(row[2]), *_usage(db, tenant), limits)
             status, updated = new.model_dump_json(), _now().isoformat()
             db.execute(
-                "UPDATE jobs SET status = ?, phase = ?, updated = ? WHERE tenant = ? AND name = ?",
-                (status, new.phase.value, updated, tenant, name),
+                "UPDATE jobs SET status = ?, phase = ?, updated = ?, bytes = ? WHERE tenant = ? AND name = ?",
+                (status, new.phase.value, updated, len(row[2]) + len(status), tenant, name),
             )
             return (*row[:3], status, row[4], updated)
 
-        return _row(self._write(read_change_write))
+        return self._read_or_mark(self._write(read_change_write))
 
     def delete(self, tenant: str, name: str) -> None:
         def delete(db: sqlite3.Connection) -> int:

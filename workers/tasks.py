@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rljob import task_params
 from rljob.spec import AnswerFormat, JobSpec, TaskSpec
 from workers.answers import first_line, read_answer, resolve_format, same_answer
 from workers.tokenizer import Tokenizer
@@ -165,6 +166,39 @@ class Task:
     def score(self, response: str, problem: Problem) -> float:
         """The reward of ``response`` (:meth:`grade`)."""
         return self.grade(response, problem).reward
+
+
+def params_table() -> dict[str, dict[str, float | str]]:
+    """The allow-list of ``task.params`` (``rljob/reasoning_gym_params.json``, :mod:`rljob.task_params`)
+    read from the installed reasoning-gym: each generator's config fields, less ``size``, ``seed``
+    and those that name files, each with its magnitude cap (numeric fields) or kind."""
+    import dataclasses
+
+    import reasoning_gym.factory
+
+    out: dict[str, dict[str, float | str]] = {}
+    for name, (_, config) in sorted(reasoning_gym.factory.DATASETS.items()):
+        fields: dict[str, float | str] = {}
+        for f in dataclasses.fields(config):
+            if f.name in task_params.RESERVED or task_params.names_a_file(f.name):
+                continue
+            if f.default is not dataclasses.MISSING:
+                default: Any = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = None
+            if name == "composite" and f.name == "datasets":
+                fields[f.name] = task_params.NESTED
+            elif isinstance(default, bool) or not (isinstance(default, int | float) or default is None):
+                fields[f.name] = task_params.ANY
+            elif default is None:
+                numeric = any(t in str(f.type) for t in ("int", "float"))
+                fields[f.name] = task_params.NONE_DEFAULT_CAP if numeric else task_params.ANY
+            else:
+                fields[f.name] = max(task_params.PARAM_FLOOR, 10 * abs(default))
+        out[name] = fields
+    return out
 
 
 def _reasoning_gym(name: str, size: int, seed: int, params: dict[str, Any]) -> Any:

@@ -96,7 +96,7 @@ def _create(
             ]
         )
     try:  # the limits are checked where the job is recorded, so concurrent POSTs cannot overshoot
-        job = store.create(tenant, body.name, body.spec, Limits(*settings.limits(tenant)))
+        job = store.create(tenant, body.name, body.spec, settings.limits(tenant))
     except OverLimit as err:
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
     except JobExists:
@@ -150,18 +150,23 @@ def delete_job(name: str, tenant: TenantDep, store: StoreDep, executor: Executor
         raise _not_found(name) from None
 
 
-def _action(name: str, action: str, tenant: str, store: StoreDep, executor: ExecutorDep) -> JobPublic:
+def _action(
+    name: str, action: str, tenant: str, store: StoreDep, executor: ExecutorDep, limits: Limits | None = None
+) -> JobPublic:
     target = ACTIONS[action]
     try:
         job = store.update(
             tenant,
             name,
             lambda s: s.moved(target, Reason.of_action(action), f"{action} requested", action),
+            limits,
         )
     except JobNotFound:
         raise _not_found(name) from None
     except IllegalTransition as err:
         raise HTTPException(status.HTTP_409_CONFLICT, str(err)) from None
+    except OverLimit as err:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(err)) from None
     if executor is not None:
         getattr(executor, action)(job)
     return public(job)
@@ -174,6 +179,9 @@ def suspend_job(name: str, tenant: TenantDep, store: StoreDep, executor: Executo
 
 
 @router.post(f"/{JOB}:resume", response_model=JobPublic)
-def resume_job(name: str, tenant: TenantDep, store: StoreDep, executor: ExecutorDep) -> JobPublic:
-    """Continue a suspended or failed job from its last checkpoint."""
-    return _action(name, "resume", tenant, store, executor)
+def resume_job(
+    name: str, tenant: TenantDep, store: StoreDep, executor: ExecutorDep, settings: SettingsDep
+) -> JobPublic:
+    """Continue a suspended or failed job from its last checkpoint. 403 where the tenant's active
+    jobs or their GPUs are at its limits, as for a new job."""
+    return _action(name, "resume", tenant, store, executor, settings.limits(tenant))

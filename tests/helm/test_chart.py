@@ -20,6 +20,7 @@ from operators import builders
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.crd import openapi_to_jsonschema
+from rljob.jobs import Limits
 from service.auth import load_tokens
 from service.settings import Settings
 from tests.helm.tools import CHART, ROOT, by_kind, render, render_error, run, tool, validate_monitoring
@@ -109,7 +110,11 @@ def test_gpu_cluster_values_render_valid_objects_that_the_code_accepts(
         monkeypatch.setenv(key, value)
     s = Settings()
     assert s.store == "kubernetes" and s.host == "0.0.0.0"
-    assert s.limits("team-a") == (8, 64) and s.limits("team-b") == (4, 16) and s.limits("other") == (4, 8)
+    assert (
+        s.limits("team-a") == Limits(8, 64, 1000, 64 << 20)
+        and s.limits("team-b") == Limits(4, 16, 1000, 64 << 20)
+        and s.limits("other") == Limits(4, 8, 1000, 64 << 20)
+    )
     volumes = {v["name"]: v for v in api["spec"]["template"]["spec"]["volumes"]}
     assert volumes["tokens"]["secret"]["secretName"] == "fp8rl-tokens"
 
@@ -438,7 +443,9 @@ def test_the_operator_config_carries_the_job_guards_and_the_policy_validates(tmp
         named(objects, "ConfigMap", "fp8rl-operator")["data"]["config.yaml"]
     )
     settings = OperatorSettings.load(tmp_path / "config.yaml")
-    assert settings.image_prefixes() == ["ghcr.io/fp8rl/worker", "registry.example/team/"]
+    # the chart's worker image exactly as it pins it (a tag or digest), not every tag of its repository
+    assert settings.image_prefixes() == [settings.image, "registry.example/team/"]
+    assert settings.image.startswith("ghcr.io/fp8rl/worker:")
     assert settings.ray_auth == "secret" and settings.network_policy is True
     # the operator admits itself: its peer selects its own pod, in the release namespace
     operator_pod = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["metadata"]["labels"]

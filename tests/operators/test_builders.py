@@ -421,9 +421,15 @@ def test_an_image_outside_the_allow_list_is_refused_naming_the_field() -> None:
     assert "jobDefaults.allowedImages" in problem
     obj["spec"]["cluster"]["image"] = "registry.example/fp8rl-worker@sha256:" + "0" * 64
     assert admission.image_problems(rl.spec_of(obj), settings) == []
-    # without a list: the repository of the operator's own image, any tag or digest of it
+    # without a list: the operator's own image exactly, not another tag of its repository
+    default = OperatorSettings()
+    obj["spec"]["cluster"]["image"] = default.image
+    assert admission.image_problems(rl.spec_of(obj), default) == []
     obj["spec"]["cluster"]["image"] = "ghcr.io/fp8rl/worker:0.9.9"
-    assert admission.image_problems(rl.spec_of(obj), OperatorSettings()) == []
+    assert admission.image_problems(rl.spec_of(obj), default) != []
+    # a repository under an allowed one: only where the prefix ends in "/"
+    obj["spec"]["cluster"]["image"] = "registry.example/fp8rl-worker/other:1"
+    assert admission.image_problems(rl.spec_of(obj), settings) != []
 
 
 def test_the_kuberay_crd_check_finds_auth_options() -> None:

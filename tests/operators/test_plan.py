@@ -746,16 +746,16 @@ def test_an_image_outside_the_allow_list_fails_naming_the_field() -> None:
     obj = rljob(cluster={"image": "docker.io/evil/miner:1"})
     message = (
         "spec.cluster.image: 'docker.io/evil/miner:1' is not an allowed image: it must be one of "
-        "'ghcr.io/fp8rl/worker', or continue one with ':<tag>', '@<digest>' or '/<path>'; the cluster's "
-        "admin allows more with the chart's jobDefaults.allowedImages"
+        f"'{SETTINGS.image}', or that repository with ':<tag>' or '@<digest>' (a path under one only "
+        "where it ends in '/'); the cluster's admin allows more with the chart's jobDefaults.allowedImages"
     )
     assert plan(obj, Observed(), SETTINGS, now=NOW) == [
         WriteStatus(status("Failed", "InvalidSpec", message, cond("Failed", "InvalidSpec", message, NOW))),
         Event("Warning", "InvalidSpec", f"spec refused: {message}; fix it with kubectl edit"),
     ]
-    # the default repository with another tag, and a prefix the admin added, are fine
+    # the default image itself, and a prefix the admin added, are fine
     for image, settings in (
-        ("ghcr.io/fp8rl/worker:0.2.0", SETTINGS),
+        (SETTINGS.image, SETTINGS),
         ("registry.example/team/w:1", OperatorSettings(allowed_images=["registry.example/"])),
     ):
         actions = plan(rljob(cluster={"image": image}), Observed(), settings, now=NOW)

@@ -18,7 +18,7 @@ DIGEST = "sha256:" + "ab" * 32
         (f"{PREFIX}:1.2", True),  # a tag
         (f"{PREFIX}@{DIGEST}", True),  # a digest
         (f"{PREFIX}:1.2@{DIGEST}", True),  # both
-        (f"{PREFIX}/cuda12:1", True),  # a repository under the path
+        (f"{PREFIX}/cuda12:1", False),  # a repository under the path: only with a prefix ending in /
         (f"{PREFIX}-evil:1", False),  # a longer name that only starts like it
         (f"{PREFIX}evil", False),
         ("registry.example/fp8rl-work:1", False),  # shorter
@@ -33,7 +33,7 @@ def test_a_prefix_allows_its_tags_digests_and_sub_paths_only(image: str, allowed
 
 def test_a_registry_prefix_is_not_fooled_by_a_port() -> None:
     # "registry.example:5000/x" is another registry (a port), not a tag of "registry.example"
-    assert allowed_by("registry.example/team/x:1", "registry.example")
+    assert not allowed_by("registry.example/team/x:1", "registry.example")  # no implicit sub-path
     assert not allowed_by("registry.example:5000/team/x:1", "registry.example")
     # a prefix with its boundary built in
     assert allowed_by("registry.example/team/x:1", "registry.example/")

@@ -54,7 +54,11 @@ def test_every_problem_is_listed_at_once() -> None:
         ({"algorithm": {"loss_aggregation": "sum"}}, "algorithm.loss_aggregation", "token-mean"),
         ({"model": {"name": "x", "tiny": {}}}, "model", "exactly one"),
         ({"model": {"tiny": {"hidden_size": 100, "num_heads": 3}}}, "model.tiny", "multiple of num_heads"),
-        ({"precision": {"keep_bf16_layers": [-1, 0]}}, "precision.keep_bf16_layers", ">= 0"),
+        (
+            {"precision": {"keep_bf16_layers": [-1, 0]}},
+            "precision.keep_bf16_layers.0",
+            "greater than or equal to 0",
+        ),
         ({"rollout": {"top_p": 1.5}}, "rollout.top_p", "less than or equal to 1"),
         ({"task": {"prompt_template": "no placeholder"}}, "task", "{question}"),
         ({"task": {"reasoning_gym": "chain_sum", "dataset": "a.jsonl"}}, "task", "only one"),

@@ -211,7 +211,7 @@ def test_a_job_over_its_memory_limit_fails_alone(tmp_path: Path, monkeypatch: py
         return [sys.executable, "-c", code, str(run.metrics)]
 
     monkeypatch.setattr("service.local_executor.driver_command", command)
-    settings = Settings(data_dir=tmp_path, tenant_limits={"team-a": {"max_memory_mb": 256}})
+    settings = Settings(data_dir=tmp_path, max_memory_mb=0, tenant_limits={"team-a": {"max_memory_mb": 256}})
     assert settings.driver_limits("team-a").memory_bytes == 256 * 2**20
     assert settings.driver_limits("team-b").memory_bytes is None
     store = SqlJobStore(tmp_path / "jobs.sqlite")

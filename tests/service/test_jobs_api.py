@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
+from rljob.jobs import Limits
 from service.auth import TokenFileError, load_tokens
 from service.main import create_app
 from service.settings import Settings
@@ -152,8 +153,10 @@ def test_per_tenant_limit_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "FP8RL_TENANT_LIMITS", '{"team-a": {"max_concurrent_jobs": 1}, "team-b": {"max_gpus": 0}}'
     )
     settings = Settings(data_dir=tmp_path, max_concurrent_jobs=3, max_gpus=4)
-    assert settings.limits("team-a") == (1, 4) and settings.limits("team-b") == (3, 0)
-    assert settings.limits("team-z") == (3, 4)
+    assert settings.limits("team-a") == Limits(1, 4, 1000, 64 << 20) and settings.limits("team-b") == Limits(
+        3, 0, 1000, 64 << 20
+    )
+    assert settings.limits("team-z") == Limits(3, 4, 1000, 64 << 20)
     api = TestClient(create_app(settings, tokens=TOKENS))
     assert api.post("/v1/jobs", json={"name": "a1"}, headers=auth(ALICE)).status_code == 201
     r = api.post("/v1/jobs", json={"name": "a2"}, headers=auth(ALICE))

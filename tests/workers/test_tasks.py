@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rljob import parse_spec
+from rljob import SpecError, parse_spec
 from tests.workers.test_tokenizer import CHAT_TEMPLATE, chat_tokenizer_dir
 from workers.tasks import Grade, Problem, Task, extract_answer
 from workers.tokenizer import build_tokenizer
@@ -328,9 +328,9 @@ def test_a_missing_dataset_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_unknown_generator_or_bad_params_are_refused() -> None:
-    unknown = r"^task\.reasoning_gym: unknown generator 'nope'; e\.g\. .*basic_arithmetic"
-    with pytest.raises(ValueError, match=unknown):
-        Task(parse_spec({"task": {"reasoning_gym": "nope", "size": 5}}).task)
+    # an unknown name is refused where the spec is read (rljob.task_params), before any driver
+    with pytest.raises(SpecError, match=r"task\.reasoning_gym: unknown reasoning-gym generator 'nope'"):
+        parse_spec({"task": {"reasoning_gym": "nope", "size": 5}})
     bad = {**ADDITION, "params": {"min_terms": 3, "max_terms": 2}}
     with pytest.raises(ValueError, match=r"^task\.params: reasoning-gym 'basic_arithmetic' rejected"):
         Task(parse_spec({"task": bad}).task)
@@ -411,3 +411,33 @@ def test_the_two_digit_example_trains_and_validates_on_disjoint_problems() -> No
     assert len(train_q) > 3000 and not train_q & {p.question for p in held}
     assert all(re.fullmatch(r"Calculate \d{1,3} \+ \d{1,3}\.", p.question) for p in held)
     assert all(int(p.answer) == sum(int(x) for x in re.findall(r"\d+", p.question)) for p in held[:20])
+
+
+def test_the_params_allow_list_is_the_pinned_reasoning_gyms() -> None:
+    """rljob's table (read by the control plane, which has no reasoning-gym) equals what the
+    installed reasoning-gym's configs give; regenerate it with workers.tasks.params_table."""
+    from importlib import metadata, resources
+
+    from workers.tasks import params_table
+
+    committed = json.loads(resources.files("rljob").joinpath("reasoning_gym_params.json").read_text())
+    assert committed["reasoning_gym"] == metadata.version("reasoning_gym")
+    assert committed["generators"] == params_table()
+
+
+def test_no_config_field_that_holds_a_file_name_is_allowed() -> None:
+    """Independently of the name rule: every config field whose default is a file name (a string
+    ending in a file extension, as spell_backward's words3to10.txt) is off the allow-list."""
+    import dataclasses
+
+    import reasoning_gym.factory
+
+    from rljob.task_params import table
+
+    file_fields = []
+    for name, (_, config) in reasoning_gym.factory.DATASETS.items():
+        for f in dataclasses.fields(config):
+            if isinstance(f.default, str) and re.search(r"\.(txt|json|jsonl|csv|ya?ml|gz)$", f.default):
+                file_fields.append((name, f.name))
+    assert ("spell_backward", "data_file") in file_fields
+    assert all(field not in table()[name] for name, field in file_fields)
