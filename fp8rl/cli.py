@@ -141,6 +141,7 @@ def serve_cmd(
     from service.auth import TokenFileError
     from service.listener import ListenerLimits, uvicorn_options
     from service.main import create_app
+    from service.sandbox import SandboxUnavailable
     from service.settings import Settings
 
     given = {
@@ -156,9 +157,12 @@ def serve_cmd(
     try:
         settings = Settings(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
         application = create_app(settings, run_jobs=True)
-    except (ValueError, TokenFileError) as err:
+    except (ValueError, TokenFileError, SandboxUnavailable) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err
+    sandbox = getattr(application.state.executor, "sandbox", None)
+    if sandbox is not None:
+        typer.echo(f"fp8rl serve: {sandbox.describe()}", err=True)
     limits = ListenerLimits(
         header_timeout_s=settings.header_timeout_s,
         idle_timeout_s=settings.idle_timeout_s,

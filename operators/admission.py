@@ -6,6 +6,7 @@ image outside the allow-list. Each is a list of problems, each naming its field 
 from __future__ import annotations
 
 import posixpath
+from typing import Any
 
 from operators.builders import RUNS_DIR
 from operators.settings import OperatorSettings
@@ -14,11 +15,51 @@ from rljob.paths import POD_HOME
 from rljob.resource import RLJobSpec
 
 
-def problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:
+def problems(spec: RLJobSpec, s: OperatorSettings, namespace: str = "") -> list[str]:
     """Every refusal below, in order."""
     return (
-        placement_problems(spec, s) + path_problems(spec, s) + output_problems(spec) + image_problems(spec, s)
+        placement_problems(spec, s)
+        + policy_problems(spec, s, namespace)
+        + path_problems(spec, s)
+        + output_problems(spec)
+        + image_problems(spec, s)
     )
+
+
+def policy_problems(spec: RLJobSpec, s: OperatorSettings, namespace: str) -> list[str]:
+    """What ``spec.cluster`` asks for beyond its namespace's policy (``OperatorSettings.job_policy``):
+    a priority class, node selector, toleration, queue or volume claim the cluster's admin did not
+    list for this tenant. Unchecked, a tenant with only RLJob rights could schedule onto the control
+    plane's nodes, preempt other teams (system-node-critical), use their queue or mount their data."""
+    policy, cluster, out = s.job_policy(namespace), spec.cluster, []
+    where = f"for namespace {namespace!r}" if namespace else "for this namespace"
+    how = "ask the cluster's admin to list it in the chart's tenants[].jobPolicy, or leave the field unset"
+
+    def refuse(field: str, value: object, allowed: list[Any]) -> None:
+        shown = ", ".join(repr(a) for a in allowed) or "none"
+        out.append(f"{field}: {value!r} is not allowed {where} (allowed: {shown}); {how}")
+
+    if cluster.priority_class is not None and cluster.priority_class not in policy.priority_classes:
+        refuse("spec.cluster.priorityClassName", cluster.priority_class, policy.priority_classes)
+    for group in ("generation", "training"):
+        pool = getattr(cluster, group)
+        if pool.node_selector is not None and pool.node_selector not in policy.node_selectors:
+            refuse(f"spec.cluster.{group}.nodeSelector", pool.node_selector, policy.node_selectors)
+        for i, toleration in enumerate(pool.tolerations or []):
+            if toleration not in policy.tolerations:
+                allowed = [t.model_dump(by_alias=True, exclude_none=True) for t in policy.tolerations]
+                refuse(
+                    f"spec.cluster.{group}.tolerations.{i}",
+                    toleration.model_dump(by_alias=True, exclude_none=True),
+                    allowed,
+                )
+    if cluster.queue is not None:
+        queue = f"{cluster.queue.scheduler}/{cluster.queue.name}"
+        if queue not in policy.queues:
+            refuse("spec.cluster.queue", queue, policy.queues)
+    if cluster.volume_claim is not None and cluster.volume_claim not in policy.volume_claims:
+        refuse("spec.cluster.volumeClaim", cluster.volume_claim, policy.volume_claims)
+    return out
 
 
 def placement_problems(spec: RLJobSpec, s: OperatorSettings) -> list[str]:

@@ -180,6 +180,8 @@ def _pod(
         ],
         "volumes": volumes,
         "securityContext": dict(POD_SECURITY),
+        # a job's code never calls the Kubernetes API: no token of its service account in its pods
+        "automountServiceAccountToken": False,
         **placement,
     }
     if s.service_account:
@@ -352,6 +354,7 @@ def _submitter(job: RLJob, s: OperatorSettings) -> dict[str, Any]:
         "restartPolicy": "Never",
         "containers": [container],
         "securityContext": dict(POD_SECURITY),
+        "automountServiceAccountToken": False,
     }
     if s.service_account:
         spec["serviceAccountName"] = s.service_account

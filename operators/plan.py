@@ -122,7 +122,7 @@ def plan(
     except ValidationError as err:
         return _fail_invalid(status, "; ".join(describe_errors(err)), now)
     spec = job.spec
-    refused = admission.problems(spec, settings)
+    refused = admission.problems(spec, settings, job.metadata.namespace)
     if refused:
         return _fail_invalid(status, "; ".join(refused), now)
     found = [

@@ -91,6 +91,35 @@ OPERATOR_PEER = _peer(
 KUBERAY_PEER = _peer("kuberay-system", **{"app.kubernetes.io/name": "kuberay-operator"})
 
 
+class JobPolicy(BaseModel):
+    """What a tenant's RLJobs may ask for in ``spec.cluster`` beyond the operator's defaults. Each
+    list is an allow-list; empty (the default) means the field must be left unset, so the job gets
+    the operator's own pools, no priority class, no queue and no volume."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    priority_classes: list[str] = Field(
+        default_factory=list, alias="priorityClasses", description="PriorityClass names it may set."
+    )
+    node_selectors: list[dict[str, str]] = Field(
+        default_factory=list,
+        alias="nodeSelectors",
+        description="Node selectors a pool may name, each exactly as listed (a label more or less is "
+        "another selector).",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations a pool may carry, each exactly as listed."
+    )
+    queues: list[str] = Field(
+        default_factory=list, description="Queues it may name, as '<scheduler>/<name>' (kueue/team-a)."
+    )
+    volume_claims: list[str] = Field(
+        default_factory=list,
+        alias="volumeClaims",
+        description="PersistentVolumeClaims (in its own namespace) it may mount at /runs.",
+    )
+
+
 class OperatorSettings(BaseSettings):
     """What an RLJob's ``spec.cluster`` leaves unset, plus the operator's own knobs."""
 
@@ -122,6 +151,17 @@ class OperatorSettings(BaseSettings):
         pattern=QUANTITY,
         description="Size limit of each pod's /data, the emptyDir the job works in (relative output_dir, "
         "downloads); a pod writing more is evicted. Checkpoints to keep go on spec.cluster.volumeClaim.",
+    )
+    job_policies: dict[str, JobPolicy] = Field(
+        default_factory=dict,
+        description="Per tenant namespace: what its RLJobs may ask for in spec.cluster (priority "
+        "classes, node selectors, tolerations, queues, volume claims); a namespace not listed gets "
+        "default_job_policy.",
+    )
+    default_job_policy: JobPolicy = Field(
+        default_factory=JobPolicy,
+        description="The policy of namespaces job_policies does not list; by default nothing beyond the "
+        "operator's own defaults.",
     )
     model_roots: list[str] = Field(
         default_factory=list,
@@ -203,6 +243,10 @@ class OperatorSettings(BaseSettings):
         if bad:
             raise ValueError(f"image prefixes must be non-empty, without surrounding spaces: {bad}")
         return value
+
+    def job_policy(self, namespace: str) -> JobPolicy:
+        """What RLJobs of ``namespace`` may ask for in ``spec.cluster``."""
+        return self.job_policies.get(namespace, self.default_job_policy)
 
     def image_prefixes(self) -> list[str]:
         """The allow-list of ``spec.cluster.image`` (``allowed_images``, else the default ``image``

@@ -151,6 +151,11 @@ class KubernetesJobStore:
                     f"namespace {tenant!r} of tenant {tenant!r} does not exist on the cluster; "
                     "a cluster admin must create it"
                 ) from None
+            if err.status == 403:  # the control plane may write RLJobs in the tenants' namespaces alone
+                raise TenantNamespaceMissing(
+                    f"namespace {tenant!r} of tenant {tenant!r} is not a tenant namespace of this "
+                    "installation (or does not exist); a cluster admin must add it (the chart's tenants[])"
+                ) from None
             raise
         return self._job(obj)
 

@@ -19,7 +19,7 @@ import resource
 import signal
 import subprocess
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,24 @@ SECRET_NAME = re.compile(
 )
 
 
+# where a driver's caches and Hugging Face files go: set per tenant (tenant_environment), never the
+# service's own (its stored Hugging Face token, a cache other tenants share)
+CACHE_ENV_NAMES = ("HF_HUB_CACHE", "HF_TOKEN_PATH", "HF_ASSETS_CACHE", "HF_XET_CACHE", "TRITON_CACHE_DIR")
+
+
+def tenant_environment(env: Mapping[str, str], cache: Path, hf_token: str | None) -> dict[str, str]:
+    """``env`` with a tenant's own caches: ``HOME``, ``XDG_CACHE_HOME`` and ``HF_HOME`` under
+    ``cache`` (a Hugging Face token stored in the service's home is not there), and ``HF_TOKEN``
+    only when the tenant's settings give one."""
+    out = {k: v for k, v in env.items() if k not in CACHE_ENV_NAMES and k != "HF_TOKEN"}
+    out.update(HOME=str(cache), XDG_CACHE_HOME=str(cache / ".cache"), HF_HOME=str(cache / "huggingface"))
+    if "HF_TOKEN" in env and hf_token is None:
+        out["HF_TOKEN"] = env["HF_TOKEN"]  # passed on purpose by the service's driver_env
+    if hf_token is not None:
+        out["HF_TOKEN"] = hf_token
+    return out
+
+
 def driver_environment(environ: Mapping[str, str], extra: Iterable[str] = ()) -> dict[str, str]:
     """The environment of a driver: the variables of ``environ`` that ``DRIVER_ENV_NAMES`` or
     ``DRIVER_ENV_PREFIXES`` name and whose names do not look like secrets (``SECRET_NAME``), and
@@ -97,18 +115,28 @@ class DriverProcess:
         self.started = started or (_start_time(pid) or "")
 
     @classmethod
-    def start(cls, argv: list[str], log: Path, cwd: Path, env: Mapping[str, str]) -> DriverProcess:
+    def start(
+        cls,
+        argv: list[str],
+        log: Path,
+        cwd: Path,
+        env: Mapping[str, str],
+        confine: Callable[[], None] | None = None,
+    ) -> DriverProcess:
         """Start ``argv`` in ``cwd`` with exactly ``env`` (:func:`driver_environment`) in a session
-        of its own, its output appended to ``log``."""
+        of its own, its output appended to ``log``; ``confine`` (:func:`confinement`) runs in the
+        child before exec."""
         with log.open("ab") as f:
             popen = subprocess.Popen(
                 argv,
+                stdin=subprocess.DEVNULL,  # no terminal to reach from a sandbox
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=cwd,
                 env=env,
                 umask=0o077,  # what it writes (checkpoints, logs) is its tenant's alone: 0600/0700
+                preexec_fn=confine,
             )
         return cls(popen.pid, popen)
 
@@ -131,10 +159,26 @@ class DriverProcess:
             return self.popen.poll()
         return None if _start_time(self.pid) == self.started else UNKNOWN_EXIT
 
+    def driver_pid(self) -> int:
+        """The driver's own pid: the process started, or, in a sandbox (bubblewrap, which does not
+        pass signals on), the first process below it that is not the sandbox."""
+        pid = self.pid
+        for _ in range(4):  # bwrap, its child in the new PID namespace, then the driver
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() != "bwrap":
+                    return pid
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                return pid
+            if not children:
+                return pid
+            pid = int(children[0])
+        return pid
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+                os.kill(self.driver_pid(), sig)
 
     def kill(self) -> None:
         """SIGKILL the driver's whole process group: its session holds the local Ray processes."""
@@ -181,15 +225,25 @@ class DriverLimits:
     resident_bytes: int | None = None  # memory its session's processes use together (PSS); None: any
 
 
-def confine(pid: int, tenant: str, limits: DriverLimits) -> None:
-    """Apply ``limits`` to a just-started driver, before it starts Ray (its imports take seconds)."""
-    with contextlib.suppress(ProcessLookupError):
-        if limits.memory_bytes:
-            resource.prlimit(pid, resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        # niceness relative to the service's own (raising it needs no privilege)
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + limits.nice))
-        if limits.cpus:
-            allowed = sorted(os.sched_getaffinity(0))
-            start = zlib.crc32(tenant.encode()) % len(allowed)  # tenants spread over the CPUs
-            picked = {allowed[(start + i) % len(allowed)] for i in range(min(limits.cpus, len(allowed)))}
-            os.sched_setaffinity(pid, picked)
+def confinement(tenant: str, limits: DriverLimits) -> Callable[[], None]:
+    """What a driver's process applies to itself between fork and exec (``Popen(preexec_fn=...)``),
+    so that everything it starts inherits it from its first instruction: the sandbox, the driver,
+    its Ray processes. Everything is computed here, in the service; the child only makes three
+    system calls (no lock, no import, nothing a thread of the service could hold)."""
+    memory = limits.memory_bytes
+    # niceness relative to the service's own (raising it needs no privilege)
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + limits.nice)
+    picked: set[int] = set()
+    if limits.cpus:
+        allowed = sorted(os.sched_getaffinity(0))
+        start = zlib.crc32(tenant.encode()) % len(allowed)  # tenants spread over the CPUs
+        picked = {allowed[(start + i) % len(allowed)] for i in range(min(limits.cpus, len(allowed)))}
+
+    def apply() -> None:
+        if memory:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        if picked:
+            os.sched_setaffinity(0, picked)
+
+    return apply

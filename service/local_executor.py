@@ -58,10 +58,12 @@ from service.driver_process import (
     UNKNOWN_EXIT,
     DriverLimits,
     DriverProcess,
-    confine,
+    confinement,
     driver_environment,
     sessions_memory,
+    tenant_environment,
 )
+from service.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 # a resume waits this long for the suspended driver to save its step and exit, then kills it
@@ -141,6 +143,8 @@ class LocalExecutor:
         driver_retries: int = 2,
         driver_env: Sequence[str] = (),
         max_drivers: int | None = None,
+        sandbox: Sandbox | None = None,
+        hf_token: Callable[[str], str | None] = lambda tenant: None,
     ) -> None:
         self.store, self.data_dir, self.poll_s = store, data_dir, poll_s
         self.driver_env = tuple(driver_env)  # names passed to drivers beyond driver_environment's own
@@ -148,6 +152,8 @@ class LocalExecutor:
         self.read_only = read_only or []  # the service's read-only roots (FP8RL_MODEL_ROOTS)
         self.limits = limits  # what a tenant's drivers may take of this machine
         self.max_drivers = max_drivers  # local drivers at once, every tenant's; None: no cap
+        self.sandbox = sandbox or Sandbox(None, "no sandbox asked for")
+        self.hf_token = hf_token  # a tenant's Hugging Face token, where its settings give one
         self._procs: dict[tuple[str, str], _Running] = {}
         self._lock = threading.Lock()
         self._starting = threading.Lock()  # one start at a time: a job is never started twice
@@ -238,8 +244,13 @@ class LocalExecutor:
         resume = run.checkpoints.exists() or run.metrics.exists()
         # in the tenant's directory: the job's relative paths resolve there (rljob.paths)
         env = driver_environment(os.environ, self.driver_env)  # read now: a setting may change
-        proc = DriverProcess.start(driver_command(run, job, resume), run.driver_log, cwd=home, env=env)
-        confine(proc.pid, job.tenant, self.limits(job.tenant))
+        cache = self.data_dir / "cache" / job.tenant  # the tenant's HOME and caches, not the service's
+        cache.mkdir(parents=True, exist_ok=True)
+        env = tenant_environment(env, cache, self.hf_token(job.tenant))
+        argv = self.sandbox.wrap(driver_command(run, job, resume), home=home, run=run.root, cache=cache)
+        proc = DriverProcess.start(
+            argv, run.driver_log, cwd=home, env=env, confine=confinement(job.tenant, self.limits(job.tenant))
+        )
         proc.save(run.driver_pid)
         now = time.time()
         running = _Running(

@@ -29,6 +29,7 @@ from service.executor import Executor
 from service.local_executor import LocalExecutor
 from service.problems import RETRY_AFTER_S, problem_response
 from service.routes import jobs, runs
+from service.sandbox import Sandbox
 from service.settings import Settings
 from service.store import SqlJobStore
 
@@ -99,6 +100,8 @@ def build_executor(settings: Settings, store: JobStore) -> Executor:
         driver_retries=settings.driver_retries,
         driver_env=settings.driver_env_names,
         max_drivers=settings.max_local_drivers,
+        sandbox=Sandbox.choose(settings.sandbox, settings.bwrap, settings.read_only_roots),
+        hf_token=settings.hf_token,
     )
 
 

@@ -40,6 +40,12 @@ class TenantLimits(BaseModel):
     max_job_seconds: int | None = Field(
         None, ge=0, description="Wall-clock limit of a local job's run (0: none)."
     )
+    hf_token_env: str | None = Field(
+        None,
+        pattern=r"^[A-Z_][A-Z0-9_]{0,127}$",
+        description="A variable of the service's environment holding this tenant's Hugging Face token: "
+        "its local drivers get it as HF_TOKEN (no other tenant's, and never the service's stored one).",
+    )
     max_stored_jobs: int | None = Field(None, ge=1, description="Jobs kept, every phase counted.")
     max_stored_bytes: int | None = Field(
         None, ge=1024, description="Bytes of the jobs kept (spec and status)."
@@ -197,6 +203,12 @@ class Settings(BaseSettings):
         description="Local drivers running at once, all tenants together (--store sql); more jobs wait "
         "Pending, oldest first, until one ends.",
     )
+    sandbox: Literal["auto", "bwrap", "off"] = Field(
+        "auto",
+        description="Local drivers in a bubblewrap sandbox (service.sandbox): auto = where bubblewrap runs "
+        "(fp8rl serve says at start when it does not); bwrap = refuse to start without it; off = none.",
+    )
+    bwrap: str = Field("bwrap", description="The bubblewrap program: a name on PATH or a path.")
     driver_nice: int = Field(
         10, ge=0, le=19, description="Scheduling priority of local drivers: below the service's own (0)."
     )
@@ -269,6 +281,11 @@ class Settings(BaseSettings):
             seconds or None,
             used * 2**20 if used else None,
         )
+
+    def hf_token(self, tenant: str) -> str | None:
+        """``tenant``'s Hugging Face token, from the variable its settings name (None: none)."""
+        name = self.tenant_limits.get(tenant, TenantLimits()).hf_token_env
+        return os.environ.get(name) if name else None
 
     def limits(self, tenant: str) -> Limits:
         """``tenant``'s caps: active jobs, their GPUs, and the jobs and bytes it keeps stored."""

@@ -121,14 +121,18 @@ def test_gpu_cluster_values_render_valid_objects_that_the_code_accepts(
     # the operator watches the two tenants through RoleBindings there, not cluster-wide
     args = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args
+    # and the control plane writes RLJobs there alone; it lists them cluster-wide
     assert {(b["metadata"]["namespace"], b["roleRef"]["name"]) for b in kinds["RoleBinding"]} == {
         ("team-a", "fp8rl-operator"),
         ("team-b", "fp8rl-operator"),
+        ("team-a", "fp8rl-api"),
+        ("team-b", "fp8rl-api"),
     }
     assert [b["metadata"]["name"] for b in kinds["ClusterRoleBinding"]] == [
-        "fp8rl-api",
+        "fp8rl-api-list",
         "fp8rl-operator-discovery",
     ]
+    assert rules(named(objects, "ClusterRole", "fp8rl-api-list")) == {("fp8rl.io", "rljobs", "list")}
 
     [ingress] = kinds["Ingress"]
     assert ingress["spec"]["tls"] == [{"hosts": ["fp8rl.example.com"], "secretName": "fp8rl-tls"}]
@@ -417,7 +421,7 @@ def test_a_cluster_wide_operator_is_an_explicit_choice() -> None:
     objects = render(values={"operator": {"clusterWide": True, "watchNamespaces": ["ignored"]}})
     validate_all(objects)
     assert set(operator_writes_by_namespace(objects)) == {"*"}
-    assert "RoleBinding" not in by_kind(objects)
+    assert "fp8rl-operator" not in {b["metadata"]["name"] for b in by_kind(objects).get("RoleBinding", [])}
     args = named(objects, "Deployment", "fp8rl-operator")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not any(a.startswith("--namespace") for a in args)  # `fp8rl operator` then watches all
     discovery = rules(named(objects, "ClusterRole", "fp8rl-operator-discovery"))
@@ -490,3 +494,59 @@ def test_a_placeholder_digest_is_refused_naming_the_key() -> None:
     # the example as shipped pins nothing it cannot know: its images are pulled by the tag it names
     for name in ("controlPlane", "operator", "worker"):
         assert not yaml.safe_load(GPU_VALUES.read_text())["images"][name].get("digest")
+
+
+def test_the_gpu_examples_rljob_passes_team_as_policy_and_not_team_bs(tmp_path: Path) -> None:
+    """examples/rljob-qwen-gpu.yaml asks for a priority class, node selectors, tolerations, a
+    queue and a volume; examples/helm-values-gpu.yaml lists them for team-a alone."""
+    from operators import admission
+
+    objects = render("--values", str(GPU_VALUES))
+    (tmp_path / "config.yaml").write_text(
+        named(objects, "ConfigMap", "fp8rl-operator")["data"]["config.yaml"]
+    )
+    settings = OperatorSettings.load(tmp_path / "config.yaml")
+    example = yaml.safe_load((ROOT / "examples" / "rljob-qwen-gpu.yaml").read_text())
+    spec = rl.spec_of(example)
+    assert admission.policy_problems(spec, settings, "team-a") == []
+    refused = admission.policy_problems(spec, settings, "team-b")
+    fields = sorted(p.split(":")[0] for p in refused)
+    assert fields == [
+        "spec.cluster.generation.nodeSelector",
+        "spec.cluster.generation.tolerations.0",
+        "spec.cluster.priorityClassName",
+        "spec.cluster.queue",
+        "spec.cluster.training.nodeSelector",
+        "spec.cluster.training.tolerations.0",
+        "spec.cluster.volumeClaim",
+    ]
+
+
+def test_a_namespace_the_chart_creates_has_a_quota_on_rljobs() -> None:
+    tenants = [
+        {"name": "team-a", "createNamespace": True, "resourceQuota": {"requests.nvidia.com/gpu": "16"}},
+        {"name": "team-b", "createNamespace": True},
+        {"name": "team-c"},  # not created by the chart: its quota is the cluster admin's
+    ]
+    objects = render(values={"tenants": tenants})
+    validate_all(objects)
+    quotas = {q["metadata"]["namespace"]: q["spec"]["hard"] for q in by_kind(objects)["ResourceQuota"]}
+    assert quotas == {
+        "team-a": {"count/rljobs.fp8rl.io": "1000", "requests.nvidia.com/gpu": "16"},
+        "team-b": {"count/rljobs.fp8rl.io": "1000"},
+    }
+
+
+def test_the_control_plane_writes_rljobs_only_in_the_tenants_namespaces() -> None:
+    objects = render(values={"tenants": [{"name": "team-a"}, {"name": "team-b"}]})
+    roles = {r["metadata"]["name"]: r for r in objects if r["kind"] in ("ClusterRole", "Role")}
+    writes: dict[str, set[tuple[str, str, str]]] = {}
+    for binding in [o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")]:
+        if not any(s["name"] == "fp8rl-api" for s in binding["subjects"]):
+            continue
+        where = binding["metadata"].get("namespace", "*") if binding["kind"] == "RoleBinding" else "*"
+        granted = {r for r in rules(roles[binding["roleRef"]["name"]]) if r[2] in WRITES}
+        if granted:
+            writes.setdefault(where, set()).update(granted)
+    assert set(writes) == {"team-a", "team-b"}  # no "*": no RLJob written in another namespace
+    assert ("fp8rl.io", "rljobs", "create") in writes["team-a"]

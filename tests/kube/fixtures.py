@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.kube import build, install
-from tests.kube.cluster import RESTRICTED, KubeCluster
+from tests.kube.cluster import KubeCluster
 from tests.kube.podnet import PodNetwork
 
 _names = itertools.count()
@@ -45,8 +45,9 @@ def kube(tmp_path_factory: pytest.TempPathFactory, podnet: PodNetwork) -> Iterat
 
 @pytest.fixture
 def tenant(kube: KubeCluster) -> str:
-    """A new tenant namespace that enforces Pod Security ``restricted``, as the chart makes them."""
-    return kube.namespace(f"tenant-{next(_names)}", {**RESTRICTED, "fp8rl.io/tenant": "true"})
+    """A new tenant namespace that enforces Pod Security ``restricted``, as the chart makes them,
+    where the control plane may write RLJobs (the RoleBinding the chart makes per tenant)."""
+    return install.add_tenant(kube, f"tenant-{next(_names)}")
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +70,7 @@ def operator(
 @pytest.fixture
 def second_tenant(kube: KubeCluster) -> str:
     """Another tenant namespace (``tenant`` is the first)."""
-    return kube.namespace(f"tenant-{next(_names)}", {**RESTRICTED, "fp8rl.io/tenant": "true"})
+    return install.add_tenant(kube, f"tenant-{next(_names)}")
 
 
 @pytest.fixture

@@ -36,8 +36,11 @@ CONTROL_PLANE_SA = f"system:serviceaccount:{NAMESPACE}:fp8rl-api"
 
 # the values a platform engineer would set for this cluster: its node pools' labels, KubeRay
 # 1.5.0's auth mode (it has no authOptions), images pulled as tagged (kwok pulls nothing)
+POLICIES = {"team-c": {"jobPolicy": {"volumeClaims": ["smollm2-models"]}}}
 VALUES: dict[str, Any] = {
-    "tenants": [{"name": t, "createNamespace": True} for t in TENANTS],
+    # team-c's jobs may mount its models volume (tests/kube/test_pretrained_rljob.py); no tenant's
+    # jobs may ask for anything else beyond the pools below (jobDefaults.jobPolicy: {})
+    "tenants": [{"name": t, "createNamespace": True, **POLICIES.get(t, {})} for t in TENANTS],
     "auth": {"tokens": TOKENS},
     "images": {"pullPolicy": "IfNotPresent"},
     "gpuPools": {
@@ -53,6 +56,22 @@ VALUES: dict[str, Any] = {
     },
     "monitoring": {"enabled": False},
 }
+
+
+def add_tenant(kube: KubeCluster, namespace: str) -> str:
+    """A tenant namespace added as the chart adds one (``tenants[]``): Pod Security ``restricted``,
+    and the RoleBinding that lets the control plane write RLJobs there (it may not elsewhere)."""
+    kube.namespace(namespace, {**RESTRICTED, "fp8rl.io/tenant": "true"})
+    kube.apply(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "fp8rl-api", "namespace": namespace},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "fp8rl-api"},
+            "subjects": [{"kind": "ServiceAccount", "name": "fp8rl-api", "namespace": NAMESPACE}],
+        }
+    )
+    return namespace
 
 
 def helm(kube: KubeCluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

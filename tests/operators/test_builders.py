@@ -445,3 +445,12 @@ def test_the_kuberay_crd_check_finds_auth_options() -> None:
     assert not builders.kuberay_knows_auth_options(crd)
     assert not builders.kuberay_knows_auth_options({"spec": {"versions": [{"name": "v1alpha1"}]}})
     assert not builders.kuberay_knows_auth_options({})
+
+
+def test_no_job_pod_mounts_a_service_account_token() -> None:
+    """A job's code never calls the Kubernetes API: head, workers and submitter carry no token,
+    with or without a service account named."""
+    for settings in (OperatorSettings(), OperatorSettings(ray_auth="secret", service_account="runner")):
+        templates = pod_templates(builders.rayjob(rl.RLJob.of(rljob()), settings))
+        assert len(templates) >= 3
+        assert all(t["spec"]["automountServiceAccountToken"] is False for t in templates)

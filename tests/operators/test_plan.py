@@ -32,7 +32,8 @@ from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.status import Condition, JobStatus, Progress
 
-SETTINGS = OperatorSettings()
+# every namespace may use the queue and the volume claim these cases name (operators.admission)
+SETTINGS = OperatorSettings(default_job_policy={"queues": ["kueue/q"], "volumeClaims": ["fp8rl-runs"]})
 NOW = datetime(2025, 6, 2, 12, 0, 0, tzinfo=UTC)  # the time the plan is made
 THEN = datetime(2025, 6, 1, 9, 30, 0, tzinfo=UTC)  # when earlier transitions happened
 SUSPEND_MESSAGE = "resume continues from the checkpoint"
@@ -176,7 +177,7 @@ class Case:
     configmap: dict[str, Any] | None
     want: list[Action]
     metrics: str | None = None
-    settings: OperatorSettings = field(default_factory=OperatorSettings)
+    settings: OperatorSettings = field(default_factory=lambda: SETTINGS)
     networkpolicy: dict[str, Any] | None = None
 
 
@@ -966,3 +967,42 @@ def test_the_drivers_word_decides_the_outcome_kuberay_could_not_read() -> None:
     [write] = [a for a in actions if isinstance(a, WriteStatus)]
     assert write.status.phase == "Failed" and write.status.reason == UNREAD
     assert "did not report every step done: its log is on the head pod" in write.status.message
+
+
+@pytest.mark.parametrize(
+    ("cluster", "field"),
+    [
+        ({"priorityClassName": "system-node-critical"}, "spec.cluster.priorityClassName"),
+        (
+            {"generation": {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}}},
+            "generation.nodeSelector",
+        ),
+        ({"training": {"tolerations": [{"operator": "Exists"}]}}, "spec.cluster.training.tolerations.0"),
+        ({"queue": {"scheduler": "kueue", "name": "other-team"}}, "spec.cluster.queue"),
+        ({"volumeClaim": "other-teams-data"}, "spec.cluster.volumeClaim"),
+    ],
+)
+def test_placement_beyond_the_tenants_policy_fails_naming_the_field(
+    cluster: dict[str, Any], field: str
+) -> None:
+    """Issue 49's attacks on scheduling: each refused (InvalidSpec, no RayJob) unless the namespace's
+    policy lists it."""
+    obj = rljob(cluster=cluster)
+    actions = plan(obj, Observed(), SETTINGS, now=NOW)
+    assert not any(isinstance(a, CreateRayJob) for a in actions)
+    [write] = [a for a in actions if isinstance(a, WriteStatus)]
+    assert write.status.reason == "InvalidSpec" and field in write.status.message, write.status.message
+    assert "tenants[].jobPolicy" in write.status.message
+    # listed for this namespace (and only there), the same ask is fine
+    listed = {
+        "priorityClassName": {"priorityClasses": ["system-node-critical"]},
+        "generation": {"nodeSelectors": [{"node-role.kubernetes.io/control-plane": ""}]},
+        "training": {"tolerations": [{"operator": "Exists"}]},
+        "queue": {"queues": ["kueue/other-team"]},
+        "volumeClaim": {"volumeClaims": ["other-teams-data"]},
+    }[next(iter(cluster))]
+    namespace = obj["metadata"]["namespace"]
+    allowed = OperatorSettings(job_policies={namespace: listed})
+    assert any(isinstance(a, CreateRayJob) for a in plan(obj, Observed(), allowed, now=NOW))
+    elsewhere = OperatorSettings(job_policies={"another-team": listed})
+    assert not any(isinstance(a, CreateRayJob) for a in plan(obj, Observed(), elsewhere, now=NOW))

@@ -16,7 +16,7 @@ import pytest
 from rljob import parse_spec
 from rljob.run_dir import RunDir
 from service.driver_process import DriverLimits, sessions_memory
-from service.local_executor import LocalExecutor
+from service.local_executor import LocalExecutor, run_dir
 from service.settings import Settings, auto_cpus, auto_resident_mb
 from service.store import SqlJobStore
 from tests.helpers import wait_for
@@ -86,6 +86,9 @@ def test_a_job_over_its_memory_limit_is_stopped_and_another_runs_on(
     used = int(hog.message.split("used ")[1].split(" MiB")[0])
     assert 200 < used < 1000, hog.message  # what it held: 400 MiB and the interpreter
     assert _phase(store, "fine") == "Succeeded"
+    # what a driver writes is its tenant's alone (umask 077)
+    written = run_dir(tmp_path, "team-a", "fine").metrics
+    assert written.stat().st_mode & 0o077 == 0, oct(written.stat().st_mode)
 
 
 def test_sessions_memory_counts_what_a_process_holds(tmp_path: Path) -> None:

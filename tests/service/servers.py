@@ -55,8 +55,12 @@ def serve(
     metrics_port = args[args.index("--metrics-port") + 1]
     cmd += ["--data-dir", str(data), *args]
     log_path = workdir / "serve.log"
+    tools_bwrap = Path(__file__).resolve().parents[2] / ".tools" / "bin" / "bwrap"  # make tools (.ci/tools)
+    sandbox = {"FP8RL_BWRAP": str(tools_bwrap)} if tools_bwrap.exists() else {}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, env={**os.environ, **sandbox, **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
     url = Served(f"http://127.0.0.1:{port}")
     url.pid, url.metrics = proc.pid, f"http://127.0.0.1:{metrics_port}"
 

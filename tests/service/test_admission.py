@@ -93,6 +93,9 @@ def test_paths_outside_the_tenant_are_refused_without_opening_them(
         [error] = r.json()["errors"]
         assert error["field"] == f"spec.{field}", (what, error)
         assert "leads outside the tenant's files" in error["message"]
+        # the tenant's directory is named without the service's host directories in it
+        told = error["message"].replace(value, "")  # less the path the tenant sent
+        assert "<data-dir>/tenants/team-a" in told and str(data) not in told
     assert not any(str(secret) in p or "passwd" in p or "team-b" in p for p in _opened), _opened
     # the same message whether the file exists or not: it tells the tenant nothing
     a = post(api, "x1", spec_with(field, "/nonexistent/file.jsonl")).json()["errors"][0]["message"]

@@ -84,9 +84,13 @@ def test_a_driver_sees_what_it_needs_and_none_of_the_services_secrets(
         seen: dict[str, str] = json.loads(dump.read_text())
     finally:
         executor.cancel(job)
-    assert {k: seen.get(k) for k in NEEDED if k != "PYTHONPATH"} == {
-        k: v for k, v in NEEDED.items() if k != "PYTHONPATH"
+    own = {"PYTHONPATH", "HOME", "HF_HOME"}  # the path set below; the tenant's own caches
+    assert {k: seen.get(k) for k in NEEDED if k not in own} == {
+        k: v for k, v in NEEDED.items() if k not in own
     }
+    # HOME and the Hugging Face cache are the tenant's, not the service's (its stored token is there)
+    cache = tmp_path / "cache" / "team-a"
+    assert seen["HOME"] == str(cache) and seen["HF_HOME"] == str(cache / "huggingface")
     assert seen["PYTHONPATH"] == f"{ROOT}:/opt/extra"
     leaked = sorted(set(SECRETS) & set(seen) - {"SECRET_X"})
     assert leaked == []
@@ -107,6 +111,11 @@ def test_the_allow_list_passes_families_but_not_secret_looking_names() -> None:
         "HUGGING_FACE_HUB_TOKEN": "x",
         "VLLM_API_KEY": "x",
         "CUDA_PASSWORD": "x",
+        # issue 49: names the filter missed
+        "RAY_APIKEY": "x",
+        "TORCH_PWD": "x",
+        "RAY_DSN": "x",
+        "RAY_REDIS_PASSWORDFILE": "x",
         "KUBERNETES_SERVICE_HOST": "10.0.0.1",
         "FP8RL_STORE": "sql",
         "FP8RL_DRIVER_ENV": "HF_TOKEN",

@@ -28,7 +28,7 @@ import pytest
 
 from tests.helpers import tiny_spec
 from tests.kube import install
-from tests.kube.cluster import RESTRICTED, KubeCluster
+from tests.kube.cluster import KubeCluster
 from tests.service import servers
 
 TOKENS = {
@@ -58,7 +58,7 @@ def serve(workdir: Path, kubeconfig: Path, ready: str) -> Any:
 def server(tmp_path_factory: pytest.TempPathFactory, kube: KubeCluster, chart: Path) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("serve")
     for namespace in ("gen-client-a", "gen-client-b"):
-        kube.namespace(namespace, RESTRICTED)
+        install.add_tenant(kube, namespace)
     kubeconfig = kube.token_kubeconfig(workdir / "api.kubeconfig", install.NAMESPACE, "fp8rl-api")
     with serve(workdir, kubeconfig, "/readyz") as url:
         yield url
