@@ -69,12 +69,13 @@ ARG SETUPTOOLS_VERSION
 ENV DEBIAN_FRONTEND=noninteractive
 # gcc/g++ and the Python headers: Triton and torch.compile compile launchers at run time (and
 # reasoning-gym's pycosat builds from source); wget: KubeRay's health probes; libibverbs and its
-# providers: NCCL over InfiniBand/RoCE.
+# providers: NCCL over InfiniBand/RoCE; bubblewrap: the sandbox of `fp8rl serve`'s local drivers
+# (the chart's store "sql"; service/sandbox.py), where the pod may make user namespaces.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
         python3 python3-dev python3-venv gcc g++ libc6-dev \
-        wget ca-certificates libibverbs1 ibverbs-providers \
+        wget ca-certificates libibverbs1 ibverbs-providers bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 # Ray's images run as uid 1000 (group users, 100), and so do the operator's pods

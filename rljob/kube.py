@@ -30,6 +30,7 @@ from rljob.jobs import (
     JobExists,
     JobNotFound,
     Limits,
+    OverLimit,
     TenantNamespaceMissing,
     check_limits,
     check_storage,
@@ -151,12 +152,19 @@ class KubernetesJobStore:
                     f"namespace {tenant!r} of tenant {tenant!r} does not exist on the cluster; "
                     "a cluster admin must create it"
                 ) from None
-            if err.status == 403:  # the control plane may write RLJobs in the tenants' namespaces alone
+            said = str(err.body or "")
+            if err.status == 403 and "exceeded quota" in said:
+                raise OverLimit(
+                    f"the namespace's ResourceQuota allows no more RLJobs for tenant {tenant!r}; delete "
+                    "finished or cancelled jobs first"
+                ) from None
+            if err.status == 403 and "cannot create resource" in said:
+                # the control plane may write RLJobs in the tenants' namespaces alone (RBAC)
                 raise TenantNamespaceMissing(
                     f"namespace {tenant!r} of tenant {tenant!r} is not a tenant namespace of this "
                     "installation (or does not exist); a cluster admin must add it (the chart's tenants[])"
                 ) from None
-            raise
+            raise  # anything else, a quota not counted yet among them: 503, try again
         return self._job(obj)
 
     def get(self, tenant: str, name: str) -> Job:

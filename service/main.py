@@ -122,13 +122,14 @@ def create_app(
     (``settings.metrics_port``) open as long. Either way ``app.state.metrics`` is the registry of
     the control plane's series.
     """
+    tokens_path = None
     if tokens is None:
         if settings.tokens_file is None:
             raise ValueError("no tokens: pass --tokens-file (or FP8RL_TOKENS_FILE) with {token: tenant}")
-        tokens = load_tokens(settings.tokens_file)
+        tokens, tokens_path = load_tokens(settings.tokens_file), settings.tokens_file
     store = store if store is not None else build_store(settings)
     owned = build_executor(settings, store) if run_jobs and executor is None else None
-    auth = TokenAuth(tokens)
+    auth = TokenAuth(tokens, tokens_path)  # read again when the file changes
     registry = metrics_port.registry(store, lambda: auth.tenants)
     exporter = (
         metrics_port.MetricsServer(registry, settings.host, settings.metrics_port) if run_jobs else None

@@ -522,7 +522,7 @@ def test_the_gpu_examples_rljob_passes_team_as_policy_and_not_team_bs(tmp_path: 
     ]
 
 
-def test_a_namespace_the_chart_creates_has_a_quota_on_rljobs() -> None:
+def test_a_namespace_the_chart_creates_has_a_quota() -> None:
     tenants = [
         {"name": "team-a", "createNamespace": True, "resourceQuota": {"requests.nvidia.com/gpu": "16"}},
         {"name": "team-b", "createNamespace": True},
@@ -531,10 +531,8 @@ def test_a_namespace_the_chart_creates_has_a_quota_on_rljobs() -> None:
     objects = render(values={"tenants": tenants})
     validate_all(objects)
     quotas = {q["metadata"]["namespace"]: q["spec"]["hard"] for q in by_kind(objects)["ResourceQuota"]}
-    assert quotas == {
-        "team-a": {"count/rljobs.fp8rl.io": "1000", "requests.nvidia.com/gpu": "16"},
-        "team-b": {"count/rljobs.fp8rl.io": "1000"},
-    }
+    default = {"pods": "1000", "count/configmaps": "2000", "count/secrets": "2000"}
+    assert quotas == {"team-a": {**default, "requests.nvidia.com/gpu": "16"}, "team-b": default}
 
 
 def test_the_control_plane_writes_rljobs_only_in_the_tenants_namespaces() -> None:

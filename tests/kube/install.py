@@ -7,10 +7,12 @@ and "run" by kwok; nothing runs in them, which is why the processes run here.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,10 +38,15 @@ CONTROL_PLANE_SA = f"system:serviceaccount:{NAMESPACE}:fp8rl-api"
 
 # the values a platform engineer would set for this cluster: its node pools' labels, KubeRay
 # 1.5.0's auth mode (it has no authOptions), images pulled as tagged (kwok pulls nothing)
-POLICIES = {"team-c": {"jobPolicy": {"volumeClaims": ["smollm2-models"]}}}
+# team-a's policy is the GPU example's (what examples/rljob-qwen-gpu.yaml asks for)
+_GPU_TENANTS = yaml.safe_load((ROOT / "examples" / "helm-values-gpu.yaml").read_text())["tenants"]
+POLICIES = {
+    "team-a": {"jobPolicy": next(t["jobPolicy"] for t in _GPU_TENANTS if t["name"] == "team-a")},
+    "team-c": {"jobPolicy": {"volumeClaims": ["smollm2-models"]}},
+}
 VALUES: dict[str, Any] = {
-    # team-c's jobs may mount its models volume (tests/kube/test_pretrained_rljob.py); no tenant's
-    # jobs may ask for anything else beyond the pools below (jobDefaults.jobPolicy: {})
+    # team-a's jobs may ask for what the GPU example asks for, team-c's may mount its models volume
+    # (tests/kube/test_pretrained_rljob.py); nothing else beyond the pools below (jobDefaults.jobPolicy)
     "tenants": [{"name": t, "createNamespace": True, **POLICIES.get(t, {})} for t in TENANTS],
     "auth": {"tokens": TOKENS},
     "images": {"pullPolicy": "IfNotPresent"},
@@ -91,7 +98,27 @@ def install(
     path = workdir / "values.yaml"
     path.write_text(yaml.safe_dump(values or VALUES))
     helm(kube, "install", RELEASE, str(chart), "-n", NAMESPACE, "-f", str(path), "--wait", "--timeout=180s")
+    wait_for_quotas(kube)
     return path
+
+
+def wait_for_quotas(kube: KubeCluster, timeout: float = 60.0) -> None:
+    """Until the quota controller has counted what every tenant namespace's ResourceQuota (the
+    chart's ``tenantQuota``) names: before that the API server refuses to create those objects
+    there ("status unknown for quota")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = json.loads(kube.kubectl("get", "resourcequota", "-A", "-o", "json").stdout)
+        pending = [
+            f"{q['metadata']['namespace']}/{q['metadata']['name']}"
+            for q in out["items"]
+            if set(q["spec"].get("hard", {})) - set((q.get("status") or {}).get("used", {}))
+        ]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"quotas not counted after {timeout:.0f} s: {pending}")
+        time.sleep(1)
 
 
 @dataclass

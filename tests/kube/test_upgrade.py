@@ -76,6 +76,7 @@ def helm_release(kube: KubeCluster, verb: str, chart: Path, workdir: Path, poll_
     path = workdir / f"values-{verb}-{poll_seconds}.yaml"
     path.write_text(yaml.safe_dump(values(poll_seconds)))
     install.helm(kube, verb, RELEASE, str(chart), "-n", NS, "-f", str(path), "--wait", "--timeout=180s")
+    install.wait_for_quotas(kube)
 
 
 def test_helm_upgrade_from_0_1_0_runs_the_jobs_made_under_it_and_keeps_a_running_one_running(

@@ -54,8 +54,13 @@ def auth(token: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serve(tmp_path_factory.mktemp("hostile"), TOKENS, env=ENV) as url:
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hostile")
+
+
+@pytest.fixture(scope="module")
+def service(workdir: Path) -> Iterator[Served]:
+    with serve(workdir, TOKENS, env=ENV) as url:
         # a job of alice's that other tenants' attacks must never disturb
         made = httpx.post(f"{url}/v1/jobs", json={"name": "keep", "spec": CHEAP}, headers=auth(ALICE))
         assert made.status_code == 201, made.text
@@ -65,6 +70,12 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def post_raw(url: str, token: str, body: str) -> httpx.Response:
     headers = {**auth(token), "Content-Type": "application/json"}
     return httpx.post(f"{url}/v1/jobs", content=body.encode(), headers=headers, timeout=30)
+
+
+def test_serve_says_at_start_that_its_drivers_are_sandboxed(service: Served, workdir: Path) -> None:
+    # bubblewrap comes from make tools (.ci/tools); tests/service/servers.py hands it to the service
+    log = (workdir / "serve.log").read_text()
+    assert "fp8rl serve: local drivers run in a bubblewrap sandbox" in log, log[-2000:]
 
 
 # -- 1. one number must not stop the service -------------------------------------------------------
