@@ -14,7 +14,11 @@ Suspend sends SIGINT, which the driver answers by checkpointing after the curren
 starts the driver again with ``--resume``.
 
 Drivers get a minimal environment, not the service's (``service.driver_process.driver_environment``:
-what the driver and its runtimes read, never the service's secrets; ``driver_env`` adds names).
+what the driver and its runtimes read, never the service's secrets; ``driver_env`` adds names),
+with their tenant's own HOME and caches, and run in a sandbox where one is available
+(``service.sandbox``). At most ``max_drivers`` run at once; other jobs wait Pending, oldest first.
+A running job over its wall-clock or resident-memory limit (``DriverLimits``) is stopped, Failed
+and resumable.
 
 Drivers outlive a restart of the service (``service.driver_process``). On start, a job left
 Starting/Running by a previous service process is re-attached if its driver still runs: it is
