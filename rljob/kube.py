@@ -137,8 +137,7 @@ class KubernetesJobStore:
                 for obj in items
             )
             check_storage(tenant, len(items), size, len(json.dumps(body["spec"])), limits)
-            active = [j for j in self._valid(items) if j.status.phase in ACTIVE]
-            check_limits(tenant, spec, len(active), sum(gpus_of(j.spec) for j in active), limits)
+            check_limits(tenant, spec, *self._usage_of(items), limits)
 
         try:
             obj = cast(
@@ -247,8 +246,11 @@ class KubernetesJobStore:
             self._objects.delete_namespaced_custom_object(*self._args(tenant), name)
 
     def usage(self, tenant: str) -> tuple[int, int]:
-        active = self._valid(self._list(tenant))
-        active = [j for j in active if j.status.phase in ACTIVE]
+        return self._usage_of(self._list(tenant))
+
+    def _usage_of(self, items: list[dict[str, Any]]) -> tuple[int, int]:
+        """(active jobs, GPUs they request) among ``items``, RLJobs as listed."""
+        active = [j for j in self._valid(items) if j.status.phase in ACTIVE]
         return len(active), sum(gpus_of(j.spec) for j in active)
 
     def ping(self) -> None:

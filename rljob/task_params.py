@@ -68,12 +68,8 @@ def _value_problems(value: Any, where: str, depth: int = 0) -> list[tuple[str, s
         return [(where, f"nested more than {MAX_DEPTH} levels deep")]
     if value is None or isinstance(value, bool):
         return []
-    if isinstance(value, int):
-        if abs(value) > LIST_NUMBER_CAP and depth > 0:
-            return [(where, f"{value} is over {LIST_NUMBER_CAP:g} in magnitude")]
-        return []
-    if isinstance(value, float):
-        if not math.isfinite(value):
+    if isinstance(value, int | float):
+        if isinstance(value, float) and not math.isfinite(value):
             return [(where, f"{value} is not a finite number")]
         if abs(value) > LIST_NUMBER_CAP and depth > 0:
             return [(where, f"{value} is over {LIST_NUMBER_CAP:g} in magnitude")]

@@ -94,6 +94,12 @@ def driver_environment(environ: Mapping[str, str], extra: Iterable[str] = ()) ->
     return {k: v for k, v in environ.items() if passed(k)}
 
 
+def _stat_fields(stat: str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after ``pid (comm)`` (field 3 onwards): comm may hold
+    spaces and parentheses, so the split starts after its last ``)``."""
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def _start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), or None
     if there is no such process or it has exited (a zombie)."""
@@ -101,7 +107,7 @@ def _start_time(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+    fields = _stat_fields(stat)
     if fields[0] in ("Z", "X"):
         return None
     return fields[19]
@@ -202,7 +208,7 @@ def sessions_memory(sessions: Iterable[int]) -> dict[int, int]:
             continue
         try:
             stat = (entry / "stat").read_text()
-            sid = int(stat[stat.rindex(")") + 2 :].split()[3])  # field 6: the session id
+            sid = int(_stat_fields(stat)[3])  # field 6: the session id
             if sid not in wanted:
                 continue
             for line in (entry / "smaps_rollup").read_text().splitlines():

@@ -259,19 +259,22 @@ class Settings(BaseSettings):
         """Where a tenant's jobs run and its relative paths resolve (``rljob.paths.tenant_home``)."""
         return paths.tenant_home(self.data_dir, tenant)
 
+    def limit(self, tenant: str, name: str) -> int:
+        """Setting ``name`` for ``tenant``: its own (``FP8RL_TENANT_LIMITS``) where set, else the
+        service-wide one."""
+        own = getattr(self.tenant_limits.get(tenant, TenantLimits()), name)
+        return int(own if own is not None else getattr(self, name))
+
     def caps(self, tenant: str) -> dict[str, int]:
         """The size caps of ``tenant``'s jobs (``CAPS``)."""
-        own = self.tenant_limits.get(tenant, TenantLimits())
-        names = CAPS
-        return {n: getattr(own, n) if getattr(own, n) is not None else getattr(self, n) for n in names}
+        return {name: self.limit(tenant, name) for name in CAPS}
 
     def driver_limits(self, tenant: str) -> DriverLimits:
         """What each of ``tenant``'s local drivers may take (memory, CPUs, priority, wall clock)."""
-        own = self.tenant_limits.get(tenant, TenantLimits())
-        mib = own.max_memory_mb if own.max_memory_mb is not None else self.max_memory_mb
-        cpus = own.max_cpus if own.max_cpus is not None else self.max_cpus
-        seconds = own.max_job_seconds if own.max_job_seconds is not None else self.max_job_seconds
-        used = own.max_resident_mb if own.max_resident_mb is not None else self.max_resident_mb
+        mib = self.limit(tenant, "max_memory_mb")
+        seconds = self.limit(tenant, "max_job_seconds")
+        used = self.limit(tenant, "max_resident_mb")
+        cpus = self.limit(tenant, "max_cpus")
         used = auto_resident_mb() if used == AUTO else used
         cpus = auto_cpus() if cpus == AUTO else cpus
         return DriverLimits(
@@ -289,12 +292,5 @@ class Settings(BaseSettings):
 
     def limits(self, tenant: str) -> Limits:
         """``tenant``'s caps: active jobs, their GPUs, and the jobs and bytes it keeps stored."""
-        own = self.tenant_limits.get(tenant, TenantLimits())
-
-        def pick(name: str) -> int:
-            value = getattr(own, name)
-            return int(value if value is not None else getattr(self, name))
-
-        return Limits(
-            pick("max_concurrent_jobs"), pick("max_gpus"), pick("max_stored_jobs"), pick("max_stored_bytes")
-        )
+        names = ("max_concurrent_jobs", "max_gpus", "max_stored_jobs", "max_stored_bytes")
+        return Limits(*(self.limit(tenant, name) for name in names))

@@ -43,7 +43,7 @@ from rljob.jobs import (
     check_storage,
     gpus_of,
 )
-from rljob.spec import JobSpec
+from rljob.spec import JobSpec, describe_errors
 from rljob.status import ACTIVE, JobStatus, Phase
 
 _SCHEMA = """
@@ -85,9 +85,7 @@ def _unreadable(name: str, problem: str) -> InvalidRecord:
 
 def _problem(err: Exception) -> str:
     if isinstance(err, ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '(record)'}: {e['msg']}" for e in err.errors()
-        )
+        return "; ".join(describe_errors(err))
     return f"{type(err).__name__}: {err}"
 
 

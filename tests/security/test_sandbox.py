@@ -57,6 +57,30 @@ out.write_text(json.dumps(seen))
 """
 
 
+def _probe(
+    data: Path, shared: Path, targets: dict[str, Any], monkeypatch: pytest.MonkeyPatch, bwrap: str
+) -> dict[str, Any]:
+    """Run ``_PROBE`` as team-a's driver, sandboxed with ``shared`` as a read-only root, on
+    ``targets``; what it reported."""
+
+    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
+        return [sys.executable, "-c", _PROBE, str(run.root / "seen.json"), json.dumps(targets)]
+
+    monkeypatch.setattr("service.local_executor.driver_command", command)
+    store = SqlJobStore(data / "jobs.sqlite")
+    sandbox = Sandbox.choose("bwrap", bwrap, [shared])
+    executor = LocalExecutor(store, data, poll_s=0.1, read_only=[shared], sandbox=sandbox, driver_retries=0)
+    executor.start()
+    try:
+        executor.submit(store.create("team-a", "probe", parse_spec({"steps": 1})))
+        seen_file = run_dir(data, "team-a", "probe").root / "seen.json"
+        wait_for(seen_file.exists, "the probe to report", timeout=60)
+    finally:
+        executor.shutdown()
+    seen: dict[str, Any] = json.loads(seen_file.read_text())
+    return seen
+
+
 @pytest.fixture
 def bwrap() -> str:
     return str(tool("bwrap"))
@@ -81,7 +105,7 @@ def test_a_hostile_driver_sees_nothing_of_the_service(
     (other / "metrics.jsonl").write_text("{}")
     (data / "tenants" / "team-a").mkdir(parents=True)
     (data / "tenants" / "team-a" / "mine.jsonl").write_text("{}")
-    store = SqlJobStore(data / "jobs.sqlite")
+    SqlJobStore(data / "jobs.sqlite").close()  # the service's database, one of the targets
     targets = {
         "read": {
             "tokens": str(tokens),
@@ -100,20 +124,7 @@ def test_a_hostile_driver_sees_nothing_of_the_service(
         "service_pid": os.getpid(),
     }
 
-    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
-        return [sys.executable, "-c", _PROBE, str(run.root / "seen.json"), json.dumps(targets)]
-
-    monkeypatch.setattr("service.local_executor.driver_command", command)
-    sandbox = Sandbox.choose("bwrap", bwrap, [shared])
-    executor = LocalExecutor(store, data, poll_s=0.1, read_only=[shared], sandbox=sandbox, driver_retries=0)
-    executor.start()
-    try:
-        executor.submit(store.create("team-a", "probe", parse_spec({"steps": 1})))
-        seen_file = run_dir(data, "team-a", "probe").root / "seen.json"
-        wait_for(seen_file.exists, "the probe to report", timeout=60)
-    finally:
-        executor.shutdown()
-    seen = json.loads(seen_file.read_text())
+    seen = _probe(data, shared, targets, monkeypatch, bwrap)
     # expected: every file of the service or another tenant absent from its view
     for name in ("tokens", "database", "other_tenant_run", "service_hf_token", "service_environ"):
         assert seen[name] in ("FileNotFoundError", "PermissionError"), (name, seen)
@@ -149,21 +160,7 @@ def test_a_sandboxed_read_of_files_under_tmp_works(
         "service_pid": os.getpid(),
     }
 
-    def command(run: RunDir, job: Any, resume: bool) -> list[str]:
-        return [sys.executable, "-c", _PROBE, str(run.root / "seen.json"), json.dumps(targets)]
-
-    monkeypatch.setattr("service.local_executor.driver_command", command)
-    store = SqlJobStore(data / "jobs.sqlite")
-    sandbox = Sandbox.choose("bwrap", bwrap, [shared])
-    executor = LocalExecutor(store, data, poll_s=0.1, read_only=[shared], sandbox=sandbox, driver_retries=0)
-    executor.start()
-    try:
-        executor.submit(store.create("team-a", "probe", parse_spec({"steps": 1})))
-        seen_file = run_dir(data, "team-a", "probe").root / "seen.json"
-        wait_for(seen_file.exists, "the probe to report", timeout=60)
-    finally:
-        executor.shutdown()
-    seen = json.loads(seen_file.read_text())
+    seen = _probe(data, shared, targets, monkeypatch, bwrap)
     assert seen["own_home"] == "read" and seen["shared"] == "read", seen
 
 
