@@ -21,7 +21,6 @@ from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.crd import openapi_to_jsonschema
 from rljob.jobs import Limits
-from service.auth import load_tokens
 from service.settings import Settings
 from tests.helm.tools import CHART, ROOT, by_kind, render, render_error, run, tool, validate_monitoring
 
@@ -200,13 +199,12 @@ def test_ingress_toggle() -> None:
     )
 
 
-def test_tokens_secret_generated_given_or_existing(tmp_path: Path) -> None:
+def test_tokens_secret_given_or_existing_and_never_minted_without_a_cluster() -> None:
     tenants = [{"name": "team-a", "createNamespace": True}, {"name": "team-b"}]
-    # generated: one token per tenant, in the format the control plane loads
-    [secret] = by_kind(render(values={"tenants": tenants}))["Secret"]
-    (tmp_path / "tokens.yaml").write_bytes(base64.b64decode(secret["data"]["tokens.yaml"]))
-    tokens = load_tokens(tmp_path / "tokens.yaml")
-    assert sorted(tokens.values()) == ["team-a", "team-b"] and all(len(t) >= 16 for t in tokens)
+    # generated: only against a cluster that keeps them (tests/kube/test_upgrade.py); a render
+    # without one (helm template, a GitOps tool) would mint new tokens each time, so it is refused
+    error = render_error(values={"tenants": tenants, "auth": {"tokens": {}}})
+    assert "auth: no cluster to keep generated tokens in" in error and "auth.existingSecret" in error
     # given
     given = {"a-very-long-token-for-a": "team-a"}
     [secret] = by_kind(render(values={"tenants": tenants, "auth": {"tokens": given}}))["Secret"]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helm.tools import CHART, ROOT, TOOLS, run, tool
+from tests.helm.tools import CHART, OFFLINE_AUTH, ROOT, TOOLS, run, tool
 
 CHECKOV_VERSION = "3.3.30"
 GPU_VALUES = ROOT / "examples" / "helm-values-gpu.yaml"
@@ -73,7 +73,10 @@ def checkov() -> str:
 
 def render_text(args: list[str]) -> str:
     """``helm template`` of the chart as the GPU guide runs it (release fp8rl in fp8rl-system)."""
-    done = run([tool("helm"), "template", "fp8rl", str(CHART), "--namespace", "fp8rl-system", *args])
+    offline = ["--set-json", f"auth.tokens={json.dumps(OFFLINE_AUTH['tokens'])}"]  # none minted offline
+    done = run(
+        [tool("helm"), "template", "fp8rl", str(CHART), "--namespace", "fp8rl-system", *offline, *args]
+    )
     assert done.returncode == 0, f"helm template {' '.join(args)} failed:\n{done.stderr}"
     return done.stdout
 

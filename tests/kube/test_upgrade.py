@@ -2,6 +2,8 @@
 ``tests/kube/data``) to this one, on a cluster of its own (its CRDs are 0.1.0's, as on a real
 cluster that ran that release):
 
+0. This chart mints the tokens Secret only when rendered against the cluster (``helm template``
+   without one, as a GitOps tool renders, is refused).
 1. Under 0.1.0 an RLJob is made. Nothing runs it: the chart's operator role has no ``get`` on
    ConfigMaps (the API server says so).
 2. ``helm upgrade``: the roles are fixed, but helm does not update CRDs, and this operator writes
@@ -9,6 +11,7 @@ cluster that ran that release):
    once the CRD is applied as it says, it starts and runs the job made under 0.1.0.
 3. ``helm upgrade`` again, with changed values, while the job runs: the operator's pod restarts
    with the new config, and the job keeps running, its RayJob, Ray cluster and pods untouched.
+   The tokens 0.1.0 generated are kept through both upgrades.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import base64
+
 import pytest
 import yaml
 
+from service.auth import load_tokens
 from tests.helm.tools import CHART
 from tests.helpers import wait_for
 from tests.kube import build, install
@@ -56,6 +62,15 @@ def values(poll_seconds: int) -> dict[str, Any]:
     return chosen
 
 
+def tokens(kube: KubeCluster, workdir: Path) -> dict[str, str]:
+    """The tokens the chart generated into its Secret, as the control plane loads them."""
+    secret = kube.get("secret", f"{RELEASE}-fp8rl-tokens", NS)
+    assert secret is not None, "the chart generated no tokens Secret"
+    path = workdir / "tokens.yaml"
+    path.write_bytes(base64.b64decode(secret["data"]["tokens.yaml"]))
+    return load_tokens(path)
+
+
 def can_i(kube: KubeCluster, verb: str, resource: str) -> bool:
     done = kube.kubectl("auth", "can-i", verb, resource, f"--as={OPERATOR}", "-n", TENANT, check=False)
     return done.stdout.strip() == "yes"
@@ -84,13 +99,30 @@ def test_helm_upgrade_from_0_1_0_runs_the_jobs_made_under_it_and_keeps_a_running
 ) -> None:
     kube, podnet = fresh
     kube.namespace(NS, RESTRICTED)
+    # this chart mints tokens only where the cluster keeps them: rendered against the cluster,
+    # one per tenant; rendered without it (helm template, a GitOps tool), refused
+    path = tmp_path / "values-render.yaml"
+    path.write_text(yaml.safe_dump(values(1)))
+    render = ["template", RELEASE, str(CHART), "-n", NS, "-f", str(path)]
+    [secret] = [
+        doc
+        for doc in yaml.safe_load_all(install.helm(kube, *render, "--dry-run=server").stdout)
+        if doc and doc["kind"] == "Secret"
+    ]
+    (tmp_path / "rendered.yaml").write_bytes(base64.b64decode(secret["data"]["tokens.yaml"]))
+    assert list(load_tokens(tmp_path / "rendered.yaml").values()) == [TENANT]
+    offline = install.helm(kube, *render, check=False)
+    assert offline.returncode != 0 and "no cluster to keep generated tokens in" in offline.stderr
     helm_release(kube, "install", PREVIOUS, tmp_path, 1)
     assert not can_i(kube, "get", "configmaps")  # 0.1.0's defect, as the API server decides it
+    generated = tokens(kube, tmp_path)  # auth.tokens empty: one per tenant, minted on install
+    assert list(generated.values()) == [TENANT] and all(len(t) >= 16 for t in generated)
     jobs = Jobs(kube, TENANT, tenant_kubeconfig(kube, TENANT, tmp_path))
     jobs.apply("carried", TINY)
 
     # the upgrade: roles fixed; the CRD is still 0.1.0's, and the operator says what to do
     helm_release(kube, "upgrade", CHART, tmp_path, 1)
+    assert tokens(kube, tmp_path) == generated  # kept: the upgrade read them back (lookup)
     assert can_i(kube, "get", "configmaps") and not can_i(kube, "get", "secrets")
     assert (kube.get("namespace", TENANT) or {})["metadata"]["labels"][
         "pod-security.kubernetes.io/enforce"
@@ -125,6 +157,7 @@ def test_helm_upgrade_from_0_1_0_runs_the_jobs_made_under_it_and_keeps_a_running
     helm_release(kube, "upgrade", CHART, tmp_path, 2)
     config = install.operator_config(kube, tmp_path, "prev-fp8rl-operator", NS)
     assert yaml.safe_load(config.read_text())["poll_seconds"] == 2
+    assert tokens(kube, tmp_path) == generated
     operator = install.start_operator(kube, tmp_path, podnet.url, (TENANT,), config, "upgraded", SA)
     try:
         driver.exporter.observe(step_row(2, 0.75))
