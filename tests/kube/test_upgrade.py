@@ -16,11 +16,10 @@ cluster that ran that release):
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import base64
 
 import pytest
 import yaml
