@@ -59,6 +59,8 @@ def structural(schema: dict[str, Any], defs: dict[str, Any], path: str = "") -> 
         if nullable:
             out["nullable"] = True
         return out
+    if "oneOf" in schema:
+        return _merged_variants(schema, defs, path)
     out = {k: v for k, v in schema.items() if k in _KEEP}
     if "const" in schema:
         out["enum"] = [schema["const"]]
@@ -90,6 +92,35 @@ def structural(schema: dict[str, Any], defs: dict[str, Any], path: str = "") -> 
             out["items"] = structural(schema.get("items", {}), defs, f"{path}[]")
     elif kind is None:
         raise SchemaError(f"{path or '(root)'}: no type")
+    return out
+
+
+def _merged_variants(schema: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """A discriminated union of objects (a grader: ``oneOf`` keyed by ``type``) as one object
+    schema: every variant's properties, the discriminator's values as one enum, only the
+    discriminator required. The API server checks each field's type; which fields go with which
+    variant is checked by the spec's models when the operator reads the object."""
+    key = schema.get("discriminator", {}).get("propertyName")
+    if key is None:
+        raise SchemaError(f"{path or '(root)'}: a union without a discriminator has no structural schema")
+    variants = [structural(o, defs, path) for o in schema["oneOf"]]
+    props: dict[str, Any] = {}
+    for variant in variants:
+        for name, prop in variant.get("properties", {}).items():
+            if name == key:
+                enum = props.setdefault(name, {"type": "string", "enum": []})["enum"]
+                enum += [v for v in prop.get("enum", []) if v not in enum]
+                continue
+            seen = props.get(name)
+            if seen is None:
+                props[name] = prop
+            elif seen.get("type") != prop.get("type"):
+                raise SchemaError(f"{path}.{name}: variants give it different types")
+            elif seen != prop:  # same type, other bounds or words: keep what all share
+                props[name] = {k: v for k, v in seen.items() if prop.get(k) == v and k != "description"}
+    out: dict[str, Any] = {"type": "object", "properties": props, "required": [key]}
+    if "description" in schema:
+        out["description"] = schema["description"]
     return out
 
 

@@ -32,7 +32,7 @@ REWARD_MEAN: Final = "reward/mean"
 REWARD_STD: Final = "reward/std"
 RESPONSE_LENGTH_MEAN: Final = "response_length/mean"
 # fractions of the step's responses that hit rollout.max_new_tokens without a stop id (scored as
-# cut) and from which no answer could be read in task.answer_format (scored 0; workers.answers): a
+# cut) and from which no answer could be read in task.answer_format (scored 0; workers.tasks.answers): a
 # high one means the reward measures the length limit or the format rather than the task
 RESPONSE_TRUNCATED_FRACTION: Final = "response/truncated_fraction"
 RESPONSE_UNREADABLE_FRACTION: Final = "response/unreadable_fraction"
@@ -314,6 +314,41 @@ RUN_COMPLETE = "fp8rl_run_complete"
 # (1, then 2, 3, ... after in-place retries, workers.driver_supervisor), and the exit code of the run
 # before it ("" for the first); the operator records each as an attempt on a reused cluster
 DRIVER_ATTEMPT = "fp8rl_driver_attempt"
+
+# Per grader (task.graders; a multi grader's children as "<multi>.<child>"), on every step line:
+# reward/<grader>/mean (its mean score), grader/<grader>/errors and grader/<grader>/timeouts (the
+# step's responses it failed on, scored 0), grader/<grader>/seconds (its time in the step; a multi
+# grader's formula alone). Prometheus: one family each with a grader label (GRADER_PROMETHEUS).
+GRADER_STATS = ("errors", "timeouts", "seconds")
+
+
+def grader_reward_key(grader: str) -> str:
+    """``reward/<grader>/mean``."""
+    return f"reward/{grader}/mean"
+
+
+def grader_stat_key(grader: str, stat: str) -> str:
+    """``grader/<grader>/<stat>`` (``stat`` in GRADER_STATS)."""
+    return f"grader/{grader}/{stat}"
+
+
+def grader_of_key(key: str) -> tuple[str, str] | None:
+    """(grader, what) of a per-grader key (what: mean, errors, timeouts, seconds); None otherwise."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "reward" and parts[2] == "mean":
+        return parts[1], "mean"
+    if len(parts) == 3 and parts[0] == "grader" and parts[2] in GRADER_STATS:
+        return parts[1], parts[2]
+    return None
+
+
+# what -> (Prometheus name, kind, help); series labelled job, namespace, recipe and grader
+GRADER_PROMETHEUS: dict[str, tuple[str, str, str]] = {
+    "mean": ("fp8rl_grader_reward_mean", "gauge", "Mean score of the last step's responses, by grader"),
+    "errors": ("fp8rl_grader_errors_total", "counter", "Responses a grader failed on (scored 0), by grader"),
+    "timeouts": ("fp8rl_grader_timeouts_total", "counter", "Responses a grader timed out on (scored 0)"),
+    "seconds": ("fp8rl_grader_seconds", "gauge", "Seconds a grader took in the last step"),
+}
 
 # fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
 # once a step has validated)

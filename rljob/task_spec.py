@@ -8,18 +8,19 @@ that needs the tokenizer's section (a chat template needs a Hugging Face tokeniz
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
+from rljob.graders import MAX_GRADERS, AnswerFormat, AnswerGrader, GraderKind, grader_name
 from rljob.spec_base import MAX_SEED, StrictModel
 from rljob.task_params import params_problems
 
-AnswerFormat = Literal["auto", "last-number", "first-line", "answer-tag", "boxed"]
+__all__ = ["AnswerFormat", "TaskSpec"]
 
 
 class TaskSpec(StrictModel):
-    """Prompts and rewards: a reasoning-gym generator, or a JSONL file of {question, answer}."""
+    """Prompts and rewards: a reasoning-gym generator or a data file, and the graders."""
 
     reasoning_gym: str | None = Field(
         "basic_arithmetic",
@@ -36,8 +37,25 @@ class TaskSpec(StrictModel):
     )
     dataset: str | None = Field(
         None,
-        description="JSONL file, one {question, answer} per line; replaces reasoning_gym (set only one "
-        "of the two).",
+        max_length=4096,
+        description="Data file: JSONL (.jsonl, one object a line), Parquet (.parquet) or a Hugging Face "
+        "`datasets` directory saved to disk. Each row has `question` or chat `messages`, plus any fields "
+        "the graders read (`answer` for the default grader). Replaces reasoning_gym (set only one).",
+    )
+    validation_dataset: str | None = Field(
+        None,
+        max_length=4096,
+        description="With `dataset`: the held-out rows come from this file (same formats), not from the "
+        "end of `dataset`; validation.size of them are used.",
+    )
+    grader: GraderKind | None = Field(
+        None, description="The grader (docs/job-spec.md: Graders). Set this or graders, not both."
+    )
+    graders: list[GraderKind] | None = Field(
+        None,
+        max_length=MAX_GRADERS,
+        description="Several graders: the reward is their weighted mean (each grader's `weight`). "
+        "Default (neither set): one `answer` grader from answer_format and format_reward.",
     )
 
     @property
@@ -79,6 +97,46 @@ class TaskSpec(StrictModel):
         "in [0, 1 + format_reward].",
     )
 
+    max_grader_error_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="A grader that fails (raises, times out, returns no number) scores that response 0 "
+        "and is counted; when it fails on more than this fraction of a step's responses, the job fails "
+        "with its error.",
+    )
+
+    def grader_list(self) -> list[Any]:
+        """The graders that score this task: ``grader``, ``graders``, or the default ``answer``
+        grader made of ``answer_format`` and ``format_reward``."""
+        if self.grader is not None:
+            return [self.grader]
+        if self.graders is not None:
+            return list(self.graders)
+        return [AnswerGrader(answer_format=self.answer_format, format_reward=self.format_reward)]
+
+    @model_validator(mode="after")
+    def _graders(self) -> TaskSpec:
+        if self.grader is not None and self.graders is not None:
+            raise ValueError("set task.grader (one) or task.graders (a list), not both")
+        if self.grader is None and self.graders is None:
+            return self
+        moved = sorted({"answer_format", "format_reward"} & self.model_fields_set)
+        if moved:
+            raise ValueError(
+                f"task.{' and task.'.join(moved)}: the default grader's settings; with task.grader(s), "
+                "set them on an `answer` grader instead ({type: answer, answer_format: ...})"
+            )
+        names = [grader_name(g) for g in self.grader_list()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"task.graders: two graders named {', '.join(repeated)}; give each a distinct name"
+            )
+        if not self.graders and self.graders is not None:
+            raise ValueError("task.graders is empty: list at least one grader, or remove it")
+        return self
+
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
         if (
@@ -91,6 +149,8 @@ class TaskSpec(StrictModel):
             # the generator's default gives way to the dataset, in the object as in its dump, so
             # a stored spec (model_dump) validates again (it would set both explicitly)
             self.__dict__["reasoning_gym"] = None
+        if self.validation_dataset is not None and self.dataset is None:
+            raise ValueError("task.validation_dataset needs task.dataset (the training rows)")
         if self.reasoning_gym is None and self.dataset is None:
             raise ValueError("set task.reasoning_gym (a generator name) or task.dataset (a JSONL path)")
         refused = params_problems(self.reasoning_gym, self.params)

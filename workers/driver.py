@@ -43,7 +43,7 @@ from workers.job_run import RunOptions as RunOptions  # the driver's options, im
 from workers.prom_exporter import PromExporter
 from workers.ray_cluster import ray_init, ray_shutdown
 from workers.tasks import Task
-from workers.tokenizer import build_tokenizer
+from workers.tokenizer import Tokenizer, build_tokenizer
 
 
 @dataclass
@@ -92,6 +92,18 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
     # a bad task, held-out split (validation.size) or tokenizer fails here, before Ray starts
     tok = build_tokenizer(spec)
     task = Task.for_job(spec, tok)
+    try:
+        return _run_task(spec, out, opts, tok, task)
+    finally:
+        task.close()  # the graders' sandbox pool
+
+
+def _run_task(spec: JobSpec, out: Path, opts: RunOptions, tok: Tokenizer, task: Task) -> RunResult:
+    not_ready = task.graders.check()  # python graders compiled in the sandbox, schemas checked
+    if not_ready:
+        raise ValueError(f"task.graders: {'; '.join(not_ready)}")
+    if task.graders.sandboxed:
+        opts.log(f"graders run in {task.graders.pool().size} {task.graders.pool().launcher.how}")
     for drill in opts.drills:
         actors = spec.resources.generators if drill.role == "generator" else spec.resources.trainers
         if drill.step > spec.steps or drill.index >= actors:

@@ -11,11 +11,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from rljob.metrics import (
     ACTOR_RESTARTS,
     DRIVER_ATTEMPT,
+    GRADER_PROMETHEUS,
     LABELS,
     PHASES,
     PROMETHEUS,
     RESTART_ROLES,
     RUN_COMPLETE,
+    grader_of_key,
 )
 
 
@@ -56,6 +58,13 @@ class PromExporter:
             (*LABELS, "previous_exit"),
             registry=self.registry,
         )
+        self._graders = {
+            what: (Counter if kind == "counter" else Gauge)(
+                name.removesuffix("_total") if kind == "counter" else name, text, (*LABELS, "grader"),
+                registry=self.registry,
+            )
+            for what, (name, kind, text) in GRADER_PROMETHEUS.items()
+        }  # fmt: skip
         self.port: int | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -90,6 +99,16 @@ class PromExporter:
                     metric.inc(max(float(row[m.key]), 0.0))
                 else:
                     metric.set(float(row[m.key]))
+        for key, value in row.items():
+            found = grader_of_key(key)
+            if found is None or value is None:
+                continue
+            grader, what = found
+            family = self._graders[what]
+            if isinstance(family, Counter):
+                family.labels(**self.labels, grader=grader).inc(max(float(value), 0.0))
+            else:
+                family.labels(**self.labels, grader=grader).set(float(value))
         for role, key in RESTART_ROLES.items():
             self._restarts[role].inc(max(float(row.get(key, 0.0)), 0.0))
         for phase in PHASES:

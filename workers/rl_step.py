@@ -34,7 +34,7 @@ from workers.engines.layer_diff import ExactMismatchError, compare_traces, descr
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.faults import ActorFault
 from workers.step_protocol import Generated, PendingRollouts, StepActors, StepContext
-from workers.tasks import Grade, Problem, Task
+from workers.tasks import Grade, GraderReport, Problem, Task
 from workers.tokenizer import Tokenizer
 from workers.weight_sync.contract import compare
 
@@ -66,13 +66,27 @@ def generate(
     return actors.generate(chunked(prompts, sizes), seeds, temperature)
 
 
-def scores(task: Task, tok: Tokenizer, batch: Rollouts, problems: list[Problem]) -> list[Grade]:
-    """The task's grade of each decoded response (up to and including its stop id)."""
+def scores(
+    task: Task, tok: Tokenizer, batch: Rollouts, problems: list[Problem]
+) -> tuple[list[Grade], dict[str, GraderReport]]:
+    """The task's grade of each decoded response (up to and including its stop id), and each
+    grader's report (raises :class:`~workers.tasks.GraderFailure` past the task's error fraction)."""
     texts = [
         tok.decode(row[: int(mask.sum())].tolist())
         for row, mask in zip(batch.response_ids, batch.response_mask, strict=True)
     ]
-    return [task.grade(t, p) for t, p in zip(texts, problems, strict=True)]
+    return task.grade_batch(texts, problems)
+
+
+def grader_metrics(reports: Mapping[str, GraderReport]) -> dict[str, float]:
+    """Each grader's ``reward/<grader>/mean`` and ``grader/<grader>/{errors,timeouts,seconds}``."""
+    out: dict[str, float] = {}
+    for name, r in reports.items():
+        out[m.grader_reward_key(name)] = r.mean
+        out[m.grader_stat_key(name, "errors")] = float(r.errors)
+        out[m.grader_stat_key(name, "timeouts")] = float(r.timeouts)
+        out[m.grader_stat_key(name, "seconds")] = r.seconds
+    return out
 
 
 def truncated_fraction(batch: Rollouts, eos_ids: tuple[int, ...]) -> float:
@@ -204,7 +218,7 @@ def train_and_sync(
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
     t1 = time.perf_counter()
 
-    grades = scores(task, tok, batch, problems)
+    grades, reports = scores(task, tok, batch, problems)
     rewards = torch.tensor([g.reward for g in grades])  # [B]
     t2 = time.perf_counter()
 
@@ -228,6 +242,7 @@ def train_and_sync(
         m.RESPONSE_LENGTH_MEAN: gen_tokens / max(len(problems), 1),
         m.RESPONSE_TRUNCATED_FRACTION: truncated_fraction(batch, tok.eos_ids),
         m.RESPONSE_UNREADABLE_FRACTION: unreadable_fraction(grades),
+        **grader_metrics(reports),
         **mismatch,
         **stats,
         m.TOKENS_GENERATED: gen_tokens,

@@ -30,7 +30,7 @@ def validate(ctx: StepContext, step: int) -> ValidationMetrics:
     # negative steps: seeds no rollout uses
     outs = generate(spec, actors, prompts, sizes, -step, spec.validation.temperature)
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
-    grades = scores(task, tok, batch, problems)
+    grades, _ = scores(task, tok, batch, problems)
     return {
         m.VAL_ACCURACY: sum(g.correct for g in grades) / len(grades),
         m.VAL_REWARD_MEAN: sum(g.reward for g in grades) / len(grades),

@@ -83,4 +83,4 @@ def greedy_accuracy(ctx: StepContext, problems: list[Problem], step: int) -> flo
     prompts = [tok.encode(task.prompt(p)) for p in problems]
     outs = generate(spec, actors, prompts, even_split(len(prompts), 1, actors.num_generators), step, 0.0)
     batch = concat_rollouts([o.rollouts for o in outs], tok.pad_id)
-    return sum(g.correct for g in scores(task, tok, batch, problems)) / len(problems)
+    return sum(g.correct for g in scores(task, tok, batch, problems)[0]) / len(problems)

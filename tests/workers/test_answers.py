@@ -7,7 +7,7 @@ from decimal import Decimal
 
 import pytest
 
-from workers.answers import (
+from workers.tasks.answers import (
     answer_tag,
     boxed,
     first_line,

@@ -30,7 +30,7 @@ from workers.engines.protocols import Rollouts
 from workers.rl_loop import RlLoop
 from workers.rl_step import save, sync_weights, truncated_fraction, unreadable_fraction
 from workers.step_protocol import Generated, StepContext
-from workers.tasks import Grade, Problem, Task
+from workers.tasks import Grade, GraderReport, Problem, Task
 from workers.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from workers.validation import validate
 from workers.warmup import sft_batch, warmup
@@ -46,9 +46,11 @@ class ByteSumTask(Task):
     reward (every response readable; correct at reward 1): an untrained model never answers a sum,
     so every reward would be 0, every GRPO advantage 0, and no update would move a weight."""
 
-    def grade(self, response: str, problem: Problem) -> Grade:
-        reward = byte_sum_score(response)
-        return Grade(reward, reward >= 1.0, True)
+    def grade_batch(
+        self, responses: list[str], problems: list[Problem]
+    ) -> tuple[list[Grade], dict[str, GraderReport]]:
+        grades = [Grade(r, r >= 1.0, True) for r in map(byte_sum_score, responses)]
+        return grades, {"bytes": GraderReport("bytes", [g.reward for g in grades])}
 
 
 class RecordingActors(InProcessActors):
@@ -145,7 +147,9 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     outcome = RlLoop(ctx, 1).step(1)
     assert outcome.fault is None and outcome.row is not None
     row = outcome.row
-    assert set(row) == set(StepMetrics.__required_keys__) and row["step"] == 1
+    per_grader = {"reward/bytes/mean", "grader/bytes/errors", "grader/bytes/timeouts", "grader/bytes/seconds"}
+    assert set(row) == set(StepMetrics.__required_keys__) | per_grader and row["step"] == 1
+    assert row["reward/bytes/mean"] == pytest.approx(row["reward/mean"])  # one grader: the whole reward
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in row.values()), row
 
     # the rewards of the responses the two generators returned (2 prompts x 4: one group each)

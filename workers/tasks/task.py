@@ -1,12 +1,16 @@
-"""Prompts and rewards: reasoning-gym generators or a JSONL file of ``{question, answer}``.
+"""Prompts and rewards: reasoning-gym generators or a data file (:mod:`workers.tasks.data`), and
+the task's graders (:mod:`workers.tasks.grading`).
 
 A prompt is ``task.prompt_template`` with the question in it; with ``task.chat_template`` that text
 is the user message of the tokenizer's chat template (after ``task.system_prompt``, if set), which
-ends with the assistant's generation prompt. A response is graded (:class:`Grade`) by reading its
-answer in ``task.answer_format`` (:mod:`workers.answers`) and comparing it with the reference: the
-reasoning-gym generator's ``score_answer`` (partial credit where it gives it), or for a dataset
-file :func:`~workers.answers.same_answer`. reward = correctness + ``task.format_reward`` x
-readable, in [0, 1 + format_reward]; an unreadable response scores 0.
+ends with the assistant's generation prompt. A data row with chat ``messages`` is its own
+conversation: the prompt is those messages (after ``task.system_prompt`` when they have no system
+message) through the chat template. A response is graded (:class:`Grade`) by the task's graders;
+the default one reads its answer in ``task.answer_format`` (:mod:`workers.tasks.answers`) and
+compares it with the reference: the reasoning-gym generator's ``score_answer`` (partial credit
+where it gives it), or for a data file :func:`~workers.tasks.answers.same_answer`. reward =
+correctness + ``task.format_reward`` x readable, in [0, 1 + format_reward]; an unreadable response
+scores 0.
 
 The problems of step ``s`` are a pure function of (task seed, rollout seed, step), so a resumed
 run sees exactly the prompts the interrupted one would have seen.
@@ -20,22 +24,27 @@ Validation (``validation.interval > 0``) holds problems out that training never 
   single-digit addition has ~120 distinct questions): then the job is refused with the number that
   exists, rather than validated on fewer problems than asked, so that ``val/accuracy`` of two runs
   always covers the same number of problems.
-- a dataset file: its last ``validation.size`` rows are held out, and training keeps the rows
-  before them whose question is not a held-out one.
+- a data file: its last ``validation.size`` rows are held out, or with
+  ``task.validation_dataset`` the first ``validation.size`` rows of that file; training keeps the
+  rows whose question is not a held-out one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from rljob import task_params
+from rljob.graders import AnswerGrader
 from rljob.spec import AnswerFormat, JobSpec, TaskSpec
-from workers.answers import first_line, read_answer, resolve_format, same_answer
+from workers.tasks.answers import first_line, resolve_format, same_answer
+from workers.tasks.data import DataError, Located, read_rows, row_prompt
+from workers.tasks.grading import Grade, GraderReport, Graders
 from workers.tokenizer import Tokenizer
 
 # How far past the training set the held-out search looks: at least this many items, or this many
@@ -46,28 +55,21 @@ HOLDOUT_SCAN_PER_PROBLEM = 20
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt with its reference answer (``entry`` is the generator's record, for scoring)."""
+    """One prompt with its reference answer; ``entry`` is the generator's record or the data row
+    (what graders read as ``item``); ``messages``: a chat row's conversation up to the assistant's
+    turn (None: the question goes into the prompt template)."""
 
     index: int
     question: str
     answer: str
     entry: dict[str, Any]
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 def extract_answer(response: str) -> str:
     """The first line of ``response``, stripped ("" when there is none): ``task.answer_format``
     ``first-line``'s reading, for callers that compare texts themselves (bench/step.py)."""
     return first_line(response) or ""
-
-
-class Grade(NamedTuple):
-    """How a response did: ``reward`` = correctness + format_reward x ``readable``, in
-    [0, 1 + format_reward]; ``correct``: full credit (correctness 1); ``readable``: an answer could
-    be read in the task's ``answer_format`` at all."""
-
-    reward: float
-    correct: bool
-    readable: bool
 
 
 class Task:
@@ -79,15 +81,20 @@ class Task:
     fails now rather than in the first step).
     """
 
-    def __init__(self, spec: TaskSpec, validation_size: int = 0, tok: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        spec: TaskSpec,
+        validation_size: int = 0,
+        tok: Tokenizer | None = None,
+        grader_workers: int | None = None,
+    ) -> None:
         self.spec = spec
         self.tok = tok
         self._problems: list[Problem]
         self._validation: list[Problem] = []
         self._correctness: Callable[[str, Problem], float]  # (the answer read, its problem)
         if spec.dataset is not None:
-            path = Path(spec.dataset)
-            self._problems, self._validation = _hold_out_rows(_read_jsonl(path), validation_size, path)
+            self._problems, self._validation = _file_problems(spec, validation_size)
             self._correctness = lambda answer, p: float(same_answer(answer, p.answer))
         else:
             assert spec.reasoning_gym is not None
@@ -99,10 +106,26 @@ class Task:
             self._correctness = lambda answer, p: float(dataset.score_answer(answer, p.entry) or 0.0)
             if validation_size:
                 self._validation = _held_out_items(spec, self._problems, validation_size)
+        chats = any(p.messages is not None for p in self._problems[:1] + self._validation[:1])
+        if chats and not spec.chat_template:
+            raise ValueError(
+                "task.dataset: its rows are chat messages, which only a chat template can make a prompt "
+                "of; set task.chat_template: true (with a Hugging Face tokenizer that has one)"
+            )
         if spec.chat_template:
             if tok is None:
                 raise ValueError("task.chat_template needs the job's tokenizer: Task.for_job(spec, tok)")
             self.prompt(self._problems[0])
+        workers = (
+            grader_workers or int(os.environ.get("FP8RL_GRADER_WORKERS", "0")) or min(os.cpu_count() or 1, 8)
+        )
+        self.graders = Graders(
+            spec.grader_list(),
+            lambda answer, row: self._correctness(answer, row),  # type: ignore[arg-type]
+            pool_size=workers,
+            max_error_fraction=spec.max_grader_error_fraction,
+            base=Path.cwd(),
+        )
 
     @classmethod
     def for_job(cls, spec: JobSpec, tok: Tokenizer | None = None) -> Task:
@@ -132,18 +155,29 @@ class Task:
 
     def prompt(self, problem: Problem) -> str:
         """The whole prompt text: the template with the question in it, or with
-        ``task.chat_template`` the chat it makes the user message of, up to the assistant's turn."""
-        text = self.spec.prompt_template.replace("{question}", problem.question)
-        if not self.spec.chat_template:
-            return text
+        ``task.chat_template`` the chat it makes the user message of (a chat row: its own
+        messages), up to the assistant's turn."""
+        if problem.messages is not None:
+            messages = list(problem.messages)
+        else:
+            text = self.spec.prompt_template.replace("{question}", problem.question)
+            if not self.spec.chat_template:
+                return text
+            messages = [{"role": "user", "content": text}]
         assert self.tok is not None  # __init__ checks it
         system = self.spec.system_prompt
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        return self.tok.apply_chat_template([*messages, {"role": "user", "content": text}])
+        if system is not None and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": system}, *messages]
+        return self.tok.apply_chat_template(messages)
+
+    def _answer_grader(self) -> AnswerGrader | None:
+        return next((g for g in self.spec.grader_list() if isinstance(g, AnswerGrader)), None)
 
     def answer_format(self, problem: Problem) -> AnswerFormat:
-        """The format ``problem``'s responses are read in (``auto`` decided by its reference answer)."""
-        return resolve_format(self.spec.answer_format, problem.answer)
+        """The format ``problem``'s responses are read in (``auto`` decided by its reference
+        answer): the first ``answer`` grader's; first-line for a task without one."""
+        grader = self._answer_grader()
+        return resolve_format(grader.answer_format if grader else "first-line", problem.answer)
 
     def target(self, problem: Problem) -> str:
         """The reference answer written as a response the task reads (the warm-up's target)."""
@@ -154,18 +188,23 @@ class Task:
             return f"\\boxed{{{problem.answer}}}"
         return problem.answer
 
+    def grade_batch(
+        self, responses: list[str], problems: list[Problem]
+    ) -> tuple[list[Grade], dict[str, GraderReport]]:
+        """Each response's grade, and each grader's report (:meth:`Graders.grade`)."""
+        return self.graders.grade(responses, problems)
+
     def grade(self, response: str, problem: Problem) -> Grade:
-        """The response's answer, read in ``task.answer_format`` and compared with the reference
-        (correctness clamped to [0, 1]), plus ``task.format_reward`` if an answer could be read."""
-        answer = read_answer(response, self.spec.answer_format, problem.answer)
-        if answer is None:
-            return Grade(0.0, False, False)
-        correctness = max(0.0, min(1.0, self._correctness(answer, problem)))
-        return Grade(correctness + self.spec.format_reward, correctness >= 1.0, True)
+        """One response's grade (:meth:`grade_batch` of one)."""
+        return self.grade_batch([response], [problem])[0][0]
 
     def score(self, response: str, problem: Problem) -> float:
         """The reward of ``response`` (:meth:`grade`)."""
         return self.grade(response, problem).reward
+
+    def close(self) -> None:
+        """Stop the graders' sandbox pool, if one started."""
+        self.graders.close()
 
 
 def params_table() -> dict[str, dict[str, float | str]]:
@@ -238,6 +277,58 @@ def _held_out_items(spec: TaskSpec, training: list[Problem], n: int) -> list[Pro
     )
 
 
+def _file_problems(spec: TaskSpec, n: int) -> tuple[list[Problem], list[Problem]]:
+    """(training, held-out) problems of ``task.dataset`` (and ``task.validation_dataset``)."""
+    assert spec.dataset is not None
+    path = Path(spec.dataset)
+    rows = _problems(read_rows(path), spec)
+    if spec.validation_dataset is not None and n:
+        vpath = Path(spec.validation_dataset)
+        held = _problems(read_rows(vpath, "task.validation_dataset"), spec, "task.validation_dataset")
+        if len(held) < n:
+            raise ValueError(
+                f"validation.size: {n} held-out rows asked, but task.validation_dataset {vpath} has "
+                f"{len(held)}; set validation.size to at most {len(held)}"
+            )
+        held = held[:n]
+        questions = {p.question for p in held}
+        training = [p for p in rows if p.question not in questions]
+        if not training:
+            raise ValueError(
+                f"task.dataset: every row of {path} repeats a question of task.validation_dataset"
+            )
+        return training, held
+    return _hold_out_rows(rows, n, path)
+
+
+def _problems(rows: Located, spec: TaskSpec, field: str = "task.dataset") -> list[Problem]:
+    """The rows as problems; an ``answer`` grader reading ``{{item.answer}}`` needs every row's
+    ``answer`` (a string or number)."""
+    needs_answer = any(
+        isinstance(g, AnswerGrader) and g.reference == "{{item.answer}}" for g in spec.grader_list()
+    )
+    out: list[Problem] = []
+    for located, row in rows:
+        where = f"{field}: {located}"
+        question, messages = row_prompt(row, where)
+        answer = row.get("answer")
+        if needs_answer and (isinstance(answer, bool) or not isinstance(answer, str | int | float)):
+            raise DataError(
+                f"{where}: answer is {json.dumps(answer)}, not a string or a number (the answer "
+                "grader, the default, reads it): add answer to every row, or choose task.grader(s) that "
+                "read other fields"
+            )
+        text = (
+            ""
+            if answer is None
+            else str(answer)
+            if not isinstance(answer, list | dict)
+            else json.dumps(answer)
+        )
+        out.append(Problem(len(out), question, text, row, tuple(messages) if messages is not None else None))
+    return out
+
+
 def _hold_out_rows(rows: list[Problem], n: int, path: Path) -> tuple[list[Problem], list[Problem]]:
     """(training, held-out): the last ``n`` rows held out, training without their questions."""
     if n == 0:
@@ -256,26 +347,3 @@ def _hold_out_rows(rows: list[Problem], n: int, path: Path) -> tuple[list[Proble
             f"held-out row (the last {n}); lower validation.size"
         )
     return training, held
-
-
-def _read_jsonl(path: Path) -> list[Problem]:
-    if not path.is_file():
-        raise ValueError(f"task.dataset: {path} does not exist")
-    problems: list[Problem] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            for key in ("question", "answer"):
-                # str() would make null "None" and an object its Python repr: answers no model gives
-                if isinstance(row[key], bool) or not isinstance(row[key], str | int | float):
-                    raise TypeError(f"{key} is {json.dumps(row[key])}, not a string or a number")
-            problems.append(Problem(len(problems), str(row["question"]), str(row["answer"]), row))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"task.dataset: {path}:{lineno}: expected a JSON object with question and answer ({err})"
-            ) from None
-    if not problems:
-        raise ValueError(f"task.dataset: {path} has no problems")
-    return problems
