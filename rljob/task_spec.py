@@ -121,7 +121,12 @@ class TaskSpec(StrictModel):
             raise ValueError("set task.grader (one) or task.graders (a list), not both")
         if self.grader is None and self.graders is None:
             return self
-        moved = sorted({"answer_format", "format_reward"} & self.model_fields_set)
+        # only a value other than the default: a stored spec (model_dump) names both, at their defaults
+        moved = [
+            f
+            for f in ("answer_format", "format_reward")
+            if getattr(self, f) != type(self).model_fields[f].default
+        ]
         if moved:
             raise ValueError(
                 f"task.{' and task.'.join(moved)}: the default grader's settings; with task.grader(s), "

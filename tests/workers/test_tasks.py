@@ -304,8 +304,14 @@ def test_a_dataset_is_read_row_by_row(tmp_path: Path) -> None:
     [
         ('{"question": "a", "answer": "b"}\n{not json\n', r"qa.jsonl:2: expected a JSON object"),
         # the line number counts blank lines: it is the line an editor shows
-        ('{"question": "a", "answer": "b"}\n\n{"question": "c"}\n', r"qa.jsonl:3: answer is null, not a string or a number \(the answer grader"),
-        ('{"answer": "b"}\n', r"qa.jsonl:1: question is null, not a string or a number \(or give chat messages\)"),
+        (
+            '{"question": "a", "answer": "b"}\n\n{"question": "c"}\n',
+            r"qa.jsonl:3: answer is null, not a string or a number \(the answer grader",
+        ),
+        (
+            '{"answer": "b"}\n',
+            r"qa.jsonl:1: question is null, not a string or a number \(or give chat messages\)",
+        ),
         ('["a", "b"]\n', r"qa.jsonl:1: expected a JSON object with question \(or messages\)"),
         ('"a"\n', r"qa.jsonl:1: expected a JSON object with question \(or messages\)"),
         # str() would make these "None", "{'x': 1}" and "True": answers no model would give

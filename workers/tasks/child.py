@@ -16,8 +16,10 @@ Protocol: one JSON object a line each way. Requests (``op``):
 - ``regex`` {pattern, text, ignore_case, cpu_s} and ``schema`` {schema, value, cpu_s}: a
   ``string_check`` regex and a ``json`` grader's JSON Schema, here because either can backtrack
   without end on hostile input;
-- ``code`` {program, test, entry_point, score, cpu_s, memory_mb}: the program and its tests in a
-  child process of this one (user code cannot break the pool's process), ``pass`` or ``fraction``.
+- ``code`` {program, test, entry_point, score, cpu_s}: the program and its tests in a child
+  process of this one (user code cannot break the pool's process), ``pass`` or ``fraction``; a
+  program that crashes, exits or outlives ``cpu_s`` (CPU or wall clock) fails its tests: 0, not an
+  error of the grader.
 
 Answers: ``{"score": x}``, ``{"error": text}`` or ``{"timeout": true}`` (CPU time used up). A
 wall-clock limit is the pool's: it kills this process and starts another.
@@ -32,8 +34,10 @@ import math
 import os
 import re
 import resource
+import select
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -187,18 +191,20 @@ def _code(req: dict[str, Any]) -> dict[str, Any]:
             os._exit(0)
     os.close(write_fd)
     chunks = []
-    while True:
+    deadline = time.monotonic() + req["cpu_s"]
+    while True:  # the program's own wall clock: past it, it is killed and fails
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([read_fd], [], [], left)[0]:
+            os.kill(pid, signal.SIGKILL)
+            break
         chunk = os.read(read_fd, 65536)
         if not chunk:
             break
         chunks.append(chunk)
     os.close(read_fd)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL):
-        return {"timeout": True}
-    if not chunks:
-        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
-        return {"error": f"the program ended without a result ({how})"}
+    os.waitpid(pid, 0)
+    if not chunks:  # it crashed, exited, or ran out of time: the candidate failed its tests
+        return {"score": 0.0}
     result: dict[str, Any] = json.loads(b"".join(chunks))
     return result
 
@@ -206,7 +212,9 @@ def _code(req: dict[str, Any]) -> dict[str, Any]:
 def _math(req: dict[str, Any]) -> dict[str, Any]:
     from math_verify import parse, verify  # imported on first use: sympy takes a second
 
-    gold = parse(req["reference"], parsing_timeout=None)
+    gold = parse(req["reference"], parsing_timeout=None) or parse(
+        f"${req['reference']}$", parsing_timeout=None
+    )
     answer = parse(req["input"], parsing_timeout=None)
     if not answer:
         return {"score": 0.0}
