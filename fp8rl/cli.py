@@ -12,6 +12,7 @@ import typer
 
 from fp8rl import __version__
 from fp8rl.bench_cli import bench_app
+from fp8rl.data_cli import data_app
 from fp8rl.model_cli import model_app
 from fp8rl.specs import load_spec_or_exit
 
@@ -22,6 +23,7 @@ app = typer.Typer(
 )
 app.add_typer(bench_app, name="bench")
 app.add_typer(model_app, name="model")
+app.add_typer(data_app, name="data")
 
 
 def _version(value: bool) -> None:
@@ -133,6 +135,14 @@ def serve_cmd(
     kubeconfig: Annotated[
         str | None, typer.Option(help="With --store kubernetes outside a pod (FP8RL_KUBECONFIG).")
     ] = None,
+    allow_unsandboxed_graders: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unsandboxed-graders",
+            help="Accept python and code graders (tenants' code) without a grader sandbox "
+            "(FP8RL_ALLOW_UNSANDBOXED_GRADERS); only where every tenant is trusted.",
+        ),
+    ] = False,
 ) -> None:
     """The control plane. --store sql: SQLite + jobs run as local drivers (the embedded default).
     --store kubernetes: each job is an RLJob in the tenant's namespace, run by `fp8rl operator`."""
@@ -152,6 +162,7 @@ def serve_cmd(
         "tokens_file": tokens_file,
         "store": store,
         "kubeconfig": kubeconfig,
+        "allow_unsandboxed_graders": allow_unsandboxed_graders or None,
     }
     os.umask(0o077)  # the database, run directories and logs: the service's user's alone
     try:
@@ -163,6 +174,10 @@ def serve_cmd(
     sandbox = getattr(application.state.executor, "sandbox", None)
     if sandbox is not None:
         typer.echo(f"fp8rl serve: {sandbox.describe()}", err=True)
+        runtime = application.state.graders.probe()
+        unsafe = " (tenants' code accepted anyway: --allow-unsandboxed-graders)"
+        allowed = unsafe if settings.allow_unsandboxed_graders and not runtime.sandboxed else ""
+        typer.echo(f"fp8rl serve: python and code graders run in {runtime.how}{allowed}", err=True)
     limits = ListenerLimits(
         header_timeout_s=settings.header_timeout_s,
         idle_timeout_s=settings.idle_timeout_s,
@@ -401,3 +416,40 @@ def export_cmd(
 
 if __name__ == "__main__":  # pragma: no cover
     app()
+
+
+def _text_or_file(value: str) -> str:
+    """``@PATH``: the file's text; anything else as it is."""
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
+@app.command("grade")
+def grade_cmd(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],
+    item: Annotated[str, typer.Option(help="The data row as JSON, or @FILE holding it.")] = "{}",
+    sample: Annotated[str, typer.Option(help="The response text, or @FILE holding it.")] = "",
+) -> None:
+    """Run the job's graders on one data row and one response, as a job would score it; print the
+    reward and each grader's score, error and timeout as JSON. Python and code graders run in
+    the grader sandbox where bubblewrap runs (the first line says where)."""
+    from workers.tasks.grading import grade_one
+    from workers.tasks.sandbox import Launcher, SandboxUnavailable
+
+    spec = load_spec_or_exit(spec_path)
+    try:
+        row = json.loads(_text_or_file(item))
+        text = _text_or_file(sample)
+    except (OSError, json.JSONDecodeError) as err:
+        typer.echo(f"error: --item/--sample: {err}", err=True)
+        raise typer.Exit(2) from err
+    if not isinstance(row, dict):
+        typer.echo('error: --item: a JSON object (the data row), e.g. \'{"answer": "7"}\'', err=True)
+        raise typer.Exit(2)
+    try:
+        launcher = Launcher.choose()
+        typer.echo(f"graders' code runs in {launcher.how}", err=True)
+        result = grade_one(spec.task.grader_list(), row, text, launcher, Path.cwd())
+    except (ValueError, SandboxUnavailable) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(json.dumps(result, indent=2))

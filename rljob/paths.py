@@ -1,7 +1,8 @@
 """Which files a job submitted to the service may name: its tenant's directory and shared read-only roots.
 
-A job spec names files the driver opens: ``task.dataset``, and ``model.name`` / ``tokenizer.name``
-when they are local checkpoints rather than Hugging Face ids. ``fp8rl run`` on a laptop opens
+A job spec names files the driver opens: ``task.dataset``, ``task.validation_dataset``, a python
+grader's ``file``, and ``model.name`` / ``tokenizer.name`` when they are local checkpoints rather
+than Hugging Face ids. ``fp8rl run`` on a laptop opens
 whatever its user names. A job that arrives through the service (REST, or an RLJob that the
 operator runs) is confined:
 
@@ -28,8 +29,33 @@ from typing import NamedTuple
 
 from rljob.spec import JobSpec
 
-# the spec fields the driver opens as files (or Hugging Face ids), as (section, field)
-PATH_FIELDS: tuple[tuple[str, str], ...] = (("task", "dataset"), ("model", "name"), ("tokenizer", "name"))
+# the spec fields the driver opens as files (or Hugging Face ids), as (section, field); and the
+# python graders' files (spec_paths)
+PATH_FIELDS: tuple[tuple[str, str], ...] = (
+    ("task", "dataset"),
+    ("task", "validation_dataset"),
+    ("model", "name"),
+    ("tokenizer", "name"),
+)
+
+
+def spec_paths(spec: JobSpec) -> list[tuple[str, str]]:
+    """``[(field, path)]`` of every file ``spec`` names: PATH_FIELDS that are set, and each python
+    grader's ``file`` (``task.graders[1].file``, a multi's child as ``...graders.<name>.file``)."""
+    out = []
+    for section, name in PATH_FIELDS:
+        value = getattr(getattr(spec, section), name)
+        if value is not None:
+            out.append((f"{section}.{name}", value))
+    task = spec.task
+    listed = [("task.grader", task.grader)] if task.grader is not None else []
+    listed += [(f"task.graders[{i}]", g) for i, g in enumerate(task.graders or [])]
+    for where, grader in listed:
+        children = [(where, grader)]
+        if grader.type == "multi":
+            children += [(f"{where}.graders.{n}", c) for n, c in grader.graders.items()]
+        out += [(f"{w}.file", g.file) for w, g in children if g.type == "python" and g.file is not None]
+    return out
 
 
 class PathProblem(NamedTuple):
@@ -62,11 +88,7 @@ def path_problems(
     home_s = norm(str(home))
     roots = [home_s, *(norm(str(r)) for r in read_only)]
     out = []
-    for section, name in PATH_FIELDS:
-        value = getattr(getattr(spec, section), name)
-        if value is None:
-            continue
-        field = f"{section}.{name}"
+    for field, value in spec_paths(spec):
         if "\x00" in value:
             out.append(PathProblem(field, "contains a NUL character"))
             continue

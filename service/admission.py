@@ -1,10 +1,13 @@
 """What a tenant's job may ask for, checked at ``POST /v1/jobs`` before it is recorded.
 
-- **Files** (:mod:`rljob.paths`): ``task.dataset``, ``model.name`` and ``tokenizer.name`` must stay
+- **Files** (:mod:`rljob.paths`): ``task.dataset``, ``task.validation_dataset``, python graders'
+  ``file``, ``model.name`` and ``tokenizer.name`` must stay
   inside the tenant's directory (``<data-dir>/tenants/<tenant>/`` for the embedded default, where
   its drivers run; ``/data`` in a job's pods on Kubernetes) or the service's read-only roots
   (``FP8RL_MODEL_ROOTS``). On the embedded default symlinks are followed; on Kubernetes the files
   live in the pods, so only the path text is checked (and again by the operator).
+- **Graders**: python and code graders (tenants' code) in a local job (``--store sql``) only where
+  the grader sandbox runs, or with ``--allow-unsandboxed-graders`` (:mod:`service.graders`).
 - **Sizes**: the tenant's caps on one job (``FP8RL_MAX_PROBLEMS``, ``FP8RL_MAX_NEW_TOKENS``,
   ``FP8RL_MAX_ACTORS``, ``FP8RL_MAX_PARAMETERS``, ``FP8RL_MAX_TOKENS_PER_STEP``,
   ``FP8RL_MAX_THREADS``, ``FP8RL_MAX_TASK_PARAMS_BYTES``, per tenant in ``FP8RL_TENANT_LIMITS``):
@@ -20,11 +23,15 @@ from __future__ import annotations
 from rljob.costs import costs
 from rljob.paths import POD_HOME, path_problems, shown_home
 from rljob.spec import JobSpec
+from service.graders import GraderRuntime
 from service.settings import Settings
 
 
-def admission_problems(spec: JobSpec, tenant: str, settings: Settings) -> list[tuple[str, str]]:
-    """``[(field, message)]`` of everything ``tenant`` may not ask for in ``spec``."""
+def admission_problems(
+    spec: JobSpec, tenant: str, settings: Settings, graders: GraderRuntime | None = None
+) -> list[tuple[str, str]]:
+    """``[(field, message)]`` of everything ``tenant`` may not ask for in ``spec``; ``graders``:
+    the service's grader runtime, which refuses tenants' code in local jobs without a sandbox."""
     if settings.store == "kubernetes":
         paths = path_problems(spec, POD_HOME, settings.read_only_roots, resolve=False)
     else:
@@ -32,6 +39,10 @@ def admission_problems(spec: JobSpec, tenant: str, settings: Settings) -> list[t
             spec, settings.tenant_home(tenant), settings.read_only_roots, shown_home=shown_home(tenant)
         )
     out = [(f"spec.{p.field}", p.message) for p in paths]
+    if graders is not None and settings.store == "sql":
+        refused = graders.refusal(spec.task.grader_list())
+        if refused is not None:
+            out.append(("spec.task.graders", refused))
     caps = settings.caps(tenant)
     cost = costs(spec)
     problems = spec.task.size + (spec.validation.size if spec.validation.interval else 0)

@@ -26,9 +26,10 @@ from rljob.version import __version__
 from service import metrics_port, middleware, problems
 from service.auth import TokenAuth, load_tokens
 from service.executor import Executor
+from service.graders import GraderRuntime, RateLimit
 from service.local_executor import LocalExecutor
 from service.problems import RETRY_AFTER_S, problem_response
-from service.routes import jobs, runs
+from service.routes import graders, jobs, runs
 from service.sandbox import Sandbox
 from service.settings import Settings
 from service.store import SqlJobStore
@@ -165,6 +166,8 @@ def create_app(
     app.state.auth = auth
     app.state.executor = owned or executor
     app.state.metrics = registry
+    app.state.graders = GraderRuntime(settings)
+    app.state.grader_rate = RateLimit(settings.grader_runs_per_minute)
     # outermost last: a body without a token is refused before the body limit counts a byte of it
     app.add_middleware(middleware.BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(middleware.TokenFirst, auth=auth)
@@ -177,6 +180,7 @@ def create_app(
         app.add_exception_handler(HTTPError, _kube_error)
     app.include_router(jobs.router)
     app.include_router(runs.router)
+    app.include_router(graders.router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -209,6 +209,15 @@ class Settings(BaseSettings):
         "(fp8rl serve says at start when it does not); bwrap = refuse to start without it; off = none.",
     )
     bwrap: str = Field("bwrap", description="The bubblewrap program: a name on PATH or a path.")
+    allow_unsandboxed_graders: bool = Field(
+        False,
+        description="Accept python and code graders (tenants' code) where no grader sandbox runs: in "
+        "local jobs (--store sql) and POST /v1/graders/*. Off: such a grader is refused with 422 "
+        "unless bubblewrap runs here.",
+    )
+    grader_runs_per_minute: int = Field(
+        30, ge=1, le=10_000, description="POST /v1/graders/run and /validate calls per tenant per minute."
+    )
     driver_nice: int = Field(
         10, ge=0, le=19, description="Scheduling priority of local drivers: below the service's own (0)."
     )

@@ -26,6 +26,7 @@ from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
 from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep
 from service.executor import Executor
+from service.graders import GraderRuntime
 from service.schemas import JobCreate, JobList, JobPublic
 from service.settings import Settings
 
@@ -68,26 +69,33 @@ async def strict_json(request: Request) -> None:
 )
 async def create_job(
     body: JobCreate,
+    request: Request,
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
     executor: ExecutorDep,
     response: Response,
 ) -> JobPublic:
-    """Record a job (201, with its URL in ``Location``). 422 for files outside the tenant's reach
-    or sizes over its caps (:mod:`service.admission`); 409 if the name exists for this tenant;
-    403 over the tenant's job or GPU limits."""
+    """Record a job (201, with its URL in ``Location``). 422 for files outside the tenant's reach,
+    sizes over its caps, or tenants' code without a grader sandbox (:mod:`service.admission`); 409
+    if the name exists for this tenant; 403 over the tenant's job or GPU limits."""
     # Checking paths, counting, committing and starting a driver block: one trip to a worker
     # thread for them all. The rest (validation, the answer) stays on the event loop.
-    job = await run_in_threadpool(_create, body, tenant, store, settings, executor)
+    runtime: GraderRuntime = request.app.state.graders
+    job = await run_in_threadpool(_create, body, tenant, store, settings, executor, runtime)
     response.headers["Location"] = f"{router.prefix}/{job.name}"
     return public(job)
 
 
 def _create(
-    body: JobCreate, tenant: str, store: JobStore, settings: Settings, executor: Executor | None
+    body: JobCreate,
+    tenant: str,
+    store: JobStore,
+    settings: Settings,
+    executor: Executor | None,
+    graders: GraderRuntime | None = None,
 ) -> Job:
-    refused = admission_problems(body.spec, tenant, settings)
+    refused = admission_problems(body.spec, tenant, settings, graders)
     if refused:  # files outside the tenant's reach, or sizes over its caps: invalid fields, 422
         raise RequestValidationError(
             [

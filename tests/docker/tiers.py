@@ -45,8 +45,13 @@ ALSO_RUNS: dict[str, list[str]] = {
     "worker": ["workers.driver", "bench.gpu_check", "service.main"],
 }
 # module: its Typer object; and the command group it holds ("bench fp8" is fp8 in fp8rl.bench_cli)
-DISPATCH = {"fp8rl.cli": "app", "fp8rl.bench_cli": "bench_app", "fp8rl.model_cli": "model_app"}
-GROUP = {"fp8rl.cli": "", "fp8rl.bench_cli": "bench", "fp8rl.model_cli": "model"}
+DISPATCH = {
+    "fp8rl.cli": "app",
+    "fp8rl.bench_cli": "bench_app",
+    "fp8rl.model_cli": "model_app",
+    "fp8rl.data_cli": "data_app",
+}
+GROUP = {"fp8rl.cli": "", "fp8rl.bench_cli": "bench", "fp8rl.model_cli": "model", "fp8rl.data_cli": "data"}
 
 
 @dataclass(frozen=True)

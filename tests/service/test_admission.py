@@ -26,7 +26,7 @@ from tests.helpers import wait_for
 
 ALICE, BOB = "alice-token-0123456789", "bob-token-0123456789ab"
 TOKENS = {ALICE: "team-a", BOB: "team-b"}
-FIELDS = ("task.dataset", "model.name", "tokenizer.name")
+FIELDS = ("task.dataset", "task.validation_dataset", "task.grader.file", "model.name", "tokenizer.name")
 
 _opened: list[str] = []
 
@@ -43,6 +43,10 @@ def spec_with(field: str, value: str) -> dict[str, Any]:
     """A job spec that names ``value`` in ``field`` (and is valid otherwise)."""
     if field == "task.dataset":
         return {"task": {"dataset": value}}
+    if field == "task.validation_dataset":
+        return {"task": {"dataset": "ok.jsonl", "validation_dataset": value}}
+    if field == "task.grader.file":  # a python grader's source file
+        return {"task": {"dataset": "ok.jsonl", "grader": {"type": "python", "file": value}}}
     if field == "model.name":
         return {"model": {"name": value, "pretrained": False}, "tokenizer": {"kind": "bytes"}}
     return {"tokenizer": {"kind": "huggingface", "name": value}}
@@ -63,7 +67,9 @@ def setup(tmp_path: Path) -> tuple[TestClient, Path, Path]:
     (data / "runs" / "team-b" / "job" / "metrics.jsonl").write_text("{}\n")
     shared = tmp_path / "shared-models"
     shared.mkdir()
-    settings = Settings(data_dir=data, max_concurrent_jobs=100, model_roots=str(shared))
+    settings = Settings(
+        data_dir=data, max_concurrent_jobs=100, model_roots=str(shared), allow_unsandboxed_graders=True
+    )
     return TestClient(create_app(settings, tokens=TOKENS)), data, secret
 
 
@@ -112,7 +118,10 @@ def test_relative_paths_and_shared_roots_are_accepted(
     for i, value in enumerate(["ok.jsonl", "sub/dir/../ok.jsonl", str(shared)]):
         r = post(api, f"ok{i}", spec_with(field, value))
         assert r.status_code == 201, (value, r.text)
-    if field != "task.dataset":  # a Hugging Face id is a relative path too: home first, then the hub
+    if field in (
+        "model.name",
+        "tokenizer.name",
+    ):  # a Hugging Face id is a relative path too: home first, then the hub
         assert post(api, "hub", spec_with(field, "Qwen/Qwen2.5-1.5B")).status_code == 201
 
 

@@ -5,11 +5,29 @@ graders that turn a response into a reward, with the sandbox that runs user code
 - ``data``: data files (JSONL, Parquet, a saved ``datasets`` directory) and chat rows;
 - ``answers``: reading an answer out of a response;
 - ``templates``: ``{{item.*}}`` / ``{{sample.*}}`` substitution;
-- ``grading``: the graders at work on a batch;
+- ``grading``: the graders at work on a batch, and on one sample (``fp8rl grade``, the control
+  plane's ``/v1/graders/run``);
 - ``sandbox`` and ``child``: the pool of sandboxed processes that run python and code graders.
+
+The names below are loaded when first used: the control plane imports ``grading`` without the
+tokenizers and models that ``task`` brings.
 """
 
-from workers.tasks.grading import Grade, GraderFailure, GraderReport
-from workers.tasks.task import Problem, Task, extract_answer, params_table
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.tasks.grading import Grade, GraderFailure, GraderReport
+    from workers.tasks.task import Problem, Task, extract_answer, params_table
 
 __all__ = ["Grade", "GraderFailure", "GraderReport", "Problem", "Task", "extract_answer", "params_table"]
+_WHERE = {"Grade": "grading", "GraderFailure": "grading", "GraderReport": "grading"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'workers.tasks' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"workers.tasks.{_WHERE.get(name, 'task')}"), name)

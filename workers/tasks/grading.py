@@ -39,7 +39,7 @@ from rljob.graders import (
     StringCheckGrader,
     grader_name,
 )
-from workers.tasks.answers import parse_number, read_answer
+from workers.tasks.answers import parse_number, read_answer, same_answer
 from workers.tasks.sandbox import GraderPool, Launcher
 from workers.tasks.templates import Sample, parses_as_json, render
 
@@ -164,7 +164,7 @@ class Graders:
     @property
     def sandboxed(self) -> bool:
         """Whether any grader runs in the sandbox pool."""
-        return any(_uses_pool(g) for g in self._all())
+        return any(needs_pool(g) for g in self._all())
 
     def pool(self) -> GraderPool:
         """The sandbox pool, started on first use."""
@@ -174,12 +174,12 @@ class Graders:
             log.info("graders run in %d %s", self._pool.size, self._pool.launcher.how)
         return self._pool
 
-    def check(self) -> list[str]:
-        """Load every python grader into the sandbox (compiling it there) and check JSON Schemas;
-        the problems, each naming its grader (empty: all ready)."""
+    def check(self, load_code: bool = True) -> list[str]:
+        """Load every python grader into the sandbox (compiling it there; not with ``load_code``
+        False) and check JSON Schemas; the problems, each naming its grader (empty: all ready)."""
         problems = []
         for name, g in self._named():
-            if isinstance(g, PythonGrader):
+            if isinstance(g, PythonGrader) and load_code:
                 error = self._load(g)
                 if error is not None:
                     problems.append(f"{name}: {error}")
@@ -257,7 +257,7 @@ class Graders:
                 value = formula.evaluate(tree, {child: s[i].score for child, s in children.items()})
                 score = _unit(value) if math.isfinite(value) else 0.0
                 out.append(_Scored(score, score >= 1.0, all(s[i].readable for s in children.values())))
-        elif _uses_pool(g):
+        elif needs_pool(g):
             out = self._score_in_pool(name, g, samples, rows, report)
         else:
             out = [self._score_here(g, s, r) for s, r in zip(samples, rows, strict=True)]
@@ -383,7 +383,8 @@ class Graders:
             log.warning("grader %s: %s (scored 0; later ones are counted, not logged)", name, text)
 
 
-def _uses_pool(g: Any) -> bool:
+def needs_pool(g: Any) -> bool:
+    """Whether grader ``g`` (not a multi) runs in the sandbox pool (the module docstring)."""
     if isinstance(g, PythonGrader | CodeGrader | MathGrader):
         return True
     if isinstance(g, StringCheckGrader):
@@ -391,3 +392,67 @@ def _uses_pool(g: Any) -> bool:
     if isinstance(g, JsonGrader):
         return g.json_schema is not None
     return False
+
+
+@dataclass(frozen=True)
+class _OneRow:
+    entry: dict[str, Any]
+    answer: str
+
+
+def _one(
+    graders: list[Any], item: dict[str, Any], launcher: Launcher | None, base: Path | None
+) -> tuple[Graders, _OneRow]:
+    answer = item.get("answer")
+    row = _OneRow(item, "" if answer is None else str(answer))
+    built = Graders(
+        graders,
+        lambda text, r: float(same_answer(text, r.answer)),
+        pool_size=1,
+        launcher=launcher,
+        max_error_fraction=1.0,
+        base=base,
+    )
+    return built, row
+
+
+def grade_one(
+    graders: list[Any],
+    item: dict[str, Any],
+    output_text: str,
+    launcher: Launcher | None,
+    base: Path | None = None,
+) -> dict[str, Any]:
+    """``graders`` (a task's: the reward is their weighted mean) on one sample: ``{"reward",
+    "graders": {name: {"score", "error", "timeout"}}}`` (a multi grader's children as
+    ``<multi>.<child>``). ``launcher``: how a pool starts, for the kinds that need one (None: they
+    are refused); the pool is this call's alone. An ``answer`` grader compares with the row's
+    ``answer`` as a data file's rows are compared."""
+    built, row = _one(graders, item, launcher, base)
+    try:
+        if launcher is None and built.sandboxed:
+            raise ValueError("this grader runs in the grader sandbox, and none is available here")
+        [graded], reports = built.grade([output_text], [row])
+    finally:
+        built.close()
+    return {
+        "reward": graded.reward,
+        "graders": {
+            name: {
+                "score": r.scores[0] if r.scores else 0.0,
+                "error": r.first_error,
+                "timeout": r.timeouts > 0,
+            }
+            for name, r in reports.items()
+        },
+    }
+
+
+def check_one(graders: list[Any], launcher: Launcher | None, base: Path | None = None) -> list[str]:
+    """What :meth:`Graders.check` finds wrong with ``graders`` (python graders loaded in a pool of
+    their own when ``launcher`` is given; without one only JSON Schemas are checked)."""
+    built, _ = _one(graders, {}, launcher, base)
+    try:
+        return built.check(load_code=launcher is not None)
+    finally:
+        built.close()
