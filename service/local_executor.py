@@ -251,6 +251,8 @@ class LocalExecutor:
         cache = self.data_dir / "cache" / job.tenant  # the tenant's HOME and caches, not the service's
         cache.mkdir(parents=True, exist_ok=True)
         env = tenant_environment(env, cache, self.hf_token(job.tenant))
+        if self.sandbox.bwrap:  # the grader sandbox inside it: the same program (bound in by wrap)
+            env["FP8RL_BWRAP"] = self.sandbox.bwrap
         argv = self.sandbox.wrap(driver_command(run, job, resume), home=home, run=run.root, cache=cache)
         proc = DriverProcess.start(
             argv, run.driver_log, cwd=home, env=env, confine=confinement(job.tenant, self.limits(job.tenant))

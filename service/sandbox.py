@@ -12,6 +12,8 @@ file, the job database and every tenant's runs. In the sandbox a driver sees
 - read-only: the service's read-only roots (``FP8RL_MODEL_ROOTS``), the only shared files;
 - read-write: its tenant's directory (its working directory, where relative paths resolve), its
   own run directory, and its tenant's cache (``HOME``, the Hugging Face and Triton caches);
+- read-only: the bubblewrap program, where it is not under the system's directories, so that
+  the driver's grader sandbox (:mod:`workers.tasks.sandbox`) can start inside this one;
 - its own ``/tmp``, ``/dev`` (with ``/dev/shm`` for Ray's object store, and the NVIDIA devices
   where there are any) and ``/proc`` in a PID namespace of its own: it sees no process of the
   service or of another job, so not their environments or file descriptors either.
@@ -134,6 +136,9 @@ class Sandbox:
             out += ["--dev-bind", str(dev), str(dev)]
         for shared in [*_python_dirs(), *self.read_only]:
             out += ["--ro-bind", str(shared), str(shared)]
+        if not any(self.bwrap.startswith(d + "/") for d in SYSTEM_DIRS):
+            # bubblewrap itself, for the grader sandbox a driver starts (workers.tasks.sandbox)
+            out += ["--ro-bind", self.bwrap, self.bwrap]
         for own in (home, run, cache):
             out += ["--bind", str(own), str(own)]
         out += ["--chdir", str(home), "--"]
