@@ -381,3 +381,25 @@ def bench_operator(
         typer.echo(f"error: {err}; install the dev extras: pip install -e '.[dev]'", err=True)
         raise typer.Exit(2) from err
     typer.echo(bench.run(jobs).table())
+
+
+@bench_app.command("graders")
+def bench_graders(
+    samples: Annotated[int, typer.Option(min=1, max=100_000, help="Samples graded.")] = 512,
+    work_ms: Annotated[
+        float, typer.Option(min=0.0, max=10_000.0, help="CPU ms the grader takes per sample.")
+    ] = 10.0,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=256, help="Pool processes (default: the cores).")
+    ] = None,
+) -> None:
+    """A python grader through the sandbox pool against the same function in process, and the
+    cost of starting the pool (docs/benchmarks.md)."""
+    from bench import graders
+
+    try:
+        result = graders.run(samples, work_ms, workers)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
+    typer.echo(result.table())

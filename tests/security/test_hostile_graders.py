@@ -4,9 +4,9 @@ and nothing outside the sandbox is touched.
 1. In the grader sandbox's pool (workers.tasks.sandbox), each attack alone, with what stops it: reading
    another run's files (not in the sandbox's view), a socket to a server listening on this machine's
    loopback (no network), the environment's tokens (none inherited), forking without bound (the
-   process limit), allocating 8 GB (the address-space limit), looping forever (its CPU time),
-   sleeping forever (the wall clock: the process is replaced), writing outside its temporary
-   directory (read-only or absent). After them all the same pool grades a plain sample.
+   process limit), allocating 8 GB (the address-space limit), looping or sleeping forever (a timer
+   in the process), silencing that timer (the pool's wall clock: the process is replaced), writing
+   outside its temporary directory (read-only or absent). After them all the same pool grades a plain sample.
 2. Through a real ``fp8rl serve``: ``POST /v1/graders/run`` with a grader that would leave a
    marker in the service's data directory and /tmp if it ran in the control plane leaves none, and
    a real job whose grader tries every attack on every response (and loops forever on every tenth)
@@ -66,6 +66,11 @@ def attack(what, target):
             pass
     if what == "sleep":
         time.sleep(3600)
+    if what == "ignores_the_timer":  # the process's own timer silenced: only the pool can stop it
+        import signal
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        while True:
+            pass
     if what == "write_outside":
         with open(target["outside"], "w") as f:
             f.write("written")
@@ -124,8 +129,9 @@ EXPECTED = {
     "environment": "refused",  # no variable at all besides PATH, LANG and HOME
     "fork": "refused",  # the process limit stops it well before 1000
     "memory": "error",  # MemoryError under the address-space limit
-    "loop": "timeout",  # its CPU time: a timer in the process stops it
-    "sleep": "timeout",  # the wall clock: the process is killed and replaced
+    "loop": "timeout",  # its time: a timer in the process stops it
+    "sleep": "timeout",  # the same timer
+    "ignores_the_timer": "timeout",  # the pool's wall clock: the process is killed and replaced
     "write_outside": "error",  # the directory is not there (or read-only)
 }
 
@@ -159,7 +165,7 @@ def test_each_attack_is_stopped_and_the_pool_goes_on(
             assert (grades[0].reward, seen) == (0.0, how), (attack, report)
         grades, reports = graders.grade(["plain"], [Row(entry)])
         assert grades[0].reward == 1.0 and not reports["python"].errors  # the pool goes on
-        assert graders.pool().restarts == 1  # the sleeper's process alone was replaced
+        assert graders.pool().restarts == 1  # the one that silenced its timer alone was replaced
     finally:
         graders.close()
     assert not Path(targets["outside"]).exists()

@@ -12,9 +12,10 @@ Each process (:mod:`workers.tasks.child`) has
   sees no other process;
 - limits: address space (``memory_mb`` above what the interpreter maps at start), file size
   (16 MiB), processes (RLIMIT_NPROC: 64 more than its user runs when it starts; as root it first
-  becomes ``nobody``, so the limit holds), no core files; CPU time per request (a timer, in the
-  process), and wall-clock time per request (here: past ``timeout_s``, the process is killed and
-  replaced, and the request counts as a timeout).
+  becomes ``nobody``, so the limit holds), no core files; the time of a request (a wall-clock
+  timer in the process, which bounds its CPU time too; past it and a quarter second more, as when
+  code is stuck in C, the process is killed and replaced) counts as a timeout; the program a
+  ``code`` grader runs also has RLIMIT_CPU.
 
 A pool and not a process per sample: starting one costs tens of milliseconds (``fp8rl bench
 graders`` measures it), a request a fraction of one.

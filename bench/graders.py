@@ -1,0 +1,110 @@
+"""``fp8rl bench graders``: is grading the step's bottleneck? A trivial python grader that takes
+``work_ms`` of CPU per sample, scored on ``samples`` samples three ways in one run:
+
+- ``in process``: the grader's function called here, one sample after another (the baseline: what
+  grading costs without a sandbox, on one core);
+- ``pool``: through the grader sandbox's pool (:mod:`workers.tasks.sandbox`), ``workers``
+  processes (default: the machine's cores), each sample a request;
+- the cost of starting the pool (its processes and their limits) and of one round trip.
+
+The target (issue 50): 512 samples of a 10 ms grader in at most 3 s on 2 cores. The grader burns
+CPU (a loop on the clock), not a sleep, so the pool's speed-up is bounded by the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rljob.spec import TaskSpec
+from workers.tasks.grading import Graders
+from workers.tasks.sandbox import GraderPool, Launcher
+
+SOURCE = """
+import time
+def grade(sample, item):
+    end = time.process_time() + {seconds}
+    while time.process_time() < end:
+        pass
+    return len(sample["output_text"]) % 2
+"""
+
+
+@dataclass(frozen=True)
+class Row:
+    entry: dict[str, Any]
+    answer: str = ""
+
+
+@dataclass(frozen=True)
+class GraderBench:
+    samples: int
+    work_ms: float
+    workers: int
+    how: str
+    in_process_s: float
+    pool_s: float
+    start_s: float
+    round_trip_ms: float
+
+    def table(self) -> str:
+        ratio = self.in_process_s / self.pool_s if self.pool_s else float("inf")
+
+        def row(name: str, seconds: float, vs: float) -> str:
+            return f"{name:<28}{seconds:>10.3f}{self.samples / seconds:>12.1f}{vs:>14.2f}x"
+
+        per_process = self.start_s / self.workers * 1e3
+        return "\n".join(
+            [
+                f"grader sandbox: {self.how}; {self.workers} processes",
+                f"{self.samples} samples x {self.work_ms:g} ms of CPU each",
+                f"{'variant':<28}{'seconds':>10}{'samples/s':>12}{'vs in process':>15}",
+                row("in process (baseline)", self.in_process_s, 1.0),
+                row("sandbox pool", self.pool_s, ratio),
+                f"starting the pool: {self.start_s * 1e3:.0f} ms ({per_process:.0f} ms a process); "
+                f"one round trip of an empty grader: {self.round_trip_ms:.2f} ms",
+            ]
+        )
+
+
+def run(samples: int = 512, work_ms: float = 10.0, workers: int | None = None) -> GraderBench:
+    if samples < 1 or work_ms < 0:
+        raise ValueError("--samples >= 1 and --work-ms >= 0")
+    workers = workers or os.cpu_count() or 1
+    source = SOURCE.replace("{seconds}", repr(work_ms / 1000))
+    texts = [f"sample {i}" for i in range(samples)]
+    rows = [Row({}) for _ in texts]
+
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<bench grader>", "exec"), namespace)  # the bench's own code
+    t0 = time.perf_counter()
+    baseline = [namespace["grade"]({"output_text": t}, {}) for t in texts]
+    in_process_s = time.perf_counter() - t0
+
+    launcher = Launcher.choose()
+    t0 = time.perf_counter()
+    pool = GraderPool(workers, launcher=launcher)
+    start_s = time.perf_counter() - t0
+    try:
+        pool.load("empty", "def grade(sample, item):\n    return 1.0\n", 10)
+        trips = 200
+        t0 = time.perf_counter()
+        pool.run([({"op": "grade", "key": "empty", "sample": {}, "item": {}, "cpu_s": 5}, 5)] * trips)
+        round_trip_ms = (time.perf_counter() - t0) / trips * workers * 1e3
+    finally:
+        pool.close()
+
+    spec = TaskSpec.model_validate({"dataset": "rows.jsonl", "grader": {"type": "python", "source": source}})
+    graders = Graders(spec.grader_list(), lambda a, r: 0.0, pool_size=workers, launcher=launcher)
+    try:
+        graders.check()  # the pool started and the grader loaded: not part of the timed grading
+        t0 = time.perf_counter()
+        grades, _ = graders.grade(texts, rows)
+        pool_s = time.perf_counter() - t0
+    finally:
+        graders.close()
+    if [g.reward for g in grades] != [float(b) for b in baseline]:
+        raise AssertionError("the pool's scores differ from the function's own")
+    return GraderBench(samples, work_ms, workers, launcher.how, in_process_s, pool_s, start_s, round_trip_ms)
