@@ -92,6 +92,12 @@ VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
 VAL_TRUNCATED_FRACTION: Final = "val/truncated_fraction"
 VAL_UNREADABLE_FRACTION: Final = "val/unreadable_fraction"
+# pass@1: the share of held-out problems whose one response (greedy at validation.temperature 0) is
+# fully correct (= val/accuracy); pass@k with validation.pass_k = k: the share with at least one
+# fully correct response among k sampled ones (HumanEval's estimator with n = k), and k itself
+VAL_PASS_AT_1: Final = "val/pass@1"
+VAL_PASS_AT_K: Final = "val/pass@k"
+VAL_PASS_K: Final = "val/pass_k"
 
 
 def lag0_key(key: str) -> str:
@@ -163,6 +169,9 @@ ValidationMetrics = TypedDict(
         "val/reward_mean": float,
         "val/truncated_fraction": float,
         "val/unreadable_fraction": float,
+        "val/pass@1": float,
+        "val/pass@k": float,  # with validation.pass_k
+        "val/pass_k": float,
         "timing/validation_s": float,
     },
     total=False,  # only on the steps that validate
@@ -176,6 +185,9 @@ InitialValidation = TypedDict(
         "val/reward_mean": float,
         "val/truncated_fraction": float,
         "val/unreadable_fraction": float,
+        "val/pass@1": float,
+        "val/pass@k": NotRequired[float],  # with validation.pass_k
+        "val/pass_k": NotRequired[float],
         "timing/validation_s": float,
     },
 )
@@ -288,6 +300,13 @@ PROMETHEUS: tuple[PromMetric, ...] = (
                every_step=False),
     PromMetric(VAL_REWARD_MEAN, "fp8rl_val_reward_mean", "gauge",
                "Mean reward on the held-out problems at the last validation", every_step=False),
+    PromMetric(VAL_PASS_AT_1, "fp8rl_val_pass_at_1", "gauge",
+               "Share of held-out problems whose one response is fully correct, at the last validation",
+               every_step=False),
+    PromMetric(VAL_PASS_AT_K, "fp8rl_val_pass_at_k", "gauge",
+               "Share of held-out problems with a fully correct response among validation.pass_k "
+               "sampled ones (fp8rl_val_pass_k), at the last validation", every_step=False),
+    PromMetric(VAL_PASS_K, "fp8rl_val_pass_k", "gauge", "The k of fp8rl_val_pass_at_k", every_step=False),
     PromMetric(VAL_TRUNCATED_FRACTION, "fp8rl_val_truncated_fraction", "gauge",
                "Fraction of the held-out responses cut at rollout.max_new_tokens without a stop id, "
                "at the last validation", every_step=False),

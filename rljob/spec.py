@@ -230,6 +230,17 @@ class ValidationSpec(StrictModel):
         le=10.0,
         description="Sampling temperature of the evaluation; 0 = greedy (argmax), one response per problem.",
     )
+    pass_k: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Also sample k responses per held-out problem at pass_k_temperature and report "
+        "val/pass@k, the share of problems with at least one fully correct response among them "
+        "(0: off; val/pass@1 is the single-response accuracy either way).",
+    )
+    pass_k_temperature: float = Field(
+        1.0, gt=0.0, le=10.0, description="Sampling temperature of the pass@k responses."
+    )
 
 
 class PrecisionSpec(StrictModel):

@@ -59,12 +59,14 @@ class RecordingActors(InProcessActors):
     def __init__(self, spec: JobSpec, tok: Tokenizer) -> None:
         super().__init__(spec, tok)
         self.generated: list[list[Generated]] = []
+        self.temperatures: list[float | None] = []
 
     def start_generate(
         self, chunks: list[list[list[int]]], seeds: list[int], temperature: float | None = None
     ) -> Done:
         out = super().start_generate(chunks, seeds, temperature)
         self.generated.append(out.result())
+        self.temperatures.append(temperature)
         return out
 
 
@@ -192,6 +194,27 @@ def test_a_whole_step_runs_without_ray(recipe: str, tmp_path: Path, monkeypatch:
     other.load(latest[1])
     loaded = params(other.trainer.model)
     assert all(torch.equal(loaded[n], trained[n]) for n in trained)
+
+
+def test_validation_reports_pass_at_1_and_pass_at_k() -> None:
+    """pass@k: each of the 4 held-out problems sampled 3 times (problem i's responses consecutive,
+    shared out between the 2 generators), solved when one of its 3 is fully correct; worked here
+    from the decoded responses with the task's own rule (byte sum mod 11 = 10)."""
+    spec = step_spec("bf16")
+    spec = spec.model_copy(
+        update={"validation": spec.validation.model_copy(update={"pass_k": 3, "pass_k_temperature": 1.5})}
+    )
+    task, tok = ByteSumTask(spec.task, spec.validation.size), build_tokenizer(spec)
+    actors = RecordingActors(spec, tok)
+    val = validate(StepContext(spec, task, tok, actors), 1)
+    greedy, sampled = actors.generated[-2], actors.generated[-1]
+    g_rewards = decoded_scores(tok, concat_rollouts([o.rollouts for o in greedy], tok.pad_id))
+    s_rewards = decoded_scores(tok, concat_rollouts([o.rollouts for o in sampled], tok.pad_id))
+    assert len(g_rewards) == 4 and len(s_rewards) == 12
+    assert val["val/pass@1"] == val["val/accuracy"] == sum(r >= 1.0 for r in g_rewards) / 4
+    solved = [any(r >= 1.0 for r in s_rewards[3 * i : 3 * i + 3]) for i in range(4)]
+    assert val["val/pass@k"] == sum(solved) / 4 and val["val/pass_k"] == 3.0
+    assert actors.temperatures[-2:] == [0.0, 1.5]  # greedy, then sampled at pass_k_temperature
 
 
 @pytest.mark.slow  # a fresh interpreter (torch, transformers) and a step: ~25 s on 2 cores
