@@ -162,6 +162,9 @@ class MathGrader(_Grader):
         description="The response; math-verify reads its last \\boxed{}, $...$ or plain expression.",
     )
     reference: Template = Field("{{item.answer}}", description="The reference answer, LaTeX or plain.")
+    timeout_s: float = Field(
+        5.0, gt=0.0, le=120.0, description="Seconds one sample may take (sympy can be slow); past it, 0."
+    )
 
 
 class JsonGrader(_Grader):

@@ -52,7 +52,7 @@ RUN_SPEC: dict[str, Any] = {
     "task": {"params": ONE_DIGIT_SUMS, "size": 50},
     "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": MAX_NEW_TOKENS},
     "warmup": {"sft_steps": 1, "batch_size": 4},
-    "validation": {"interval": 1, "size": 4},
+    "validation": {"interval": 1, "size": 4, "pass_k": 2},
     "precision": {"recipe": RECIPE, "fp8_kv_cache": True},
     "steps": 100_000,  # never reached: the run is stopped once Prometheus has what it needs
     "checkpoint_interval": 100_000,

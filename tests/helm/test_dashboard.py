@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rljob.metrics import ACTOR_RESTARTS, DRIVER_ATTEMPT, PHASES, PROMETHEUS, RUN_COMPLETE
+from rljob.metrics import ACTOR_RESTARTS, DRIVER_ATTEMPT, GRADER_PROMETHEUS, PHASES, PROMETHEUS, RUN_COMPLETE
 from rljob.status import Phase
 from tests.helm.grafana import (
     LABEL_VALUES,
@@ -178,6 +178,8 @@ def test_the_run_and_the_control_plane_export_the_whole_table(prom: Prometheus) 
     }
     for m in PROMETHEUS:
         assert prom.series(m.name) == [{"__name__": m.name, **own}], m.name
+    for name, _, _ in GRADER_PROMETHEUS.values():  # the default grader's series, labelled by it
+        assert prom.series(name) == [{"__name__": name, **own, "grader": "answer"}], name
     phases = prom.series("fp8rl_step_duration_seconds")
     assert sorted(s.pop("phase") for s in phases) == sorted(PHASES)
     assert phases == [{"__name__": "fp8rl_step_duration_seconds", **own}] * len(PHASES)
@@ -196,7 +198,7 @@ def test_dashboard_shows_every_exported_metric(prom: Prometheus) -> None:
     exported = set(prom.label_values("__name__", '{__name__=~"fp8rl_.*"}'))
     # prometheus_client adds a `_created` series (the creation time) to each counter: not for a panel
     wanted = {name for name in exported if not name.endswith("_created")}
-    assert wanted == {m.name for m in PROMETHEUS} | {
+    assert wanted == {m.name for m in PROMETHEUS} | {n for n, _, _ in GRADER_PROMETHEUS.values()} | {
         "fp8rl_step_duration_seconds",
         "fp8rl_jobs",
         ACTOR_RESTARTS.name,
