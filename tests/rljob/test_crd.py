@@ -90,6 +90,9 @@ def test_examples_validate(path: Path) -> None:
         ({"cluster": {"queue": {"scheduler": "slurm", "name": "q"}}}, "scheduler"),
         ({"cluster": {"generation": {"nodeSelector": {"pool": 3}}}}, "pool"),
         ({"suspend": "maybe"}, "suspend"),
+        ({"job": {"task": {"grader": {"type": "nope"}}}}, "type"),
+        ({"job": {"task": {"grader": {"type": "numeric", "tolerance": "near"}}}}, "tolerance"),
+        ({"job": {"task": {"graders": [{"weight": 1}]}}}, "type"),  # the discriminator is required
     ],
 )
 def test_schema_rejects_what_the_models_reject(patch: dict[str, Any], field: str) -> None:
