@@ -34,6 +34,7 @@ from operators.attempts import CAUSE
 from operators.ownership import RLJOB_LABEL, meta
 from operators.settings import OperatorSettings
 from rljob import resource as rl
+from rljob.graders import GRADER_SECRETS_DIR, grader_secrets
 from rljob.paths import POD_HOME
 from rljob.resource import Pool, RLJob, RLJobSpec
 from rljob.run_dir import JOB_SPEC, driver_argv
@@ -306,7 +307,9 @@ def rayjob(job: RLJob, s: OperatorSettings, cause: str = "created") -> dict[str,
                 "enableInTreeAutoscaling": False,
                 "headGroupSpec": {
                     "rayStartParams": {"num-gpus": "0", "no-monitor": "true", "dashboard-host": "0.0.0.0"},
-                    "template": _pod(job, s, head_container, "head", {}, [(spec_volume, SPEC_DIR)]),
+                    "template": _pod(
+                        job, s, head_container, "head", {}, [(spec_volume, SPEC_DIR), *_grader_secrets(job)]
+                    ),
                 },
                 "workerGroupSpecs": [
                     _group(job, s, "generation", res.generators, res.gpus_per_generator),
@@ -320,6 +323,17 @@ def rayjob(job: RLJob, s: OperatorSettings, cause: str = "created") -> dict[str,
     else:
         body["spec"]["submitterPodTemplate"] = _submitter(job, s)
     return body
+
+
+def _grader_secrets(job: RLJob) -> list[tuple[dict[str, Any], str]]:
+    """The Secrets the job's http graders read their tokens from, as (volume, mount path) on the
+    head pod, where the driver grades: each at ``GRADER_SECRETS_DIR/<name>`` (its keys as files)."""
+    refs = grader_secrets(job.spec.job.task.grader_list())
+    names = sorted({r.name for r in refs})
+    return [
+        ({"name": f"grader-secret-{i}", "secret": {"secretName": name}}, f"{GRADER_SECRETS_DIR}/{name}")
+        for i, name in enumerate(names)
+    ]
 
 
 def kuberay_knows_auth_options(crd: dict[str, Any]) -> bool:

@@ -19,6 +19,8 @@ A grader is a ``type`` and its fields; the kinds (docs/job-spec.md, Graders, has
 - ``code``: the response run against the row's tests (HumanEval's ``prompt``, ``test`` and
   ``entry_point``), in the sandbox: 1 if ``check`` passes (``score: pass``) or the fraction of its
   asserts that hold (``score: fraction``).
+- ``http``: a remote grader, ``POST``-ed the row and the sample, with a timeout, retries, bounded
+  concurrency and a bearer token read from a file or a Kubernetes Secret (never the spec);
 - ``multi``: named sub-graders and a ``formula`` over their scores (:mod:`rljob.formula`).
 
 Templates (``input``, ``reference``, the code fields) read the row and the sample:
@@ -238,8 +240,63 @@ class CodeGrader(_Sandboxed):
     )
 
 
+GRADER_SECRETS_DIR = "/var/run/fp8rl/grader-secrets"  # where the operator mounts token_secret
+
+
+class SecretRef(StrictModel):
+    """A key of a Kubernetes Secret in the job's namespace."""
+
+    name: str = Field(
+        ..., pattern=r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", description="The Secret's name."
+    )
+    key: str = Field("token", pattern=r"^[-._a-zA-Z0-9]{1,253}$", description="Its key holding the token.")
+
+    def path(self) -> str:
+        """Where the operator mounts it in the job's head pod."""
+        return f"{GRADER_SECRETS_DIR}/{self.name}/{self.key}"
+
+
+class HttpGrader(_Grader):
+    """A remote grader: ``POST {"item": row, "sample": {"output_text", "output_json"}}`` to ``url``;
+    the answer is ``{"score": x}`` (or a bare number)."""
+
+    type: Literal["http"]
+    url: str = Field(
+        ...,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description="The grader's endpoint (http or https).",
+    )
+    timeout_s: float = Field(10.0, gt=0.0, le=120.0, description="Seconds one request may take.")
+    retries: int = Field(
+        2, ge=0, le=10, description="Further tries after a connection error, a timeout or a 5xx/429 answer."
+    )
+    max_concurrency: int = Field(8, ge=1, le=64, description="Requests in flight at once, per job.")
+    token_file: str | None = Field(
+        None, max_length=4096, description="A file holding a bearer token, under the tenant's files."
+    )
+    token_secret: SecretRef | None = Field(
+        None,
+        description="On Kubernetes: a Secret in the job's namespace holding the bearer token (the "
+        "operator mounts it in the job's head pod). Tokens never go in the spec.",
+    )
+
+    @model_validator(mode="after")
+    def _one_token(self) -> HttpGrader:
+        if self.token_file is not None and self.token_secret is not None:
+            raise ValueError("set token_file or token_secret, not both")
+        return self
+
+
 SubGrader = Annotated[
-    AnswerGrader | StringCheckGrader | NumericGrader | MathGrader | JsonGrader | PythonGrader | CodeGrader,
+    AnswerGrader
+    | StringCheckGrader
+    | NumericGrader
+    | MathGrader
+    | JsonGrader
+    | PythonGrader
+    | CodeGrader
+    | HttpGrader,
     Field(discriminator="type"),
 ]
 
@@ -281,6 +338,7 @@ GraderKind = Annotated[
     | JsonGrader
     | PythonGrader
     | CodeGrader
+    | HttpGrader
     | MultiGrader,
     Field(discriminator="type"),
 ]
@@ -312,4 +370,18 @@ def needs_sandbox(graders: list[Any]) -> list[str]:
             out += [f"{grader_name(g)}.{n}" for n, c in g.graders.items() if c.type in SANDBOXED_TYPES]
         elif g.type in SANDBOXED_TYPES:
             out.append(grader_name(g))
+    return out
+
+
+def grader_secrets(graders: list[Any]) -> list[SecretRef]:
+    """The Secrets the ``http`` graders among ``graders`` read their tokens from (each once)."""
+    out: list[SecretRef] = []
+    for g in graders:
+        for _, child in walk(g):
+            if (
+                isinstance(child, HttpGrader)
+                and child.token_secret is not None
+                and child.token_secret not in out
+            ):
+                out.append(child.token_secret)
     return out

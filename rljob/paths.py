@@ -40,8 +40,9 @@ PATH_FIELDS: tuple[tuple[str, str], ...] = (
 
 
 def spec_paths(spec: JobSpec) -> list[tuple[str, str]]:
-    """``[(field, path)]`` of every file ``spec`` names: PATH_FIELDS that are set, and each python
-    grader's ``file`` (``task.graders[1].file``, a multi's child as ``...graders.<name>.file``)."""
+    """``[(field, path)]`` of every file ``spec`` names: PATH_FIELDS that are set, each python
+    grader's ``file`` and each http grader's ``token_file`` (``task.graders[1].file``, a multi's
+    child as ``...graders.<name>.file``)."""
     out = []
     for section, name in PATH_FIELDS:
         value = getattr(getattr(spec, section), name)
@@ -55,6 +56,7 @@ def spec_paths(spec: JobSpec) -> list[tuple[str, str]]:
         if grader.type == "multi":
             children += [(f"{where}.graders.{n}", c) for n, c in grader.graders.items()]
         out += [(f"{w}.file", g.file) for w, g in children if g.type == "python" and g.file is not None]
+        out += [(f"{w}.token_file", g.token_file) for w, g in children if g.type == "http" and g.token_file]
     return out
 
 

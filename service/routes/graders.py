@@ -42,6 +42,8 @@ def _invalid(message: str) -> RequestValidationError:
 def _no_files(body: GraderValidate) -> None:
     if any(kind == "python" and g.file is not None for kind, g in walk(body.grader)):
         raise _invalid("a python grader's file is read by the job that names it; here, give its source")
+    if any(kind == "http" and g.token_file is not None for kind, g in walk(body.grader)):
+        raise _invalid("an http grader's token_file is read by the job that names it, not here")
 
 
 @router.post("/validate", response_model=GraderValidation)
@@ -71,6 +73,9 @@ async def run_grader(
     score, error and timeout, computed as a job would."""
     _limit(request, tenant)
     _no_files(body)
+    if any(kind == "http" for kind, _ in walk(body.grader)):
+        # the control plane does not call out on a tenant's behalf (it would reach what it reaches)
+        raise _invalid("an http grader is called by the job that uses it, not by the control plane")
     runtime = await run_in_threadpool(_runtime(request).probe)
     if not runtime.available:
         raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED, NO_RUNTIME)

@@ -18,6 +18,7 @@ from operators import admission, builders
 from operators.settings import OperatorSettings
 from rljob import resource as rl
 from rljob.crd import openapi_to_jsonschema
+from rljob.graders import GRADER_SECRETS_DIR
 
 KUBERAY = Path(__file__).resolve().parents[3] / "shared" / "kuberay" / "crds"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -454,3 +455,36 @@ def test_no_job_pod_mounts_a_service_account_token() -> None:
         templates = pod_templates(builders.rayjob(rl.RLJob.of(rljob()), settings))
         assert len(templates) >= 3
         assert all(t["spec"]["automountServiceAccountToken"] is False for t in templates)
+
+
+JUDGE, SECRET, OTHER_KEY = "https://judge.example/score", {"name": "judge"}, {"name": "judge", "key": "b"}
+
+
+def test_the_operator_mounts_the_token_secret_on_the_head_pod() -> None:
+    job = rl.RLJob.of(
+        {
+            "apiVersion": rl.API_VERSION,
+            "kind": rl.KIND,
+            "metadata": {"name": "judged", "namespace": "team-a"},
+            "spec": {
+                "job": {
+                    "task": {
+                        "graders": [
+                            {"type": "http", "name": "a", "url": JUDGE, "token_secret": SECRET},
+                            {"type": "http", "name": "b", "url": JUDGE, "token_secret": OTHER_KEY},
+                        ]
+                    }
+                }
+            },
+        }
+    )  # fmt: skip
+    body = builders.rayjob(job, OperatorSettings())
+    head = body["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    volumes = [v for v in head["volumes"] if "secret" in v]
+    assert volumes == [
+        {"name": "grader-secret-0", "secret": {"secretName": "judge"}}
+    ]  # one Secret, both keys
+    [mount] = [m for m in head["containers"][0]["volumeMounts"] if m["name"] == "grader-secret-0"]
+    assert mount["mountPath"] == f"{GRADER_SECRETS_DIR}/judge"
+    for group in body["spec"]["rayClusterSpec"]["workerGroupSpecs"]:  # the workers do not grade
+        assert not [v for v in group["template"]["spec"]["volumes"] if "secret" in v]

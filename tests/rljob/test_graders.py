@@ -84,6 +84,14 @@ def test_one_grader_or_a_list_each_named_by_name_or_type() -> None:
          "key names"),
         ({"grader": {"type": "multi", "graders": {"a": {"type": "multi"}}, "formula": "a"}},
          "does not match any"),
+        ({"grader": {"type": "http", "url": "file:///etc/passwd"}}, "should match pattern"),
+        ({"grader": {"type": "http", "url": "https://j.example", "token_file": "t",
+                     "token_secret": {"name": "s"}}}, "set token_file or token_secret, not both"),
+        ({"grader": {"type": "http", "url": "https://j.example", "token_secret": {"name": "Bad_Name"}}},
+         "should match pattern"),
+        ({"grader": {"type": "http", "url": "https://j.example", "max_concurrency": 65}}, "max_concurrency"),
+        ({"grader": {"type": "http", "url": "https://j.example", "token": "abc"}},
+         "Extra inputs are not permitted"),
         ({"validation_dataset": "held.jsonl", "dataset": None, "reasoning_gym": "basic_arithmetic"},
          "task.validation_dataset needs task.dataset"),
     ],
@@ -106,6 +114,8 @@ GRADER_FLOATS = [
     ({"type": "numeric"}, "tolerance"),
     ({"type": "python", "source": "x = 1"}, "timeout_s"),
     ({"type": "code"}, "timeout_s"),
+    ({"type": "math"}, "timeout_s"),
+    ({"type": "http", "url": "https://judge.example"}, "timeout_s"),
 ]
 
 

@@ -165,7 +165,8 @@ def test_validation_is_off_by_default_and_greedy_when_on() -> None:
     assert (on.interval, on.size, on.temperature) == (5, 16, 0.0)
     # every field is described (the descriptions are the OpenAPI schema's and the CRD's)
     props = JobSpec.model_json_schema()["$defs"]["ValidationSpec"]["properties"]
-    assert set(props) == {"interval", "size", "temperature"}
+    assert set(props) == {"interval", "size", "temperature", "pass_k", "pass_k_temperature"}
+    assert (v.pass_k, v.pass_k_temperature) == (0, 1.0)  # pass@k off by default
     assert all(len(p.get("description", "")) > 20 for p in props.values()), props
 
 

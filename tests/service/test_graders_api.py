@@ -154,3 +154,8 @@ def test_a_control_plane_without_the_worker_tier_answers_501_and_still_validates
         "/v1/graders/validate", json={"grader": {"type": "python", "source": SHOUTS}}, headers=HEADERS
     )
     assert r.status_code == 200 and r.json()["checked_in_sandbox"] is False
+
+
+def test_the_control_plane_never_calls_an_http_grader(tmp_path: Path) -> None:
+    r = run(client(tmp_path), {"type": "http", "url": "http://169.254.169.254/latest/meta-data"}, {}, "x")
+    assert r.status_code == 422 and "called by the job that uses it" in r.text

@@ -9,9 +9,11 @@ multi grader's formula too). A response is *correct* when every grader gives it 
 could read no answer in it.
 
 Where each kind runs: ``answer``, ``string_check`` (but ``regex``), ``numeric``, ``json`` (but its
-schema) and the formulas here, in the driver; ``python``, ``code``, ``math``, a regex and a JSON
-Schema in the grader sandbox's pool (:mod:`workers.tasks.sandbox`), with a wall-clock limit
-(``timeout_s``, 5 s for the kinds that have none). A grader that fails on a response (raises,
+schema) and the formulas here, in the driver; ``http`` from here too, ``max_concurrency`` requests
+at once, each retried ``retries`` times after a connection error, timeout, 429 or 5xx;
+``python``, ``code``, ``math``, a regex and a JSON Schema in the grader sandbox's pool
+(:mod:`workers.tasks.sandbox`), with a wall-clock limit (``timeout_s``, 5 s for the kinds that
+have none). A grader that fails on a response (raises,
 times out, returns no finite number) scores it 0; it is counted (``errors``, ``timeouts``), and
 logged once per grader and kind of failure. When more than ``max_error_fraction`` of a batch's
 responses fail one grader, :class:`GraderFailure` stops the job with that grader's first error.
@@ -19,6 +21,7 @@ responses fail one grader, :class:`GraderFailure` stops the job with that grader
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -31,6 +34,7 @@ from rljob import formula
 from rljob.graders import (
     AnswerGrader,
     CodeGrader,
+    HttpGrader,
     JsonGrader,
     MathGrader,
     MultiGrader,
@@ -150,6 +154,8 @@ class Graders:
                         self._sources[id(g)] = path.read_text()
                     except (OSError, UnicodeDecodeError) as err:
                         raise ValueError(f"a python grader's file {g.file!r} cannot be read: {err}") from None
+        self._base = base
+        self._tokens: dict[int, str | None] = {}  # id(http grader) -> its bearer token, once read
         self._loaded: set[int] = set()
         self._logged: set[tuple[str, str]] = set()
 
@@ -174,11 +180,17 @@ class Graders:
             log.info("graders run in %d %s", self._pool.size, self._pool.launcher.how)
         return self._pool
 
-    def check(self, load_code: bool = True) -> list[str]:
+    def check(self, load_code: bool = True, read_tokens: bool = True) -> list[str]:
         """Load every python grader into the sandbox (compiling it there; not with ``load_code``
-        False) and check JSON Schemas; the problems, each naming its grader (empty: all ready)."""
+        False), read every http grader's token (not with ``read_tokens`` False) and check JSON
+        Schemas; the problems, each naming its grader (empty: all ready)."""
         problems = []
         for name, g in self._named():
+            if isinstance(g, HttpGrader) and read_tokens:
+                try:
+                    self._token(g)
+                except ValueError as err:
+                    problems.append(f"{name}: {err}")
             if isinstance(g, PythonGrader) and load_code:
                 error = self._load(g)
                 if error is not None:
@@ -257,6 +269,8 @@ class Graders:
                 value = formula.evaluate(tree, {child: s[i].score for child, s in children.items()})
                 score = _unit(value) if math.isfinite(value) else 0.0
                 out.append(_Scored(score, score >= 1.0, all(s[i].readable for s in children.values())))
+        elif isinstance(g, HttpGrader):
+            out = self._score_over_http(name, g, samples, rows, report)
         elif needs_pool(g):
             out = self._score_in_pool(name, g, samples, rows, report)
         else:
@@ -336,6 +350,45 @@ class Graders:
                 self._log_once(name, "error", text)
             out.append(_Scored(0.0, False, True))
         return out
+
+    def _score_over_http(
+        self, name: str, g: HttpGrader, samples: list[Sample], rows: Sequence[Row], report: GraderReport
+    ) -> list[_Scored]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+
+        token = self._token(g)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=g.max_concurrency)
+        with httpx.Client(timeout=g.timeout_s, headers=headers, limits=limits) as client:
+
+            def one(pair: tuple[Sample, Row]) -> dict[str, Any]:
+                sample, row = pair
+                return _post(client, g, {"item": row.entry, "sample": sample.as_dict()})
+
+            with ThreadPoolExecutor(g.max_concurrency) as pool:
+                answers = list(pool.map(one, zip(samples, rows, strict=True)))
+        out = []
+        for answer in answers:
+            if "score" in answer:
+                score = _unit(answer["score"])
+                out.append(_Scored(score, score >= 1.0, True))
+                continue
+            if answer.get("timeout"):
+                report.timeouts += 1
+                self._log_once(name, "timeout", f"{g.url} took longer than {g.timeout_s} s")
+            else:
+                report.errors += 1
+                report.first_error = report.first_error or str(answer["error"])
+                self._log_once(name, "error", str(answer["error"]))
+            out.append(_Scored(0.0, False, True))
+        return out
+
+    def _token(self, g: HttpGrader) -> str | None:
+        if id(g) not in self._tokens:
+            self._tokens[id(g)] = _http_token(g, self._base)
+        return self._tokens[id(g)]
 
     def _request(
         self, g: Any, sample: Sample, item: dict[str, Any], timeout: float
@@ -453,6 +506,66 @@ def check_one(graders: list[Any], launcher: Launcher | None, base: Path | None =
     their own when ``launcher`` is given; without one only JSON Schemas are checked)."""
     built, _ = _one(graders, {}, launcher, base)
     try:
-        return built.check(load_code=launcher is not None)
+        return built.check(load_code=launcher is not None, read_tokens=False)
     finally:
         built.close()
+
+
+def _http_token(g: HttpGrader, base: Path | None) -> str | None:
+    """An http grader's bearer token: its ``token_file``, or the file the operator mounts for its
+    ``token_secret``; None without either."""
+    if g.token_secret is not None:
+        path = Path(g.token_secret.path())
+        if not path.is_file():
+            raise ValueError(
+                f"an http grader's token_secret {g.token_secret.name}/{g.token_secret.key} is mounted by "
+                f"the operator on Kubernetes ({path}), and is not here; outside Kubernetes give token_file"
+            )
+    elif g.token_file is not None:
+        path = Path(g.token_file) if base is None or Path(g.token_file).is_absolute() else base / g.token_file
+    else:
+        return None
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"an http grader's token file cannot be read: {err}") from None
+    if not token or any(c in token for c in "\r\n"):
+        raise ValueError(f"an http grader's token file {path} holds no token on one line")
+    return token
+
+
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def _post(client: Any, g: HttpGrader, body: dict[str, Any]) -> dict[str, Any]:
+    """One sample to an http grader, with its retries (after 0.1, 0.2, 0.4 ... s): ``{"score"}``,
+    ``{"error"}`` or ``{"timeout"}``."""
+    import httpx
+
+    last: dict[str, Any] = {"error": "no answer"}
+    for attempt in range(g.retries + 1):
+        if attempt:
+            time.sleep(0.1 * 2 ** (attempt - 1))
+        try:
+            r = client.post(g.url, json=body)
+        except httpx.TimeoutException:
+            last = {"timeout": True}
+            continue
+        except httpx.HTTPError as err:
+            last = {"error": f"{g.url}: {type(err).__name__}: {err}"}
+            continue
+        if r.status_code in RETRY_STATUS:
+            last = {"error": f"{g.url} answered {r.status_code}"}
+            continue
+        if r.status_code >= 400:
+            return {"error": f"{g.url} answered {r.status_code}: {r.text[:200]}"}
+        try:
+            value = r.json()
+        except ValueError:
+            return {"error": f"{g.url} answered {r.text[:200]!r}, not JSON"}
+        score = value.get("score") if isinstance(value, dict) else value
+        if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
+            shown = json.dumps(value)[:200]
+            return {"error": f'{g.url} answered {shown}: expected {{"score": <number>}}'}
+        return {"score": float(score)}
+    return last
