@@ -19,6 +19,8 @@ A grader is a ``type`` and its fields; the kinds (docs/job-spec.md, Graders, has
 - ``code``: the response run against the row's tests (HumanEval's ``prompt``, ``test`` and
   ``entry_point``), in the sandbox: 1 if ``check`` passes (``score: pass``) or the fraction of its
   asserts that hold (``score: fraction``).
+- ``model``: a reward model or a judge (a causal LM with a prompt and a score read from its
+  answer), on an actor of its own, batched;
 - ``http``: a remote grader, ``POST``-ed the row and the sample, with a timeout, retries, bounded
   concurrency and a bearer token read from a file or a Kubernetes Secret (never the spec);
 - ``multi``: named sub-graders and a ``formula`` over their scores (:mod:`rljob.formula`).
@@ -100,7 +102,7 @@ class _Grader(StrictModel):
         return self
 
 
-_TEMPLATE_FIELDS = ("input", "reference", "prompt", "test", "entry_point")
+_TEMPLATE_FIELDS = ("input", "reference", "prompt", "test", "entry_point")  # a judge's prompt too
 
 
 class AnswerGrader(_Grader):
@@ -240,6 +242,43 @@ class CodeGrader(_Sandboxed):
     )
 
 
+JUDGE_PROMPT = (
+    "Rate how well the response answers the task, from 0 (wrong) to 10 (perfect).\n\n"
+    "Task: {{item.question}}\n\nResponse: {{sample.output_text}}\n\nAnswer with the number only."
+)
+
+
+class ModelGrader(_Grader):
+    """A model scores the response: a reward model (sequence classification) or a judge (a
+    causal LM prompted to rate it), on an actor of its own, a batch at a time."""
+
+    type: Literal["model"]
+    model: str = Field(
+        ...,
+        max_length=4096,
+        description="A Hugging Face model directory (or hub id), under the tenant's files.",
+    )
+    kind: Literal["reward_model", "judge"] = Field(
+        "reward_model",
+        description="reward_model: the score is sigmoid(logit) of a one-label model (a two-label one: "
+        "the second label's probability) on `input`; judge: the model answers `prompt` greedily and "
+        "the first number of its answer, mapped from [score_min, score_max] to [0, 1], is the score.",
+    )
+    input: Template = Field("{{sample.output_text}}", description="What a reward model scores.")
+    prompt: Template = Field(JUDGE_PROMPT, description="What a judge is asked (through its chat template).")
+    score_min: float = Field(0.0, ge=-1e6, le=1e6, description="A judge's lowest rating.")
+    score_max: float = Field(10.0, ge=-1e6, le=1e6, description="A judge's highest rating.")
+    max_new_tokens: int = Field(8, ge=1, le=256, description="Tokens a judge may answer with.")
+    batch_size: int = Field(16, ge=1, le=1024, description="Samples per forward pass.")
+    gpus: int = Field(0, ge=0, le=1, description="GPUs of the grader's actor (0: CPU).")
+
+    @model_validator(mode="after")
+    def _range(self) -> ModelGrader:
+        if self.score_max <= self.score_min:
+            raise ValueError("score_max must be above score_min")
+        return self
+
+
 GRADER_SECRETS_DIR = "/var/run/fp8rl/grader-secrets"  # where the operator mounts token_secret
 
 
@@ -296,7 +335,8 @@ SubGrader = Annotated[
     | JsonGrader
     | PythonGrader
     | CodeGrader
-    | HttpGrader,
+    | HttpGrader
+    | ModelGrader,
     Field(discriminator="type"),
 ]
 
@@ -339,6 +379,7 @@ GraderKind = Annotated[
     | PythonGrader
     | CodeGrader
     | HttpGrader
+    | ModelGrader
     | MultiGrader,
     Field(discriminator="type"),
 ]

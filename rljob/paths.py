@@ -41,8 +41,8 @@ PATH_FIELDS: tuple[tuple[str, str], ...] = (
 
 def spec_paths(spec: JobSpec) -> list[tuple[str, str]]:
     """``[(field, path)]`` of every file ``spec`` names: PATH_FIELDS that are set, each python
-    grader's ``file`` and each http grader's ``token_file`` (``task.graders[1].file``, a multi's
-    child as ``...graders.<name>.file``)."""
+    grader's ``file``, each http grader's ``token_file`` and each model grader's ``model``
+    (``task.graders[1].file``, a multi's child as ``...graders.<name>.file``)."""
     out = []
     for section, name in PATH_FIELDS:
         value = getattr(getattr(spec, section), name)
@@ -57,6 +57,7 @@ def spec_paths(spec: JobSpec) -> list[tuple[str, str]]:
             children += [(f"{where}.graders.{n}", c) for n, c in grader.graders.items()]
         out += [(f"{w}.file", g.file) for w, g in children if g.type == "python" and g.file is not None]
         out += [(f"{w}.token_file", g.token_file) for w, g in children if g.type == "http" and g.token_file]
+        out += [(f"{w}.model", g.model) for w, g in children if g.type == "model"]
     return out
 
 

@@ -35,7 +35,7 @@ from rljob.metrics import (
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
-from workers.actor_group import JobActors
+from workers.actor_group import JobActors, model_scorer
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
 from workers.fp8.kv_cache import calibrates_kv
 from workers.prom_exporter import PromExporter
@@ -152,6 +152,7 @@ class JobRun:
         res = spec.resources  # the bounds of the actors' calls, their history kept across restarts
         self.timeouts = CallTimeouts(res.hang_timeout_s, res.startup_timeout_s)
         self.longest_prompt = max(len(tok.encode(task.prompt(p))) for p in task.problems())
+        task.graders.scorer_factory = model_scorer  # a model grader's model: an actor of its own
         self.warned: set[str] = set()  # the fractions the log has warned about (response_warnings)
 
     # -- the steps ---------------------------------------------------------------------------------

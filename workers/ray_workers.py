@@ -180,3 +180,20 @@ class GeneratorWorker(_Member):
         self._drill(self.engine)
         out = self.engine.generate(prompts, r.max_new_tokens, temp, r.top_p, seed)
         return Generated(out, self.engine.kv_cache_bytes, self.engine.weight_bytes, started, time.time())
+
+
+class ModelGraderWorker:
+    """A ``model`` grader's model on an actor of its own (``workers.tasks.model_scorer``): its
+    memory and CPU (or GPU) time are not the driver's."""
+
+    def __init__(self, grader_json: str, gpus: int) -> None:
+        from pydantic import TypeAdapter
+
+        from rljob.graders import ModelGrader
+        from workers.tasks.model_scorer import ModelScorer
+
+        grader = TypeAdapter(ModelGrader).validate_json(grader_json)
+        self.scorer = ModelScorer(grader, _device(gpus))
+
+    def score(self, texts: list[str]) -> list[float | None]:
+        return self.scorer.score(texts)

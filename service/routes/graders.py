@@ -76,6 +76,8 @@ async def run_grader(
     if any(kind == "http" for kind, _ in walk(body.grader)):
         # the control plane does not call out on a tenant's behalf (it would reach what it reaches)
         raise _invalid("an http grader is called by the job that uses it, not by the control plane")
+    if any(kind == "model" for kind, _ in walk(body.grader)):
+        raise _invalid("a model grader's model runs on the job's own actor, not in the control plane")
     runtime = await run_in_threadpool(_runtime(request).probe)
     if not runtime.available:
         raise HTTPException(status.HTTP_501_NOT_IMPLEMENTED, NO_RUNTIME)

@@ -159,3 +159,5 @@ def test_a_control_plane_without_the_worker_tier_answers_501_and_still_validates
 def test_the_control_plane_never_calls_an_http_grader(tmp_path: Path) -> None:
     r = run(client(tmp_path), {"type": "http", "url": "http://169.254.169.254/latest/meta-data"}, {}, "x")
     assert r.status_code == 422 and "called by the job that uses it" in r.text
+    r = run(client(tmp_path), {"type": "model", "model": "/etc"}, {}, "x")  # nor loads a tenant's model
+    assert r.status_code == 422 and "runs on the job's own actor" in r.text

@@ -11,6 +11,7 @@ could read no answer in it.
 Where each kind runs: ``answer``, ``string_check`` (but ``regex``), ``numeric``, ``json`` (but its
 schema) and the formulas here, in the driver; ``http`` from here too, ``max_concurrency`` requests
 at once, each retried ``retries`` times after a connection error, timeout, 429 or 5xx;
+``model`` on the job's actor for it (or here, outside a job), a batch at a time;
 ``python``, ``code``, ``math``, a regex and a JSON Schema in the grader sandbox's pool
 (:mod:`workers.tasks.sandbox`), with a wall-clock limit (``timeout_s``, 5 s for the kinds that
 have none). A grader that fails on a response (raises,
@@ -37,6 +38,7 @@ from rljob.graders import (
     HttpGrader,
     JsonGrader,
     MathGrader,
+    ModelGrader,
     MultiGrader,
     NumericGrader,
     PythonGrader,
@@ -74,6 +76,13 @@ class Grade(NamedTuple):
     reward: float
     correct: bool
     readable: bool
+
+
+class Scorer(Protocol):
+    """A model grader's model, wherever it runs (:mod:`workers.tasks.model_scorer`): one score, or
+    None (a judge's answer without a number), per text."""
+
+    def score(self, texts: list[str]) -> list[float | None]: ...
 
 
 @dataclass
@@ -135,6 +144,7 @@ class Graders:
         launcher: Launcher | None = None,
         max_error_fraction: float = 0.5,
         base: Path | None = None,
+        scorer_factory: Callable[[ModelGrader], Scorer] | None = None,
     ) -> None:
         self.graders = list(graders)
         self.answer_correctness = answer_correctness
@@ -155,6 +165,9 @@ class Graders:
                     except (OSError, UnicodeDecodeError) as err:
                         raise ValueError(f"a python grader's file {g.file!r} cannot be read: {err}") from None
         self._base = base
+        # a model grader's model: in this process unless the job puts it on an actor of its own
+        self.scorer_factory = scorer_factory
+        self._scorers: dict[int, Scorer] = {}
         self._tokens: dict[int, str | None] = {}  # id(http grader) -> its bearer token, once read
         self._loaded: set[int] = set()
         self._logged: set[tuple[str, str]] = set()
@@ -221,6 +234,11 @@ class Graders:
         return error
 
     def close(self) -> None:
+        for scorer in self._scorers.values():
+            stop = getattr(scorer, "close", None)
+            if stop is not None:
+                stop()
+        self._scorers = {}
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -271,6 +289,8 @@ class Graders:
                 out.append(_Scored(score, score >= 1.0, all(s[i].readable for s in children.values())))
         elif isinstance(g, HttpGrader):
             out = self._score_over_http(name, g, samples, rows, report)
+        elif isinstance(g, ModelGrader):
+            out = self._score_with_model(name, g, samples, rows, report)
         elif needs_pool(g):
             out = self._score_in_pool(name, g, samples, rows, report)
         else:
@@ -383,6 +403,39 @@ class Graders:
                 report.first_error = report.first_error or str(answer["error"])
                 self._log_once(name, "error", str(answer["error"]))
             out.append(_Scored(0.0, False, True))
+        return out
+
+    def _scorer(self, g: ModelGrader) -> Scorer:
+        if id(g) not in self._scorers:
+            if self.scorer_factory is not None:
+                self._scorers[id(g)] = self.scorer_factory(g)
+            else:
+                from workers.tasks.model_scorer import ModelScorer
+
+                self._scorers[id(g)] = ModelScorer(g)
+        return self._scorers[id(g)]
+
+    def _score_with_model(
+        self, name: str, g: ModelGrader, samples: list[Sample], rows: Sequence[Row], report: GraderReport
+    ) -> list[_Scored]:
+        template = g.input if g.kind == "reward_model" else g.prompt
+        texts = [render(template, row.entry, sample) for sample, row in zip(samples, rows, strict=True)]
+        try:
+            scores: list[float | None] = self._scorer(g).score(texts)
+        except Exception as err:  # the model failed on the batch (out of memory, a bad checkpoint)
+            text = f"{g.model}: {type(err).__name__}: {err}"
+            scores = [None] * len(texts)
+            report.first_error = report.first_error or text
+            self._log_once(name, "model", text)
+        out = []
+        for score in scores:
+            if score is None:
+                report.errors += 1
+                report.first_error = report.first_error or f"{g.model}: the judge's answer held no number"
+                out.append(_Scored(0.0, False, True))
+            else:
+                value = _unit(score)
+                out.append(_Scored(value, value >= 1.0, True))
         return out
 
     def _token(self, g: HttpGrader) -> str | None:
