@@ -61,6 +61,8 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("POST", "/v1/jobs/{name}:resume"): [*_V1, 403, 404, 409, 503],
     ("GET", "/v1/jobs/{name}/metrics"): [*_V1, 404, 409, 422, 503],
     ("GET", "/v1/jobs/{name}/logs"): [*_V1, 404, 409, 422, 503],
+    ("POST", "/v1/graders/validate"): [*_V1, 422, 429],
+    ("POST", "/v1/graders/run"): [*_V1, 422, 429, 501],
     ("GET", "/readyz"): [503],
 }
 _TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -202,6 +204,6 @@ def create_app(
         return {"status": "ready"}
 
     own = [r for r in app.router.routes if isinstance(r, APIRoute)]
-    problems.install(app, [*jobs.router.routes, *runs.router.routes, *own])
+    problems.install(app, [*jobs.router.routes, *runs.router.routes, *graders.router.routes, *own])
     problems.document_errors(app, ERRORS, SUCCESS)
     return app

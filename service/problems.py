@@ -159,6 +159,8 @@ _ERRORS: dict[int, tuple[str, dict[str, str]]] = {
     409: ("The job's state does not allow this (name taken, wrong phase, invalid record).", {}),
     413: ("The request body is over the service's limit.", {}),
     422: ("Some fields are invalid: `errors` lists each.", {}),
+    429: ("Over the tenant's rate of grader calls; retry after Retry-After seconds.", {"Retry-After": ""}),
+    501: ("This control plane has no grader runtime (the control-plane image): use `fp8rl grade`.", {}),
     503: ("The Kubernetes API server did not answer; retry after Retry-After seconds.", {"Retry-After": ""}),
 }
 _HEADER_DESCRIPTIONS = {

@@ -7,12 +7,12 @@ with ``Retry-After`` past it). A grader's code never runs in this process: see
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Request, Response, status
+from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 
 from rljob.graders import needs_sandbox, walk
-from service.deps import TenantDep
+from service.deps import TenantDep, strict_body
 from service.graders import NO_RUNTIME, GraderRuntime, RateLimit
 from service.schemas import GraderResult, GraderRun, GraderValidate, GraderValidation
 
@@ -46,7 +46,9 @@ def _no_files(body: GraderValidate) -> None:
         raise _invalid("an http grader's token_file is read by the job that names it, not here")
 
 
-@router.post("/validate", response_model=GraderValidation)
+@router.post(
+    "/validate", response_model=GraderValidation, dependencies=[Depends(strict_body(GraderValidate))]
+)
 async def validate_grader(body: GraderValidate, request: Request, tenant: TenantDep) -> GraderValidation:
     """The grader as the service reads it (422 naming the field otherwise), with a python grader
     compiled (imports run) in the grader sandbox where this service has one."""
@@ -65,7 +67,7 @@ async def validate_grader(body: GraderValidate, request: Request, tenant: Tenant
     )
 
 
-@router.post("/run", response_model=GraderResult, responses={501: {"description": NO_RUNTIME}})
+@router.post("/run", response_model=GraderResult, dependencies=[Depends(strict_body(GraderRun))])
 async def run_grader(
     body: GraderRun, request: Request, tenant: TenantDep, response: Response
 ) -> GraderResult:

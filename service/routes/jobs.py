@@ -9,7 +9,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from rljob.jobs import (
@@ -24,7 +23,7 @@ from rljob.jobs import (
 )
 from rljob.status import ACTIONS, IllegalTransition, Phase, Reason
 from service.admission import admission_problems
-from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep
+from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep, strict_body
 from service.executor import Executor
 from service.graders import GraderRuntime
 from service.schemas import JobCreate, JobList, JobPublic
@@ -48,17 +47,7 @@ def _not_found(name: str) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"job {name!r} not found")
 
 
-async def strict_json(request: Request) -> None:
-    """The body's JSON types exactly as the schema states them: ``0`` is not a boolean and ``"5"``
-    not an integer over the API (``fp8rl run`` keeps YAML's looser reading: ``lr: 1e-5`` is a
-    string there). Unparsable bodies are left to FastAPI's 400."""
-    try:
-        JobCreate.model_validate_json(await request.body(), strict=True)
-    except ValidationError as err:
-        errors = err.errors()
-        if any(e["type"] == "json_invalid" for e in errors):
-            return  # not JSON at all: FastAPI's own parse answers 400
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+strict_json = strict_body(JobCreate)
 
 
 @router.post(
