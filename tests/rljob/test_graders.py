@@ -4,6 +4,8 @@ refusal names the field; formulas worked by hand."""
 from __future__ import annotations
 
 import json
+import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,3 +239,21 @@ def test_formula_refuses_everything_else(text: str) -> None:
 def test_formula_bounds() -> None:
     with pytest.raises(formula.FormulaError, match="at most 1024"):
         formula.parse("a+" * 600 + "a", {"a"})
+
+
+def test_every_grader_docs_job_spec_shows_is_a_valid_one() -> None:
+    """docs/job-spec.md's "one of each kind" list: each entry is a grader the spec accepts, and
+    every kind is there."""
+    import yaml
+
+    from rljob.graders import GraderKind
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "job-spec.md").read_text()
+    block = text[text.index("One of each kind") :]
+    start = block.index("```yaml") + len("```yaml")
+    graders = yaml.safe_load(block[start : block.index("```", start)])["graders"]
+    union = typing.get_args(GraderKind)[0]  # Annotated[A | B | ..., discriminator]
+    every = {typing.get_args(m.model_fields["type"].annotation)[0] for m in typing.get_args(union)}
+    assert {g["type"] for g in graders} == every and len(every) == 10
+    for i, grader in enumerate(graders):
+        task(grader={"name": f"g{i}", **grader})
