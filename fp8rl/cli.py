@@ -432,7 +432,7 @@ def grade_cmd(
     """Run the job's graders on one data row and one response, as a job would score it; print the
     reward and each grader's score, error and timeout as JSON. Python and code graders run in
     the grader sandbox where bubblewrap runs (the first line says where)."""
-    from workers.tasks.grading import grade_one
+    from workers.tasks.one_sample import grade_one
     from workers.tasks.sandbox import Launcher, SandboxUnavailable
 
     spec = load_spec_or_exit(spec_path)

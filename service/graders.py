@@ -36,7 +36,7 @@ NO_RUNTIME = (
 
 def _pool_kinds(grader: Any) -> list[str]:
     """The kinds inside ``grader`` that need the sandbox pool."""
-    from workers.tasks.grading import needs_pool
+    from workers.tasks.pool_requests import needs_pool
 
     return [kind for kind, g in walk(grader) if needs_pool(g)]
 
@@ -88,16 +88,16 @@ class GraderRuntime:
         )
 
     def run(self, grader: Any, item: dict[str, Any], output_text: str) -> dict[str, Any]:
-        """``grader`` on one sample (:func:`workers.tasks.grading.grade_one`), in a pool of its own
+        """``grader`` on one sample (:func:`workers.tasks.one_sample.grade_one`), in a pool of its own
         when it needs one."""
-        from workers.tasks.grading import grade_one
+        from workers.tasks.one_sample import grade_one
 
         self.probe()
         return grade_one([grader], item, output_text, self._launcher if _pool_kinds(grader) else None)
 
     def check(self, grader: Any) -> list[str]:
         """Load a python grader in a pool of its own and check JSON Schemas (:meth:`Graders.check`)."""
-        from workers.tasks.grading import check_one
+        from workers.tasks.one_sample import check_one
 
         self.probe()
         return check_one([grader], self._launcher if _pool_kinds(grader) else None)

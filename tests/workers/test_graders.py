@@ -18,7 +18,8 @@ import pytest
 from rljob.spec import TaskSpec
 from tests.helm.tools import tool
 from workers.tasks.answers import same_answer
-from workers.tasks.grading import GraderFailure, Graders, code_program
+from workers.tasks.grading import GraderFailure, Graders
+from workers.tasks.pool_requests import code_program
 from workers.tasks.sandbox import Launcher
 from workers.tasks.templates import Sample, render
 

@@ -5,9 +5,11 @@ graders that turn a response into a reward, with the sandbox that runs user code
 - ``data``: data files (JSONL, Parquet, a saved ``datasets`` directory) and chat rows;
 - ``answers``: reading an answer out of a response;
 - ``templates``: ``{{item.*}}`` / ``{{sample.*}}`` substitution;
-- ``grading``: the graders at work on a batch, and on one sample (``fp8rl grade``, the control
-  plane's ``/v1/graders/run``);
-- ``sandbox`` and ``child``: the pool of sandboxed processes that run python and code graders.
+- ``grading``: the graders at work on a batch; ``pool_requests`` what the sandboxed kinds send the
+  pool, ``remote`` the http grader's requests, ``model_scorer`` a model grader's model,
+  ``one_sample`` one row and response (``fp8rl grade``, the control plane's ``/v1/graders/run``);
+- ``sandbox`` and ``child``: the pool of sandboxed processes that run python and code graders;
+- ``humaneval``: HumanEval's problems as a data file.
 
 The names below are loaded when first used: the control plane imports ``grading`` without the
 tokenizers and models that ``task`` brings.

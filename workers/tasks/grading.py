@@ -22,7 +22,6 @@ responses fail one grader, :class:`GraderFailure` stops the job with that grader
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -34,10 +33,8 @@ from typing import Any, NamedTuple, Protocol
 from rljob import formula
 from rljob.graders import (
     AnswerGrader,
-    CodeGrader,
     HttpGrader,
     JsonGrader,
-    MathGrader,
     ModelGrader,
     MultiGrader,
     NumericGrader,
@@ -45,14 +42,15 @@ from rljob.graders import (
     StringCheckGrader,
     grader_name,
 )
-from workers.tasks.answers import parse_number, read_answer, same_answer
+from workers.tasks.answers import parse_number, read_answer
+from workers.tasks.pool_requests import needs_pool, pool_request
+from workers.tasks.remote import http_token, post_all
 from workers.tasks.sandbox import GraderPool, Launcher
 from workers.tasks.templates import Sample, parses_as_json, render
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0  # a regex or a JSON Schema in the pool, and math, when the grader sets none
-_FENCE_START = "```"
 
 
 class GraderFailure(RuntimeError):
@@ -109,20 +107,6 @@ class _Scored(NamedTuple):
 
 def _unit(x: float) -> float:
     return min(1.0, max(0.0, x))
-
-
-def code_program(prompt: str, completion: str) -> str:
-    """The program a ``code`` grader runs: the completion's first fenced block (a whole program;
-    after the prompt, so the prompt's imports hold and the block's definition wins), else the prompt
-    continued by the completion (HumanEval's convention)."""
-    start = completion.find(_FENCE_START)
-    if start >= 0:
-        body_start = completion.find("\n", start)
-        end = completion.find(_FENCE_START, body_start + 1) if body_start >= 0 else -1
-        if body_start >= 0:
-            block = completion[body_start + 1 : end if end >= 0 else len(completion)]
-            return f"{prompt}\n{block}"
-    return prompt + completion
 
 
 class Graders:
@@ -339,7 +323,7 @@ class Graders:
         timeout = getattr(g, "timeout_s", DEFAULT_TIMEOUT_S)
         requests: list[tuple[dict[str, Any], float] | None] = []
         for sample, row in zip(samples, rows, strict=True):
-            requests.append(self._request(g, sample, row.entry, timeout))
+            requests.append(pool_request(g, sample, row.entry, timeout))
         if isinstance(g, PythonGrader):
             error = self._load(g)
             if error is not None:
@@ -374,21 +358,10 @@ class Graders:
     def _score_over_http(
         self, name: str, g: HttpGrader, samples: list[Sample], rows: Sequence[Row], report: GraderReport
     ) -> list[_Scored]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        import httpx
-
-        token = self._token(g)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        limits = httpx.Limits(max_connections=g.max_concurrency)
-        with httpx.Client(timeout=g.timeout_s, headers=headers, limits=limits) as client:
-
-            def one(pair: tuple[Sample, Row]) -> dict[str, Any]:
-                sample, row = pair
-                return _post(client, g, {"item": row.entry, "sample": sample.as_dict()})
-
-            with ThreadPoolExecutor(g.max_concurrency) as pool:
-                answers = list(pool.map(one, zip(samples, rows, strict=True)))
+        bodies = [
+            {"item": row.entry, "sample": sample.as_dict()} for sample, row in zip(samples, rows, strict=True)
+        ]
+        answers = post_all(g, self._token(g), bodies)
         out = []
         for answer in answers:
             if "score" in answer:
@@ -440,185 +413,10 @@ class Graders:
 
     def _token(self, g: HttpGrader) -> str | None:
         if id(g) not in self._tokens:
-            self._tokens[id(g)] = _http_token(g, self._base)
+            self._tokens[id(g)] = http_token(g, self._base)
         return self._tokens[id(g)]
-
-    def _request(
-        self, g: Any, sample: Sample, item: dict[str, Any], timeout: float
-    ) -> tuple[dict[str, Any], float] | None:
-        if isinstance(g, PythonGrader):
-            return {
-                "op": "grade",
-                "key": str(id(g)),
-                "sample": sample.as_dict(),
-                "item": item,
-                "cpu_s": timeout,
-            }, timeout
-        if isinstance(g, MathGrader):
-            request: dict[str, Any] = {
-                "op": "math",
-                "input": render(g.input, item, sample),
-                "reference": render(g.reference, item, sample),
-            }
-            return {**request, "cpu_s": timeout}, timeout
-        if isinstance(g, CodeGrader):
-            program = code_program(render(g.prompt, item, sample), render(g.input, item, sample))
-            request = {
-                "op": "code",
-                "program": program,
-                "test": render(g.test, item, sample),
-                "entry_point": render(g.entry_point, item, sample),
-                "score": g.score,
-                "cpu_s": timeout,
-            }
-            return request, timeout
-        if isinstance(g, StringCheckGrader):  # regex
-            pattern, text = render(g.reference, item, sample), render(g.input, item, sample)
-            regex = {"op": "regex", "pattern": pattern, "text": text, "ignore_case": g.ignore_case}
-            return {**regex, "cpu_s": timeout}, timeout
-        if isinstance(g, JsonGrader):  # with a schema
-            ok, value = parses_as_json(render(g.input, item, sample))
-            if not ok:
-                return None
-            return {"op": "schema", "schema": g.json_schema, "value": value, "cpu_s": timeout}, timeout
-        raise TypeError(f"grader type {g.type!r} does not run in the pool")
 
     def _log_once(self, name: str, kind: str, text: str) -> None:
         if (name, kind) not in self._logged:
             self._logged.add((name, kind))
             log.warning("grader %s: %s (scored 0; later ones are counted, not logged)", name, text)
-
-
-def needs_pool(g: Any) -> bool:
-    """Whether grader ``g`` (not a multi) runs in the sandbox pool (the module docstring)."""
-    if isinstance(g, PythonGrader | CodeGrader | MathGrader):
-        return True
-    if isinstance(g, StringCheckGrader):
-        return g.operation == "regex"
-    if isinstance(g, JsonGrader):
-        return g.json_schema is not None
-    return False
-
-
-@dataclass(frozen=True)
-class _OneRow:
-    entry: dict[str, Any]
-    answer: str
-
-
-def _one(
-    graders: list[Any], item: dict[str, Any], launcher: Launcher | None, base: Path | None
-) -> tuple[Graders, _OneRow]:
-    answer = item.get("answer")
-    row = _OneRow(item, "" if answer is None else str(answer))
-    built = Graders(
-        graders,
-        lambda text, r: float(same_answer(text, r.answer)),
-        pool_size=1,
-        launcher=launcher,
-        max_error_fraction=1.0,
-        base=base,
-    )
-    return built, row
-
-
-def grade_one(
-    graders: list[Any],
-    item: dict[str, Any],
-    output_text: str,
-    launcher: Launcher | None,
-    base: Path | None = None,
-) -> dict[str, Any]:
-    """``graders`` (a task's: the reward is their weighted mean) on one sample: ``{"reward",
-    "graders": {name: {"score", "error", "timeout"}}}`` (a multi grader's children as
-    ``<multi>.<child>``). ``launcher``: how a pool starts, for the kinds that need one (None: they
-    are refused); the pool is this call's alone. An ``answer`` grader compares with the row's
-    ``answer`` as a data file's rows are compared."""
-    built, row = _one(graders, item, launcher, base)
-    try:
-        if launcher is None and built.sandboxed:
-            raise ValueError("this grader runs in the grader sandbox, and none is available here")
-        [graded], reports = built.grade([output_text], [row])
-    finally:
-        built.close()
-    return {
-        "reward": graded.reward,
-        "graders": {
-            name: {
-                "score": r.scores[0] if r.scores else 0.0,
-                "error": r.first_error,
-                "timeout": r.timeouts > 0,
-            }
-            for name, r in reports.items()
-        },
-    }
-
-
-def check_one(graders: list[Any], launcher: Launcher | None, base: Path | None = None) -> list[str]:
-    """What :meth:`Graders.check` finds wrong with ``graders`` (python graders loaded in a pool of
-    their own when ``launcher`` is given; without one only JSON Schemas are checked)."""
-    built, _ = _one(graders, {}, launcher, base)
-    try:
-        return built.check(load_code=launcher is not None, read_tokens=False)
-    finally:
-        built.close()
-
-
-def _http_token(g: HttpGrader, base: Path | None) -> str | None:
-    """An http grader's bearer token: its ``token_file``, or the file the operator mounts for its
-    ``token_secret``; None without either."""
-    if g.token_secret is not None:
-        path = Path(g.token_secret.path())
-        if not path.is_file():
-            raise ValueError(
-                f"an http grader's token_secret {g.token_secret.name}/{g.token_secret.key} is mounted by "
-                f"the operator on Kubernetes ({path}), and is not here; outside Kubernetes give token_file"
-            )
-    elif g.token_file is not None:
-        path = Path(g.token_file) if base is None or Path(g.token_file).is_absolute() else base / g.token_file
-    else:
-        return None
-    try:
-        token = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"an http grader's token file cannot be read: {err}") from None
-    if not token or any(c in token for c in "\r\n"):
-        raise ValueError(f"an http grader's token file {path} holds no token on one line")
-    return token
-
-
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-
-
-def _post(client: Any, g: HttpGrader, body: dict[str, Any]) -> dict[str, Any]:
-    """One sample to an http grader, with its retries (after 0.1, 0.2, 0.4 ... s): ``{"score"}``,
-    ``{"error"}`` or ``{"timeout"}``."""
-    import httpx
-
-    last: dict[str, Any] = {"error": "no answer"}
-    for attempt in range(g.retries + 1):
-        if attempt:
-            time.sleep(0.1 * 2 ** (attempt - 1))
-        try:
-            r = client.post(g.url, json=body)
-        except httpx.TimeoutException:
-            last = {"timeout": True}
-            continue
-        except httpx.HTTPError as err:
-            last = {"error": f"{g.url}: {type(err).__name__}: {err}"}
-            continue
-        if r.status_code in RETRY_STATUS:
-            last = {"error": f"{g.url} answered {r.status_code}"}
-            continue
-        if r.status_code >= 400:
-            return {"error": f"{g.url} answered {r.status_code}: {r.text[:200]}"}
-        try:
-            value = r.json()
-        except ValueError:
-            return {"error": f"{g.url} answered {r.text[:200]!r}, not JSON"}
-        score = value.get("score") if isinstance(value, dict) else value
-        if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
-            shown = json.dumps(value)[:200]
-            return {"error": f'{g.url} answered {shown}: expected {{"score": <number>}}'}
-        return {"score": float(score)}
-    return last
