@@ -13,12 +13,12 @@ LABELS = {"job": "j", "namespace": "team-a", "recipe": "fp8-e2e"}
 
 
 def samples(exporter: PromExporter) -> dict[tuple[str, str], float]:
-    """(sample name, phase label or "") -> value, for this job's labels."""
+    """(sample name, phase or grader label or "") -> value, for this job's labels."""
     out = {}
     for family in text_string_to_metric_families(generate_latest(exporter.registry).decode()):
         for s in family.samples:
             if {k: s.labels.get(k) for k in LABELS} == LABELS:
-                out[(s.name, s.labels.get("phase", ""))] = s.value
+                out[(s.name, s.labels.get("phase", s.labels.get("grader", "")))] = s.value
     return out
 
 
@@ -28,6 +28,9 @@ def test_validation_gauges_follow_the_rows_that_have_them() -> None:
         "val/reward_mean": ("fp8rl_val_reward_mean", "gauge"),
         "val/truncated_fraction": ("fp8rl_val_truncated_fraction", "gauge"),
         "val/unreadable_fraction": ("fp8rl_val_unreadable_fraction", "gauge"),
+        "val/pass@1": ("fp8rl_val_pass_at_1", "gauge"),
+        "val/pass@k": ("fp8rl_val_pass_at_k", "gauge"),
+        "val/pass_k": ("fp8rl_val_pass_k", "gauge"),
     }
     exp = PromExporter(**LABELS)
     exp.observe({"step": 1, "reward/mean": 0.25, "timing/generation_s": 2.0})
@@ -68,3 +71,23 @@ def test_staleness_series_are_0_for_a_synchronous_job_and_follow_an_asynchronous
     assert now[("fp8rl_stale_batches_dropped_total", "")] == 3.0  # 0 + 2 + 1: a counter
     assert now[("fp8rl_generation_train_overlap_seconds", "")] == 0.75  # the last step's
     assert ("fp8rl_step_duration_seconds", "overlap") not in now  # not a phase of the step
+
+
+def test_each_graders_series_carries_its_name() -> None:
+    exp = PromExporter(**LABELS)
+    row = {
+        "step": 1,
+        "reward/m.valid/mean": 0.5,
+        "grader/m.valid/errors": 2.0,
+        "grader/m.valid/timeouts": 1.0,
+    }
+    exp.observe({**row, "grader/m.valid/seconds": 0.25, "reward/m/mean": 0.4})
+    exp.observe({**row, "reward/m.valid/mean": 0.75, "grader/m.valid/seconds": 0.5, "reward/m/mean": 0.6})
+    got = samples(exp)
+    # gauges hold the last step's value; counters add each step's count
+    assert (
+        got[("fp8rl_grader_reward_mean", "m.valid")] == 0.75 and got[("fp8rl_grader_reward_mean", "m")] == 0.6
+    )
+    assert got[("fp8rl_grader_errors_total", "m.valid")] == 4.0
+    assert got[("fp8rl_grader_timeouts_total", "m.valid")] == 2.0
+    assert got[("fp8rl_grader_seconds", "m.valid")] == 0.5
