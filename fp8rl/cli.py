@@ -174,10 +174,16 @@ def serve_cmd(
     sandbox = getattr(application.state.executor, "sandbox", None)
     if sandbox is not None:
         typer.echo(f"fp8rl serve: {sandbox.describe()}", err=True)
-        runtime = application.state.graders.probe()
-        unsafe = " (tenants' code accepted anyway: --allow-unsandboxed-graders)"
-        allowed = unsafe if settings.allow_unsandboxed_graders and not runtime.sandboxed else ""
-        typer.echo(f"fp8rl serve: python and code graders run in {runtime.how}{allowed}", err=True)
+        from service.graders import GraderUnavailable
+
+        try:
+            runtime = application.state.graders.probe()
+        except GraderUnavailable as err:  # refused as without a sandbox until one answers
+            typer.echo(f"fp8rl serve: the grader runtime did not answer: {err}", err=True)
+        else:
+            unsafe = " (tenants' code accepted anyway: --allow-unsandboxed-graders)"
+            allowed = unsafe if settings.allow_unsandboxed_graders and not runtime.sandboxed else ""
+            typer.echo(f"fp8rl serve: python and code graders run in {runtime.how}{allowed}", err=True)
     limits = ListenerLimits(
         header_timeout_s=settings.header_timeout_s,
         idle_timeout_s=settings.idle_timeout_s,

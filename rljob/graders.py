@@ -426,3 +426,16 @@ def grader_secrets(graders: list[Any]) -> list[SecretRef]:
             ):
                 out.append(child.token_secret)
     return out
+
+
+def runs_in_pool(grader: Any) -> bool:
+    """Whether ``grader`` (not a multi) runs in the grader sandbox's pool: tenants' code
+    (``python``, ``code``), math-verify, and matching that can backtrack without end (a
+    ``string_check`` regex, a ``json`` grader's schema)."""
+    if isinstance(grader, PythonGrader | CodeGrader | MathGrader):
+        return True
+    if isinstance(grader, StringCheckGrader):
+        return grader.operation == "regex"
+    if isinstance(grader, JsonGrader):
+        return grader.json_schema is not None
+    return False

@@ -61,8 +61,8 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("POST", "/v1/jobs/{name}:resume"): [*_V1, 403, 404, 409, 503],
     ("GET", "/v1/jobs/{name}/metrics"): [*_V1, 404, 409, 422, 503],
     ("GET", "/v1/jobs/{name}/logs"): [*_V1, 404, 409, 422, 503],
-    ("POST", "/v1/graders/validate"): [*_V1, 422, 429],
-    ("POST", "/v1/graders/run"): [*_V1, 422, 429, 501],
+    ("POST", "/v1/graders/validate"): [*_V1, 422, 429, 503],
+    ("POST", "/v1/graders/run"): [*_V1, 422, 429, 501, 503],
     ("GET", "/readyz"): [503],
 }
 _TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}

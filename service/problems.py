@@ -161,7 +161,10 @@ _ERRORS: dict[int, tuple[str, dict[str, str]]] = {
     422: ("Some fields are invalid: `errors` lists each.", {}),
     429: ("Over the tenant's rate of grader calls; retry after Retry-After seconds.", {"Retry-After": ""}),
     501: ("This control plane has no grader runtime (the control-plane image): use `fp8rl grade`.", {}),
-    503: ("The Kubernetes API server did not answer; retry after Retry-After seconds.", {"Retry-After": ""}),
+    503: (
+        "The Kubernetes API server (or a grader's process) did not answer; retry after Retry-After seconds.",
+        {"Retry-After": ""},
+    ),
 }
 _HEADER_DESCRIPTIONS = {
     "WWW-Authenticate": "The authentication scheme: Bearer.",

@@ -103,7 +103,8 @@ def _run_task(spec: JobSpec, out: Path, opts: RunOptions, tok: Tokenizer, task: 
     if not_ready:
         raise ValueError(f"task.graders: {'; '.join(not_ready)}")
     if task.graders.sandboxed:
-        opts.log(f"graders run in {task.graders.pool().size} {task.graders.pool().launcher.how}")
+        pool = task.graders.pool()
+        opts.log(f"graders' code runs in a pool of {pool.size} processes: {pool.launcher.how}")
     for drill in opts.drills:
         actors = spec.resources.generators if drill.role == "generator" else spec.resources.trainers
         if drill.step > spec.steps or drill.index >= actors:

@@ -13,7 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from rljob.graders import needs_sandbox, walk
 from service.deps import TenantDep, strict_body
-from service.graders import NO_RUNTIME, GraderRuntime, RateLimit
+from service.graders import NO_RUNTIME, GraderRuntime, GraderUnavailable, RateLimit
+from service.problems import RETRY_AFTER_S
 from service.schemas import GraderResult, GraderRun, GraderValidate, GraderValidation
 
 router = APIRouter(prefix="/v1/graders", tags=["graders"])
@@ -35,6 +36,11 @@ def _limit(request: Request, tenant: str) -> None:
         )
 
 
+def _unavailable(err: GraderUnavailable) -> HTTPException:
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    return HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, f"{err}; try again", headers=retry)
+
+
 def _invalid(message: str) -> RequestValidationError:
     return RequestValidationError([{"loc": ("body", "grader"), "msg": message, "type": "grader"}])
 
@@ -54,12 +60,18 @@ async def validate_grader(body: GraderValidate, request: Request, tenant: Tenant
     compiled (imports run) in the grader sandbox where this service has one."""
     _limit(request, tenant)
     _no_files(body)
-    runtime = await run_in_threadpool(_runtime(request).probe)
+    try:
+        runtime = await run_in_threadpool(_runtime(request).probe)
+    except GraderUnavailable as err:
+        raise _unavailable(err) from None
     user_code = needs_sandbox([body.grader])
     in_sandbox = bool(user_code) and runtime.available and runtime.refusal([body.grader]) is None
     if runtime.available:
         launcher_ok = in_sandbox or not user_code
-        problems = await run_in_threadpool(runtime.check, body.grader) if launcher_ok else []
+        try:
+            problems = await run_in_threadpool(runtime.check, body.grader) if launcher_ok else []
+        except GraderUnavailable as err:
+            raise _unavailable(err) from None
         if problems:
             raise _invalid("; ".join(problems))
     return GraderValidation(
@@ -86,5 +98,8 @@ async def run_grader(
     refused = runtime.refusal([body.grader])
     if refused is not None:
         raise _invalid(refused)
-    result = await run_in_threadpool(runtime.run, body.grader, body.item, body.sample.output_text)
+    try:
+        result = await run_in_threadpool(runtime.run, body.grader, body.item, body.sample.output_text)
+    except GraderUnavailable as err:
+        raise _unavailable(err) from None
     return GraderResult.model_validate(result)

@@ -254,6 +254,6 @@ def test_a_real_service_never_runs_grader_code_and_a_hostile_job_succeeds(
     # other response scored 0.25 (no attack succeeded: one that did would score 1)
     assert sum(row["grader/python/timeouts"] for row in steps) in (4, 5)
     assert all(row["reward/python/mean"] <= 0.25 for row in steps)
-    assert "graders run in" in log and "bubblewrap" in log
+    assert "graders' code runs in a pool of" in log and "bubblewrap" in log
     assert not Path(targets["outside"]).exists() and targets["listener"].accepted == 0
     assert [m for m in markers if Path(m).exists()] == []

@@ -174,7 +174,8 @@ class Graders:
         if self._pool is None:
             memory = max((g.memory_mb for g in self._all() if hasattr(g, "memory_mb")), default=512)
             self._pool = GraderPool(self.pool_size, memory, self.launcher)
-            log.info("graders run in %d %s", self._pool.size, self._pool.launcher.how)
+            pool = self._pool
+            log.info("graders' code runs in a pool of %d processes: %s", pool.size, pool.launcher.how)
         return self._pool
 
     def check(self, load_code: bool = True, read_tokens: bool = True) -> list[str]:

@@ -1,5 +1,15 @@
-"""A task's graders on one row and one response: ``fp8rl grade`` and the control plane's
-``/v1/graders/run`` and ``/validate`` (:mod:`service.graders`), each with a sandbox pool of its own."""
+"""A task's graders on one row and one response: ``fp8rl grade``, and the control plane's
+``/v1/graders/run`` and ``/validate`` (:mod:`service.graders`), each with a sandbox pool of its own.
+
+The control plane never grades in its own process: it runs ``python -m workers.tasks.one_sample``
+once per call (:func:`main`), a JSON request on stdin and the answer on stdout:
+
+- ``{"op": "probe"}`` -> ``{"sandboxed", "how"}``: whether the grader sandbox runs here;
+- ``{"op": "run", "grader", "item", "output_text"}`` -> :func:`grade_one`'s answer;
+- ``{"op": "check", "grader", "load_code"}`` -> ``{"problems": [...]}`` (:func:`check_one`).
+
+``FP8RL_GRADER_SANDBOX`` and ``FP8RL_BWRAP`` in its environment choose the sandbox.
+"""
 
 from __future__ import annotations
 
@@ -74,3 +84,31 @@ def check_one(graders: list[Any], launcher: Launcher | None, base: Path | None =
         return built.check(load_code=launcher is not None, read_tokens=False)
     finally:
         built.close()
+
+
+def main() -> None:
+    """The control plane's entry (module docstring)."""
+    import json
+    import sys
+
+    from pydantic import TypeAdapter
+
+    from rljob.graders import GraderKind
+
+    request = json.loads(sys.stdin.read())
+    op = request["op"]
+    if op == "probe":
+        chosen = Launcher.choose()
+        answer: dict[str, Any] = {"sandboxed": chosen.sandboxed, "how": chosen.how}
+    else:
+        grader = TypeAdapter(GraderKind).validate_python(request["grader"])
+        launcher = Launcher.choose() if request.get("sandbox", True) else None
+        if op == "run":
+            answer = grade_one([grader], request["item"], request["output_text"], launcher)
+        else:
+            answer = {"problems": check_one([grader], launcher if request.get("load_code") else None)}
+    sys.stdout.write(json.dumps(answer))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,21 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljob.graders import CodeGrader, JsonGrader, MathGrader, PythonGrader, StringCheckGrader
+from rljob.graders import CodeGrader, JsonGrader, MathGrader, PythonGrader, StringCheckGrader, runs_in_pool
 from workers.tasks.templates import Sample, parses_as_json, render
 
 _FENCE_START = "```"
 
 
-def needs_pool(g: Any) -> bool:
-    """Whether grader ``g`` (not a multi) runs in the sandbox pool (the module docstring)."""
-    if isinstance(g, PythonGrader | CodeGrader | MathGrader):
-        return True
-    if isinstance(g, StringCheckGrader):
-        return g.operation == "regex"
-    if isinstance(g, JsonGrader):
-        return g.json_schema is not None
-    return False
+needs_pool = runs_in_pool  # the rule lives in rljob, where the control plane reads it too
 
 
 def code_program(prompt: str, completion: str) -> str:
