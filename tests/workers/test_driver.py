@@ -236,7 +236,13 @@ def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) ->
     rows_out = MetricsLog(tmp_path / "run" / "metrics.jsonl").rows()
     # step 0: the warmed-up policy before RL, a line of its own with the validation keys only
     assert [r["step"] for r in rows_out] == [0, 1, 2, 3] and result.last_step == 3
-    val_keys = {"val/accuracy", "val/reward_mean", "val/truncated_fraction", "val/unreadable_fraction"}
+    val_keys = {
+        "val/accuracy",
+        "val/pass@1",
+        "val/reward_mean",
+        "val/truncated_fraction",
+        "val/unreadable_fraction",
+    }
     assert set(rows_out[0]) == {"step", "timing/validation_s", *val_keys}
     assert [("val/accuracy" in r, "val/reward_mean" in r, "timing/validation_s" in r) for r in rows_out] == [
         (True, True, True),
@@ -245,7 +251,7 @@ def test_validation_scores_the_held_out_rows_on_the_due_steps(tmp_path: Path) ->
         (True, True, True),
     ]
     for r in (rows_out[0], *rows_out[2:]):
-        assert (r["val/accuracy"], r["val/reward_mean"]) == (0.5, 0.5), r
+        assert (r["val/accuracy"], r["val/pass@1"], r["val/reward_mean"]) == (0.5, 0.5, 0.5), r
         # "1" then EOS, as the warm-up taught: every answer ends and is read (the last number)
         assert (r["val/truncated_fraction"], r["val/unreadable_fraction"]) == (0.0, 0.0), r
         assert r["timing/validation_s"] > 0
