@@ -40,8 +40,9 @@ def model_dir(path: Path, kind: str, first: str = "7", labels: int = 1, zero_nor
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=2, eos_token_id=3, num_labels=labels,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=2, eos_token_id=3,
     )  # fmt: skip
+    config.num_labels = labels  # a PretrainedConfig attribute (its typed __init__ does not name it)
     model: Any = (
         LlamaForSequenceClassification(config) if kind == "reward_model" else LlamaForCausalLM(config)
     )
