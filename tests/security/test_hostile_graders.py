@@ -215,7 +215,9 @@ def test_a_real_service_never_runs_grader_code_and_a_hostile_job_succeeds(
     data = tmp_path / "serve"
     data.mkdir()
     markers = [str(data / "data" / "ran-in-control-plane"), f"/tmp/fp8rl-marker-{os.getpid()}"]
-    with serve(data, {token: "team-a"}, env={"FP8RL_TEST_SECRET_TOKEN": "do-not-leak"}) as url:
+    # one pool process, whatever the machine's cores: the grader's call counter is per process
+    env = {"FP8RL_TEST_SECRET_TOKEN": "do-not-leak", "FP8RL_GRADER_WORKERS": "1"}
+    with serve(data, {token: "team-a"}, env=env) as url:
         r = httpx.post(
             f"{url}/v1/graders/run",
             json={
@@ -250,9 +252,9 @@ def test_a_real_service_never_runs_grader_code_and_a_hostile_job_succeeds(
         rows = httpx.get(f"{url}/v1/jobs/hostile/metrics", headers=headers, timeout=30).json()
     steps = [row for row in rows if row.get("step", 0) >= 1]
     assert len(steps) == 3
-    # 16 responses a step, every tenth grading call loops: 4 or 5 timeouts in 48 calls, and every
-    # other response scored 0.25 (no attack succeeded: one that did would score 1)
-    assert sum(row["grader/python/timeouts"] for row in steps) in (4, 5)
+    # 16 responses a step, every tenth grading call loops: calls 10, 20, 30 and 40 of 48 time out,
+    # and every other response scored 0.25 (no attack succeeded: one that did would score 1)
+    assert sum(row["grader/python/timeouts"] for row in steps) == 4
     assert all(row["reward/python/mean"] <= 0.25 for row in steps)
     assert "graders' code runs in a pool of" in log and "bubblewrap" in log
     assert not Path(targets["outside"]).exists() and targets["listener"].accepted == 0
