@@ -13,8 +13,8 @@ Each process (:mod:`workers.tasks.child`) has
 - limits: address space (``memory_mb`` above what the interpreter maps at start), file size
   (16 MiB), processes (RLIMIT_NPROC: 64 more than its user runs when it starts; as root it first
   becomes ``nobody``, so the limit holds), no core files; the time of a request (a wall-clock
-  timer in the process, which bounds its CPU time too; past it and a quarter second more, as when
-  code is stuck in C, the process is killed and replaced) counts as a timeout; the program a
+  timer in the process, which bounds its CPU time too; past it and a second more, as when code
+  is stuck in C, the process is killed and replaced) counts as a timeout; the program a
   ``code`` grader runs also has RLIMIT_CPU.
 
 A pool and not a process per sample: starting one costs tens of milliseconds (``fp8rl bench
@@ -55,7 +55,7 @@ ETC_FILES = ("passwd", "group", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "lo
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 NPROC_ALLOWANCE = 64
 FSIZE_MB = 16
-WALL_SLACK_S = 0.25  # past timeout_s: the process's own CPU timer answers first when it can
+WALL_SLACK_S = 1.0  # past timeout_s: the process's own timer answers first, even on a busy machine
 START_TIMEOUT_S = 60.0
 
 
