@@ -327,7 +327,8 @@ class HttpGrader(_Grader):
         return self
 
 
-SubGrader = Annotated[
+# every kind but multi: what a multi grader's children may be
+_LeafGrader = (
     AnswerGrader
     | StringCheckGrader
     | NumericGrader
@@ -336,9 +337,9 @@ SubGrader = Annotated[
     | PythonGrader
     | CodeGrader
     | HttpGrader
-    | ModelGrader,
-    Field(discriminator="type"),
-]
+    | ModelGrader
+)
+SubGrader = Annotated[_LeafGrader, Field(discriminator="type")]
 
 
 class MultiGrader(_Grader):
@@ -370,19 +371,7 @@ class MultiGrader(_Grader):
         return self
 
 
-GraderKind = Annotated[
-    AnswerGrader
-    | StringCheckGrader
-    | NumericGrader
-    | MathGrader
-    | JsonGrader
-    | PythonGrader
-    | CodeGrader
-    | HttpGrader
-    | ModelGrader
-    | MultiGrader,
-    Field(discriminator="type"),
-]
+GraderKind = Annotated[_LeafGrader | MultiGrader, Field(discriminator="type")]
 
 
 SANDBOXED_TYPES = ("python", "code")

@@ -41,9 +41,10 @@ from rljob.graders import (
     PythonGrader,
     StringCheckGrader,
     grader_name,
+    runs_in_pool,
 )
 from workers.tasks.answers import parse_number, read_answer
-from workers.tasks.pool_requests import needs_pool, pool_request
+from workers.tasks.pool_requests import pool_request
 from workers.tasks.remote import http_token, post_all
 from workers.tasks.sandbox import GraderPool, Launcher
 from workers.tasks.templates import Sample, parses_as_json, render
@@ -152,6 +153,7 @@ class Graders:
         # a model grader's model: in this process unless the job puts it on an actor of its own
         self.scorer_factory = scorer_factory
         self._scorers: dict[int, Scorer] = {}
+        self._formulas: dict[int, Any] = {}
         self._tokens: dict[int, str | None] = {}  # id(http grader) -> its bearer token, once read
         self._loaded: set[int] = set()
         self._logged: set[tuple[str, str]] = set()
@@ -167,7 +169,7 @@ class Graders:
     @property
     def sandboxed(self) -> bool:
         """Whether any grader runs in the sandbox pool."""
-        return any(needs_pool(g) for g in self._all())
+        return any(runs_in_pool(g) for g in self._all())
 
     def pool(self) -> GraderPool:
         """The sandbox pool, started on first use."""
@@ -266,7 +268,7 @@ class Graders:
                 for child, c in g.graders.items()
             }
             t0 = time.perf_counter()  # the children's time is their own: this report counts the formula
-            tree = formula.parse(g.formula, set(g.graders))
+            tree = self._formula(g)
             out = []
             for i in range(len(samples)):
                 value = formula.evaluate(tree, {child: s[i].score for child, s in children.items()})
@@ -276,7 +278,7 @@ class Graders:
             out = self._score_over_http(name, g, samples, rows, report)
         elif isinstance(g, ModelGrader):
             out = self._score_with_model(name, g, samples, rows, report)
-        elif needs_pool(g):
+        elif runs_in_pool(g):
             out = self._score_in_pool(name, g, samples, rows, report)
         else:
             out = [self._score_here(g, s, r) for s, r in zip(samples, rows, strict=True)]
@@ -316,7 +318,7 @@ class Graders:
         if isinstance(g, JsonGrader):
             ok, _ = parses_as_json(render(g.input, item, sample))
             return _Scored(float(ok), ok, True)
-        raise TypeError(f"no in-process scoring for grader type {g.type!r}")  # _uses_pool routes the rest
+        raise TypeError(f"no in-process scoring for grader type {g.type!r}")  # runs_in_pool routes the rest
 
     def _score_in_pool(
         self, name: str, g: Any, samples: list[Sample], rows: Sequence[Row], report: GraderReport
@@ -331,30 +333,9 @@ class Graders:
                 raise GraderFailure(f"grader {name}: {error}")
         asked = [r for r in requests if r is not None]
         answers = iter(self.pool().run(asked) if asked else [])
-        out = []
-        for request in requests:
-            if request is None:  # decided without the pool (a json grader's text that does not parse)
-                out.append(_Scored(0.0, False, True))
-                continue
-            answer = next(answers)
-            if (
-                "score" in answer
-                and isinstance(answer["score"], int | float)
-                and math.isfinite(answer["score"])
-            ):
-                score = _unit(float(answer["score"]))
-                out.append(_Scored(score, score >= 1.0, True))
-                continue
-            if answer.get("timeout"):
-                report.timeouts += 1
-                self._log_once(name, "timeout", f"took longer than {timeout} s")
-            else:
-                report.errors += 1
-                text = str(answer.get("error", answer))
-                report.first_error = report.first_error or text
-                self._log_once(name, "error", text)
-            out.append(_Scored(0.0, False, True))
-        return out
+        # a request decided without the pool (a json grader's text that does not parse) scores 0
+        decided = [next(answers) if r is not None else {"score": 0.0} for r in requests]
+        return self._tally(name, decided, report, f"took longer than {timeout} s")
 
     def _score_over_http(
         self, name: str, g: HttpGrader, samples: list[Sample], rows: Sequence[Row], report: GraderReport
@@ -363,21 +344,12 @@ class Graders:
             {"item": row.entry, "sample": sample.as_dict()} for sample, row in zip(samples, rows, strict=True)
         ]
         answers = post_all(g, self._token(g), bodies)
-        out = []
-        for answer in answers:
-            if "score" in answer:
-                score = _unit(answer["score"])
-                out.append(_Scored(score, score >= 1.0, True))
-                continue
-            if answer.get("timeout"):
-                report.timeouts += 1
-                self._log_once(name, "timeout", f"{g.url} took longer than {g.timeout_s} s")
-            else:
-                report.errors += 1
-                report.first_error = report.first_error or str(answer["error"])
-                self._log_once(name, "error", str(answer["error"]))
-            out.append(_Scored(0.0, False, True))
-        return out
+        return self._tally(name, answers, report, f"{g.url} took longer than {g.timeout_s} s")
+
+    def _formula(self, g: MultiGrader) -> Any:
+        if id(g) not in self._formulas:  # parsed once (the spec checked it), walked every batch
+            self._formulas[id(g)] = formula.parse(g.formula, set(g.graders))
+        return self._formulas[id(g)]
 
     def _scorer(self, g: ModelGrader) -> Scorer:
         if id(g) not in self._scorers:
@@ -395,21 +367,37 @@ class Graders:
         template = g.input if g.kind == "reward_model" else g.prompt
         texts = [render(template, row.entry, sample) for sample, row in zip(samples, rows, strict=True)]
         try:
-            scores: list[float | None] = self._scorer(g).score(texts)
+            scores = self._scorer(g).score(texts)
         except Exception as err:  # the model failed on the batch (out of memory, a bad checkpoint)
-            text = f"{g.model}: {type(err).__name__}: {err}"
-            scores = [None] * len(texts)
-            report.first_error = report.first_error or text
-            self._log_once(name, "model", text)
+            failed = {"error": f"{g.model}: {type(err).__name__}: {err}"}
+            return self._tally(name, [failed] * len(texts), report, "")
+        no_number = {"error": f"{g.model}: the judge's answer held no number"}
+        answers = [no_number if x is None else {"score": x} for x in scores]
+        return self._tally(name, answers, report, "")
+
+    def _tally(
+        self, name: str, answers: list[dict[str, Any]], report: GraderReport, timed_out: str
+    ) -> list[_Scored]:
+        """Answers of the kinds that grade elsewhere (the pool, an http grader, a model), each
+        ``{"score"}``, ``{"timeout"}`` or ``{"error"}``, as scores: a finite score clipped to [0, 1];
+        anything else 0, counted in ``report`` and logged once per kind (``timed_out`` says how
+        long was too long)."""
         out = []
-        for score in scores:
-            if score is None:
-                report.errors += 1
-                report.first_error = report.first_error or f"{g.model}: the judge's answer held no number"
-                out.append(_Scored(0.0, False, True))
-            else:
-                value = _unit(score)
+        for answer in answers:
+            score = answer.get("score")
+            if isinstance(score, int | float) and not isinstance(score, bool) and math.isfinite(score):
+                value = _unit(float(score))
                 out.append(_Scored(value, value >= 1.0, True))
+                continue
+            if answer.get("timeout"):
+                report.timeouts += 1
+                self._log_once(name, "timeout", timed_out)
+            else:
+                report.errors += 1
+                text = str(answer.get("error", answer))
+                report.first_error = report.first_error or text
+                self._log_once(name, "error", text)
+            out.append(_Scored(0.0, False, True))
         return out
 
     def _token(self, g: HttpGrader) -> str | None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rljob.graders import CodeGrader, JsonGrader, MathGrader, PythonGrader, StringCheckGrader, runs_in_pool
+from rljob.graders import CodeGrader, JsonGrader, MathGrader, PythonGrader, StringCheckGrader
 from workers.tasks.templates import Sample, parses_as_json, render
 
 _FENCE_START = "```"
-
-
-needs_pool = runs_in_pool  # the rule lives in rljob, where the control plane reads it too
 
 
 def code_program(prompt: str, completion: str) -> str:
