@@ -5,7 +5,10 @@
   grading costs without a sandbox, on one core);
 - ``pool``: through the grader sandbox's pool (:mod:`workers.tasks.sandbox`), ``workers``
   processes (default: the machine's cores), each sample a request;
-- the cost of starting the pool (its processes and their limits) and of one round trip.
+- ``Ray actors``: through the pool a job grades with (:mod:`workers.grader_actors`), ``workers``
+  actors of one sandboxed process each, on a local Ray of ``workers`` CPUs started for the bench;
+- the cost of starting the pool (its processes and their limits) and of one round trip, and of
+  starting the actors.
 
 The target (issue 50): 512 samples of a 10 ms grader in at most 3 s on 2 cores. The grader burns
 CPU (a loop on the clock), not a sleep, so the pool's speed-up is bounded by the cores.
@@ -13,12 +16,14 @@ CPU (a loop on the clock), not a sleep, so the pool's speed-up is bounded by the
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from rljob.spec import TaskSpec
+from workers.grader_actors import RayGraderPool
 from workers.tasks.grading import Graders
 from workers.tasks.sandbox import GraderPool, Launcher
 
@@ -48,6 +53,8 @@ class GraderBench:
     pool_s: float
     start_s: float
     round_trip_ms: float
+    actors_s: float
+    actors_start_s: float
 
     def table(self) -> str:
         ratio = self.in_process_s / self.pool_s if self.pool_s else float("inf")
@@ -63,8 +70,10 @@ class GraderBench:
                 f"{'variant':<28}{'seconds':>10}{'samples/s':>12}{'vs in process':>15}",
                 row("in process (baseline)", self.in_process_s, 1.0),
                 row("sandbox pool", self.pool_s, ratio),
+                row("Ray actors (a job's pool)", self.actors_s, self.in_process_s / self.actors_s),
                 f"starting the pool: {self.start_s * 1e3:.0f} ms ({per_process:.0f} ms a process); "
                 f"one round trip of an empty grader: {self.round_trip_ms:.2f} ms",
+                f"starting {self.workers} Ray actors and their processes: {self.actors_start_s * 1e3:.0f} ms",
             ]
         )
 
@@ -107,4 +116,43 @@ def run(samples: int = 512, work_ms: float = 10.0, workers: int | None = None) -
         graders.close()
     if [g.reward for g in grades] != [float(b) for b in baseline]:
         raise AssertionError("the pool's scores differ from the function's own")
-    return GraderBench(samples, work_ms, workers, launcher.how, in_process_s, pool_s, start_s, round_trip_ms)
+    actors_s, actors_start_s = _through_actors(spec, texts, rows, baseline, workers)
+    return GraderBench(
+        samples,
+        work_ms,
+        workers,
+        launcher.how,
+        in_process_s,
+        pool_s,
+        start_s,
+        round_trip_ms,
+        actors_s,
+        actors_start_s,
+    )
+
+
+def _through_actors(
+    spec: TaskSpec, texts: list[str], rows: list[Row], baseline: list[Any], workers: int
+) -> tuple[float, float]:
+    """Seconds to grade ``texts`` through a job's pool of Ray actors, and to start it."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR)
+    graders = Graders(spec.grader_list(), lambda a, r: 0.0)
+    try:
+        t0 = time.perf_counter()
+        graders.use_pool(lambda memory_mb: RayGraderPool(workers, memory_mb))
+        graders.check()  # the actors started and the grader loaded
+        start_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        grades, _ = graders.grade(texts, rows)
+        seconds = time.perf_counter() - t0
+    finally:
+        graders.close()
+        if started:
+            ray.shutdown()
+    if [g.reward for g in grades] != [float(b) for b in baseline]:
+        raise AssertionError("the Ray actors' scores differ from the function's own")
+    return seconds, start_s

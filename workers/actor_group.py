@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from rljob.graders import ModelGrader
 from rljob.spec import JobSpec
 from workers.engines.layer_diff import ExactMismatchError, Trace
 from workers.engines.protocols import Rollouts, TrainStats
@@ -353,32 +352,3 @@ def _exact_errors(refs: list[Any]) -> list[ExactMismatchError | None]:
             cause = err if isinstance(err, ExactMismatchError) else getattr(err, "cause", None)
             out.append(cause if isinstance(cause, ExactMismatchError) else None)
     return out
-
-
-class _RayScorer:
-    """A model grader's :class:`~workers.tasks.grading.Scorer` on its Ray actor."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def score(self, texts: list[str]) -> list[float | None]:
-        import ray
-
-        scores: list[float | None] = ray.get(self.actor.score.remote(texts))
-        return scores
-
-    def close(self) -> None:
-        import ray
-
-        ray.kill(self.actor)
-
-
-def model_scorer(grader: ModelGrader) -> _RayScorer:
-    """A ``model`` grader's model on a Ray actor of its own: 1 CPU, and a GPU with ``gpus: 1``
-    (the job's Ray cluster must have one to spare)."""
-    import ray
-
-    from workers.ray_workers import ModelGraderWorker
-
-    cls: Any = ray.remote(num_cpus=1, num_gpus=grader.gpus)(ModelGraderWorker)
-    return _RayScorer(cls.remote(grader.model_dump_json(), grader.gpus))

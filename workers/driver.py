@@ -99,12 +99,12 @@ def run(spec: JobSpec, output_dir: str | Path | None = None, opts: RunOptions | 
 
 
 def _run_task(spec: JobSpec, out: Path, opts: RunOptions, tok: Tokenizer, task: Task) -> RunResult:
-    not_ready = task.graders.check()  # python graders compiled in the sandbox, schemas checked
+    # before Ray starts: python graders compiled in a sandboxed process here, schemas checked (the
+    # job then grades on its Ray actors, workers.grader_actors)
+    task.graders.pool_size = 1
+    not_ready = task.graders.check()
     if not_ready:
         raise ValueError(f"task.graders: {'; '.join(not_ready)}")
-    if task.graders.sandboxed:
-        pool = task.graders.pool()
-        opts.log(f"graders' code runs in a pool of {pool.size} processes: {pool.launcher.how}")
     for drill in opts.drills:
         actors = spec.resources.generators if drill.role == "generator" else spec.resources.trainers
         if drill.step > spec.steps or drill.index >= actors:
@@ -129,6 +129,8 @@ def _run_task(spec: JobSpec, out: Path, opts: RunOptions, tok: Tokenizer, task: 
     started_ray = ray_init(spec, opts.ray_address)
     job = JobRun(spec, task, tok, out, log, rows, prom, opts)
     try:
+        if task.graders.sandboxed:
+            opts.log(f"graders' code runs in {task.graders.pool().where()}")
         step = job.begin(first_step, ckpt)
         row: AsyncStepMetrics | None = None  # the step's line once it is trained (and synced)
         while step <= spec.steps:
@@ -152,6 +154,7 @@ def _run_task(spec: JobSpec, out: Path, opts: RunOptions, tok: Tokenizer, task: 
         return RunResult(out, min(step, spec.steps), opts.stop.is_set(), job.rows, port)
     finally:
         job.shutdown()
+        task.close()  # the graders' actors, before their Ray stops
         if started_ray:
             ray_shutdown()
         if port is not None and opts.metrics_linger_s > 0 and not opts.stop.is_set():

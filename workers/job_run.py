@@ -35,9 +35,10 @@ from rljob.metrics import (
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
-from workers.actor_group import JobActors, model_scorer
+from workers.actor_group import JobActors
 from workers.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
 from workers.fp8.kv_cache import calibrates_kv
+from workers.grader_actors import RayGraderPool, grader_actors, model_scorer
 from workers.prom_exporter import PromExporter
 from workers.rl_loop import RlLoop, StepOutcome
 from workers.rl_step import METRICS_ROW, calibrate_kv, save, sync_weights
@@ -153,6 +154,8 @@ class JobRun:
         self.timeouts = CallTimeouts(res.hang_timeout_s, res.startup_timeout_s)
         self.longest_prompt = max(len(tok.encode(task.prompt(p))) for p in task.problems())
         task.graders.scorer_factory = model_scorer  # a model grader's model: an actor of its own
+        actors = grader_actors()  # graders' code: the job's Ray actors (workers.grader_actors)
+        task.graders.use_pool(lambda memory_mb: RayGraderPool(actors, memory_mb))
         self.warned: set[str] = set()  # the fractions the log has warned about (response_warnings)
 
     # -- the steps ---------------------------------------------------------------------------------

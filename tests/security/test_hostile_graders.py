@@ -256,6 +256,6 @@ def test_a_real_service_never_runs_grader_code_and_a_hostile_job_succeeds(
     # and every other response scored 0.25 (no attack succeeded: one that did would score 1)
     assert sum(row["grader/python/timeouts"] for row in steps) == 4
     assert all(row["reward/python/mean"] <= 0.25 for row in steps)
-    assert "graders' code runs in a pool of" in log and "bubblewrap" in log
+    assert "graders' code runs in a pool of 1 Ray actors" in log and "bubblewrap" in log
     assert not Path(targets["outside"]).exists() and targets["listener"].accepted == 0
     assert [m for m in markers if Path(m).exists()] == []

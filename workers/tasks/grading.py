@@ -84,6 +84,22 @@ class Scorer(Protocol):
     def score(self, texts: list[str]) -> list[float | None]: ...
 
 
+class SandboxPool(Protocol):
+    """Where the sandboxed kinds run: a :class:`~workers.tasks.sandbox.GraderPool` of this
+    process's, or a job's pool of Ray actors (:mod:`workers.grader_actors`), each holding one.
+    ``restarts``: processes (or actors) replaced after they died or stopped answering."""
+
+    restarts: int
+
+    def where(self) -> str: ...
+
+    def load(self, key: str, source: str, timeout_s: float) -> str | None: ...
+
+    def run(self, requests: list[tuple[dict[str, Any], float]]) -> list[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class GraderReport:
     """One grader over one batch: its scores, and how often and how it failed."""
@@ -136,7 +152,8 @@ class Graders:
         self.pool_size = pool_size
         self.launcher = launcher
         self.max_error_fraction = max_error_fraction
-        self._pool: GraderPool | None = None
+        self._pool: SandboxPool | None = None
+        self.pool_factory: Callable[[int], SandboxPool] | None = None  # see use_pool
         self._sources: dict[int, str] = {}  # id(python grader) -> its source
         for g in self._all():
             if isinstance(g, PythonGrader):
@@ -171,14 +188,27 @@ class Graders:
         """Whether any grader runs in the sandbox pool."""
         return any(runs_in_pool(g) for g in self._all())
 
-    def pool(self) -> GraderPool:
-        """The sandbox pool, started on first use."""
+    def pool(self) -> SandboxPool:
+        """The sandbox pool, started on first use: ``pool_factory(memory_mb)``'s (:meth:`use_pool`),
+        or ``pool_size`` processes of this one's."""
         if self._pool is None:
             memory = max((g.memory_mb for g in self._all() if hasattr(g, "memory_mb")), default=512)
-            self._pool = GraderPool(self.pool_size, memory, self.launcher)
-            pool = self._pool
-            log.info("graders' code runs in a pool of %d processes: %s", pool.size, pool.launcher.how)
+            if self.pool_factory is not None:
+                self._pool = self.pool_factory(memory)
+            else:
+                self._pool = GraderPool(self.pool_size, memory, self.launcher)
+            log.info("graders' code runs in %s", self._pool.where())
         return self._pool
+
+    def use_pool(self, factory: Callable[[int], SandboxPool]) -> None:
+        """From now on the sandboxed kinds run in the pool ``factory(memory_mb)`` makes (a job's
+        Ray actors): the pool so far is closed, and python graders load into the new one on
+        first use."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._loaded.clear()
+        self.pool_factory = factory
 
     def check(self, load_code: bool = True, read_tokens: bool = True) -> list[str]:
         """Load every python grader into the sandbox (compiling it there; not with ``load_code``
@@ -229,6 +259,7 @@ class Graders:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        self._loaded.clear()  # a pool started later loads them again
 
     # -- grading -------------------------------------------------------------------------------
     def grade(self, texts: Sequence[str], rows: Sequence[Row]) -> tuple[list[Grade], dict[str, GraderReport]]:

@@ -8,7 +8,7 @@
 
 Where it runs is the caller's choice: in the driver's process (tests, ``fp8rl grade``), or on a
 Ray actor of its own in a job (``workers.ray_workers.ModelGraderWorker``, started by
-``workers.actor_group.model_scorer``), so that the model's memory and CPU time are not the
+``workers.grader_actors.model_scorer``), so that the model's memory and CPU time are not the
 driver's.
 """
 

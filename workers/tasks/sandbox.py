@@ -247,6 +247,14 @@ class GraderPool:
     def size(self) -> int:
         return len(self._workers)
 
+    def how(self) -> str:
+        """How its processes started (a method, so that a Ray actor holding a pool answers it)."""
+        return self.launcher.how
+
+    def where(self) -> str:
+        """Where graders' code runs, for the job's log."""
+        return f"a pool of {self.size} processes: {self.launcher.how}"
+
     def load(self, key: str, source: str, timeout_s: float) -> str | None:
         """Compile a python grader's ``source`` in every process; its error text, or None."""
         request = {"op": "load", "key": key, "source": source, "cpu_s": timeout_s}
