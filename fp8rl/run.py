@@ -84,6 +84,7 @@ def run_from_cli(
     actor faults than the job recovers from (``rljob.status.EXIT_TOO_MANY_FAULTS``), 130 stopped
     by Ctrl-C."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from workers import driver
@@ -91,11 +92,15 @@ def run_from_cli(
     from workers.faults import FaultDrill, RestartLimitError
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
+
+    def error(err: BaseException) -> None:  # its text as it is: gloo's name files in [brackets]
+        console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)
+
     try:
         spec = apply_overrides(load_spec(spec_path), overrides)
         drills = [FaultDrill.parse(text) for text in inject_fault or []]
     except (SpecError, ValueError) as err:
-        console.print(f"[red]error:[/red] {err}", highlight=False)
+        error(err)
         return 2
     stop = threading.Event()
 
@@ -128,17 +133,17 @@ def run_from_cli(
         metrics_port=metrics_port,
         stop=stop,
         on_step=on_step,
-        log=lambda m: console.print(m),
+        log=lambda text: console.print(text, markup=False),
         drills=drills,
     )
     try:
         with bar:
             result = driver.run(spec, spec.output_dir, opts)
     except (FileExistsError, ValueError, EngineUnavailable) as err:
-        console.print(f"[red]error:[/red] {err}", highlight=False)
+        error(err)
         return 2
     except RestartLimitError as err:
-        console.print(f"[red]error:[/red] {err}", highlight=False)
+        error(err)
         return EXIT_TOO_MANY_FAULTS
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -31,10 +31,23 @@ def test_recipes_option_picks_the_rows_and_bad_options_exit_2() -> None:
     assert "against plain transformers" not in out.output  # no baseline for a random-init preset
     bad = runner.invoke(app, ["bench", "step", "--model", "tiny", "--recipes", "fp4"])
     assert bad.exit_code == 2 and "'fp4' is not a recipe" in bad.output
+    for wrong in ("bf16+pow2", "fp8-e2e+fast"):
+        bad = runner.invoke(app, ["bench", "step", "--model", "tiny", "--recipes", wrong])
+        assert bad.exit_code == 2 and f"{wrong!r} is not a recipe" in bad.output
     bad = runner.invoke(app, ["bench", "step", "--model", "tiny", "--baseline"])
     assert bad.exit_code == 2 and "--baseline needs a real model" in bad.output
     bad = runner.invoke(app, ["bench", "step", "--model", "/no/such/model"])
     assert bad.exit_code == 2 and "config.json" in bad.output
+
+
+def test_a_pow2_variant_runs_its_fp8_gemms_in_bf16_on_a_cpu() -> None:
+    out = CliRunner().invoke(
+        app, ["bench", "step", "--model", "tiny", "--device", "cpu", "--recipes", "bf16,fp8-e2e+pow2", *TINY]
+    )
+    assert out.exit_code == 0, out.output
+    table = out.output[out.output.index("device:") :]  # the progress lines come first
+    labels = [line.split()[0] for line in table.splitlines() if line[:1].isalpha()]
+    assert labels[2:] == ["bf16", "bf16+exact", "fp8-e2e+pow2", "vs", "exact"]  # no exact run with +pow2
 
 
 def test_hf_train_pass_counts_the_response_tokens_and_leaves_no_gradient() -> None:

@@ -116,6 +116,17 @@ def test_run_refuses_a_fault_drill_it_cannot_do_before_starting_ray(tmp_path: Pa
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_run_prints_an_error_that_looks_like_markup_as_it_is(tmp_path: Path) -> None:
+    """An error's text is printed, not read as Rich markup: gloo's errors name their source file in
+    brackets (``[/__w/.../pair.cc:553]``), which Rich took for a closing tag and crashed on, hiding
+    the error itself."""
+    spec = tmp_path / "ok.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(steps=5)))
+    bad = runner.invoke(app, ["run", str(spec), "--inject-fault", "generator:[/gloo/pair.cc:553]@2"])
+    assert bad.exit_code == 2, bad.output
+    assert "'generator:[/gloo/pair.cc:553]@2': expected ROLE[INDEX]:KIND@STEP" in bad.output
+
+
 @pytest.mark.slow
 def test_run_end_to_end_with_overrides(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"

@@ -172,6 +172,7 @@ _SHORT = {
     "scaled_mm_rowwise": "rowwise",
     "scaled_mm_tensorwise": "tensorwise",
     "emulate": "emulate",
+    "emulate_bf16": "emulate-bf16",
 }
 
 

@@ -8,6 +8,11 @@ A GEMM ``a [M, K] @ b [K, N]`` of two :class:`~workers.fp8.quant.Fp8Tensor` runs
                           ``a`` and per column of ``b``, float32 partial sums added up.
 ``scaled_mm_tensorwise``  ``torch._scaled_mm`` once, one scale per operand.
 ``emulate``               dequantize both operands, one float32 GEMM: the same mathematical value.
+``emulate_bf16``          (CPU, power-of-two scales) dequantize both operands to BF16, where every
+                          value is exact, and one BF16 GEMM (:mod:`workers.fp8.cpu_bf16`): exact
+                          products, float32 accumulation, the output rounded once to BF16. The
+                          CPU's BF16 matrix unit where it has one (AVX512-BF16, AMX), 2-10x a
+                          float32 GEMM's speed; see :func:`workers.fp8.matmul.matmul_bf16`.
 
 What CUDA accepts (torch 2.11-2.13, read from ``ScaledBlas.cpp``/``CUDABlas.cpp`` and the meta
 kernels; the meta kernels check shapes, layouts and scale layouts, not the device):
@@ -51,8 +56,14 @@ from workers.fp8.formats import Fp8Format
 
 log = logging.getLogger(__name__)
 
-Kernel = Literal["cublas_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "emulate"]
-KERNELS: tuple[str, ...] = ("cublas_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "emulate")
+Kernel = Literal["cublas_blockwise", "scaled_mm_rowwise", "scaled_mm_tensorwise", "emulate", "emulate_bf16"]
+KERNELS: tuple[str, ...] = (
+    "cublas_blockwise",
+    "scaled_mm_rowwise",
+    "scaled_mm_tensorwise",
+    "emulate",
+    "emulate_bf16",
+)
 Backend = Literal["auto", "emulate", "scaled_mm"]
 BACKENDS: tuple[str, ...] = ("auto", "emulate", "scaled_mm")
 
@@ -227,15 +238,18 @@ def plan_gemm(
     profile: DeviceProfile,
     backend: str = "auto",
     out_dtype: torch.dtype = torch.float32,
+    bf16_exact: bool = False,
 ) -> GemmPlan:
     """The kernel for ``a [M, K] @ b [K, N]`` on ``profile`` (see the module docstring).
+    ``bf16_exact``: the caller vouches that both operands' dequantized values are exact in BF16
+    (power-of-two scales) and that no row-invariance is asked of the GEMM (``precision.exact``).
 
     Plans depend on K, N, the scales, formats, device and output dtype, never on M (rows are
     padded), so they are cached: planning costs a dictionary lookup per GEMM.
     """
     a_spec = OperandSpec((16, int(a.shape[1])), a.block, a.fmt)
     b_spec = OperandSpec((int(b.shape[0]), int(b.shape[1])), b.block, b.fmt)
-    return _plan(a_spec, b_spec, profile, backend, out_dtype, cublas_blockwise_disabled())
+    return _plan(a_spec, b_spec, profile, backend, out_dtype, cublas_blockwise_disabled(), bf16_exact)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -246,6 +260,7 @@ def _plan(
     backend: str,
     out_dtype: torch.dtype,
     blockwise_off: bool,
+    bf16_exact: bool = False,
 ) -> GemmPlan:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -257,6 +272,13 @@ def _plan(
     if not profile.is_cuda:
         if backend == "scaled_mm":
             return GemmPlan(scaled, "backend=scaled_mm asked for (torch's CPU reference kernel)")
+        if bf16_exact:
+            return GemmPlan(
+                "emulate_bf16",
+                "CPU, power-of-two scales: the dequantized operands are exact in BF16, so one BF16 "
+                "GEMM (float32 accumulation, BF16 output) on the CPU's BF16 matrix unit",
+                torch.bfloat16,
+            )
         return GemmPlan(
             "emulate",
             "CPU: torch's CPU _scaled_mm is a reference kernel, ~600x slower than dequantizing "

@@ -230,16 +230,22 @@ class Fp8Linear(nn.Module):
         backend = cfg.backend
         return {
             "fprop": plan_gemm(
-                OperandSpec((tokens, k), cfg.activation_block, fwd), w_t, profile, backend, out_dtype
+                OperandSpec((tokens, k), cfg.activation_block, fwd),
+                w_t,
+                profile,
+                backend,
+                out_dtype,
+                cfg.bf16_exact,
             ),
             "dgrad": plan_gemm(
-                OperandSpec((tokens, n), cfg.grad_block, grad), w, profile, backend, out_dtype
+                OperandSpec((tokens, n), cfg.grad_block, grad), w, profile, backend, out_dtype, cfg.bf16_exact
             ),
             "wgrad": plan_gemm(
                 OperandSpec((n, tokens), cfg.grad_block, grad),
                 OperandSpec((tokens, k), cfg.transposed(cfg.activation_block), fwd),
                 profile,
                 backend,
+                bf16_exact=cfg.bf16_exact,
             ),
         }
 

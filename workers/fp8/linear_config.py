@@ -34,6 +34,13 @@ class Fp8LinearConfig:
     # for a row independent of M (``precision.exact``, see workers.engines.exact); 1 = no padding
     rows_multiple: int = 1
 
+    @property
+    def bf16_exact(self) -> bool:
+        """Every operand's dequantized values are exact in BF16 (power-of-two scales) and no GEMM
+        must be row-invariant (``rows_multiple`` 1): a CPU may run the GEMMs in BF16
+        (``workers.fp8.matmul.matmul_bf16``)."""
+        return self.power_of_two_scales and self.rows_multiple == 1
+
     @classmethod
     def for_format(cls, fp8_format: str, **kwargs: Any) -> Fp8LinearConfig:
         """``e4m3``: E4M3 everywhere; ``hybrid``: E4M3 forward, E5M2 gradients."""

@@ -75,7 +75,7 @@ class _Bound:
     its result (the FP8 linear's hot path: a decode step calls fprop ~100 times, a training step
     each layer's fprop and dgrad once per micro-batch)."""
 
-    __slots__ = ("b", "backend", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q")
+    __slots__ = ("b", "backend", "bf16_exact", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q")
 
     def __init__(
         self,
@@ -89,8 +89,9 @@ class _Bound:
         a_block, a_fmt = (cfg.grad_block, cfg.grad_fmt) if dgrad else (cfg.activation_block, cfg.forward_fmt)
         b = w_q if dgrad else w_q.t()  # [K, N] of the GEMM: dgrad contracts over W's rows
         a = OperandSpec((16, int(b.shape[0])), a_block, get_format(a_fmt))
-        self.plan = plan_gemm(a, b, profile, cfg.backend, out_dtype)
-        if dgrad and self.plan.kernel != "emulate":  # same values, column-major, made once per weight
+        self.bf16_exact = cfg.bf16_exact
+        self.plan = plan_gemm(a, b, profile, cfg.backend, out_dtype, cfg.bf16_exact)
+        if dgrad and self.plan.kernel not in ("emulate", "emulate_bf16"):  # column-major, once per weight
             b = Fp8Tensor(w_q.data.t().contiguous().t(), w_q.scale, w_q.block, w_q.fmt)
         self.b = b
         # cuBLAS blockwise, called directly: (the weight's scale layout, a's recipe, b's recipe); for
@@ -147,7 +148,9 @@ class _Bound:
             return F.scaled_mm(
                 a_q.data, self.b.data, sa, recipe_a, sb, recipe_b, output_dtype=self.plan.out_dtype
             )
-        return fp8_matmul(a_q, self.b, backend=self.backend, out_dtype=self.out_dtype)
+        return fp8_matmul(
+            a_q, self.b, backend=self.backend, out_dtype=self.out_dtype, bf16_exact=self.bf16_exact
+        )
 
 
 SMALL_M_MAX = 64  # workers.fp8.triton_gemm.MAX_M (that module imports Triton: not imported here)
@@ -251,7 +254,9 @@ def train_backward(
         if x_t.shape[1] != g_t.shape[1]:  # x.T padded, dy.T not: the GEMM pads both again
             x_t = Fp8Tensor(x_t.data[:, : g_t.shape[1]], x_t.scale, x_t.block, x_t.fmt)
         # float32 accumulation, written in the master weight's dtype by the kernel itself
-        grad_w = fp8_matmul(g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype)  # [N, K]
+        grad_w = fp8_matmul(
+            g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype, bf16_exact=cfg.bf16_exact
+        )
     if need_db:
         grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
     return grad_x, grad_w, grad_b

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from workers.fp8.cpu_bf16 import bf16_matmul
 from workers.fp8.dispatch import Backend, GemmPlan, plan_gemm, profile_of
 from workers.fp8.quant import Fp8Tensor
 
@@ -34,6 +35,7 @@ __all__ = [
     "cublas_b_scale",
     "fp8_matmul",
     "lay_out",
+    "matmul_bf16",
     "matmul_emulated",
     "plan_for",
 ]
@@ -95,6 +97,31 @@ def matmul_emulated(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     _validate(a, b)
     chunk_size(a, b)  # same K-block rules as the real kernels, so no backend accepts more
     return a.dequantize(torch.float32) @ b.dequantize(torch.float32)
+
+
+def matmul_bf16(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)`` as one BF16 GEMM (kernel ``emulate_bf16``), BF16 output; only for
+    operands whose dequantized values are exact in BF16, which power-of-two scales make them.
+
+    Why that is exact where it matters: an E4M3 (E5M2) value has 4 (3) significant bits and a
+    power-of-two scale only moves its exponent, so ``q x 2^e`` is exact in BF16 (8 bits, float32's
+    exponent range) as in float32. The two kernels then multiply the same numbers exactly and
+    both accumulate in float32; they differ in the order of the float32 sums (as any two GEMM
+    kernels do) and in the BF16 rounding of this one's output. For ``s = sum_k a_k b_k`` over
+    ``K`` terms, with ``u = 2^-24`` and ``g = K u / (1 - K u)``, each kernel's float32 sum is
+    within ``g sum_k |a_k b_k|`` of ``s``, so
+
+        |matmul_bf16 - s| <= 2^-8 |s| + 2 g sum_k |a_k b_k|
+
+    (``2^-8`` covers BF16's rounding to nearest, ``2^-9`` relative, of a sum already within ``g``;
+    ``tests/workers/fp8/test_cpu_bf16_gemm.py`` holds it against a float64 product). A BF16
+    linear's output is rounded to BF16 the same way. What does not hold: values below 2^-126,
+    which a CPU's BF16 instructions may read as zero; a power-of-two scale reaches them only for a
+    block whose largest magnitude is below ~2^-108.
+    """
+    _validate(a, b)
+    chunk_size(a, b)
+    return bf16_matmul(a.dequantize(torch.bfloat16), b.dequantize(torch.bfloat16))
 
 
 def is_row_major(x: torch.Tensor) -> bool:
@@ -222,10 +249,14 @@ def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> t
 
 
 def plan_for(
-    a: Fp8Tensor, b: Fp8Tensor, backend: str = "auto", out_dtype: torch.dtype = torch.float32
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    backend: str = "auto",
+    out_dtype: torch.dtype = torch.float32,
+    bf16_exact: bool = False,
 ) -> GemmPlan:
     """The plan :func:`fp8_matmul` follows for these operands on their device."""
-    return plan_gemm(a, b, profile_of(a.device), backend, out_dtype)
+    return plan_gemm(a, b, profile_of(a.device), backend, out_dtype, bf16_exact)
 
 
 def fp8_matmul(
@@ -234,18 +265,22 @@ def fp8_matmul(
     *,
     out_dtype: torch.dtype = torch.float32,
     backend: Backend = "auto",
+    bf16_exact: bool = False,
 ) -> torch.Tensor:
     """``a @ b`` for FP8 ``a [M, K]`` and ``b [K, N]``, accumulated in float32.
 
     Scales may be tensorwise or blockwise on either side, as long as the blocks along K nest
-    (see :func:`chunk_size`). Returns ``[M, N]`` in ``out_dtype``.
+    (see :func:`chunk_size`). Returns ``[M, N]`` in ``out_dtype``. ``bf16_exact``: both
+    operands have power-of-two scales, so on a CPU the GEMM may run in BF16 (:func:`matmul_bf16`).
     """
     _validate(a, b)
     chunk_size(a, b)  # the same K-block rules for every kernel
-    plan = plan_for(a, b, backend, out_dtype)
+    plan = plan_for(a, b, backend, out_dtype, bf16_exact)
     m = a.shape[0]
     if plan.kernel == "emulate":
         return matmul_emulated(a, b).to(out_dtype)
+    if plan.kernel == "emulate_bf16":
+        return matmul_bf16(a, b).to(out_dtype)
     out = _run(plan.kernel, *lay_out(a, b, plan.k_multiple), plan.out_dtype)
     return out[:m].to(out_dtype)
 

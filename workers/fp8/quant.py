@@ -69,7 +69,8 @@ class Fp8Tensor:
     scale: torch.Tensor
     block: tuple[int, int] | None
     fmt: Fp8Format
-    # Weights set this: on CPU their float32 dequantization is kept for the emulated GEMM, since
+    # Weights set this: on CPU their dequantization (float32, or BF16 for the emulate_bf16 GEMM of
+    # power-of-two scales) is kept for the emulated GEMM, since
     # the same FP8 weight is used for every call until the next optimizer step. Never on a GPU:
     # there FP8 weights hold only their FP8 data and scales (4 bytes per parameter would defeat
     # FP8's purpose), and a GPU without FP8 GEMMs dequantizes per call.
@@ -100,15 +101,19 @@ class Fp8Tensor:
         if self._transpose_of is not None:  # a cached weight's transpose shares its memo
             return self._transpose_of.dequantize(dtype).t()
         cache = self.cache_dequantized and self.data.device.type == "cpu"
+        key = "f32" if dtype == torch.float32 else str(dtype)  # kept per dtype asked for
+        if cache and key in self._memo:
+            return self._memo[key]
         if cache and "f32" in self._memo:
-            return self._memo["f32"].to(dtype)
-        if self.block is not None and self.data.device.type == "cpu":
+            out = self._memo["f32"]
+        elif self.block is not None and self.data.device.type == "cpu":
             out = dequantize_blocks_cpu(self.data, self.scale, self.block)
         else:
             out = apply_block_scale(to_float32(self.data), self.scale, self.block, divide=False)
+        out = out.to(dtype)
         if cache:
-            self._memo["f32"] = out
-        return out.to(dtype)
+            self._memo[key] = out
+        return out
 
     def t(self) -> Fp8Tensor:
         """Transpose of a 2-D tensor: a view of ``data`` (column-major), scales transposed."""

@@ -14,15 +14,13 @@ from torch import nn
 from rljob.spec import parse_spec
 from workers.engines.models import (
     CPU_ATTENTION,
-    CPU_BF16_GEMM_ENV,
     CpuBf16Linear,
     attention_mask_4d,
     build_policy,
     compute_params,
     cpu_attention,
-    cpu_bf16_gemm,
-    detect_cpu_bf16_gemm,
 )
+from workers.fp8.cpu_bf16 import CPU_BF16_GEMM_ENV, cpu_bf16_gemm, detect_cpu_bf16_gemm
 from workers.fp8.linear import Fp8Linear
 
 
