@@ -66,10 +66,19 @@ from operators.actions import (
 from operators.attempts import Cause, retries_used, track
 from operators.ownership import Ownership, describe, ownership
 from operators.settings import OperatorSettings
-from operators.status import Target, advance, progress_of, restarts_of, run_complete, target_of
+from operators.status import Target, advance, gauges_of, progress_of, restarts_of, run_complete, target_of
 from rljob import resource as rl
+from rljob.mismatch_slo import MismatchSloSpec, condition_of
 from rljob.spec import describe_errors
-from rljob.status import FAULTS_RECOVERED, TERMINAL, Condition, JobStatus, Phase, Progress, Reason
+from rljob.status import (
+    FAULTS_RECOVERED,
+    MISMATCH_SLO,
+    TERMINAL,
+    JobStatus,
+    Phase,
+    Progress,
+    Reason,
+)
 
 REFUSED_MESSAGE = (
     "spec.job/spec.cluster changed while the job runs: refused (the RayJob keeps the spec "
@@ -217,6 +226,8 @@ def plan(
         new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
         new, recovered = _with_faults(new, restarts_of(metrics))
         after.extend(recovered)
+        new, slo_events = _with_slo(new, gauges_of(metrics), spec.job.precision.mismatch_slo)
+        after.extend(slo_events)
     new = _stamped(status, new, now)
     if new != status:
         actions.append(WriteStatus(new))
@@ -345,6 +356,22 @@ def _with_faults(status: JobStatus, restarts: dict[str, float]) -> tuple[JobStat
     return _condition(status, FAULTS_RECOVERED, True, reason, message), [Event("Warning", reason, message)]
 
 
+def _with_slo(
+    status: JobStatus, gauges: dict[str, float], slo: MismatchSloSpec
+) -> tuple[JobStatus, list[Event]]:
+    """``status`` with condition ``MismatchSLO`` from the driver's ``fp8rl_mismatch_slo_*`` gauges,
+    and a Warning event when the job moves from within the SLO to breached."""
+    found = condition_of(gauges, slo)
+    if found is None:
+        return status, []
+    met, message = found
+    reason = Reason.MISMATCH_WITHIN_SLO if met else Reason.MISMATCH_SLO_BREACHED
+    old = next((c for c in status.conditions if c.type == MISMATCH_SLO), None)
+    new = _condition(status, MISMATCH_SLO, met, reason, message)
+    breached_now = not met and (old is None or old.status)
+    return new, [Event("Warning", reason, message)] if breached_now else []
+
+
 def _counts(message: str) -> int:
     """The restarts a ``FaultsRecovered`` message of :func:`_with_faults` states."""
     found = re.match(r"the driver replaced (\d+) generator and (\d+) trainer", message)
@@ -420,14 +447,8 @@ def _configmap(current: dict[str, Any] | None, wanted: dict[str, Any]) -> list[A
 
 
 def _condition(status: JobStatus, kind: str, on: bool, reason: str, message: str) -> JobStatus:
-    """``status`` with condition ``kind`` set (its transition time kept if nothing changed)."""
-    old = next((c for c in status.conditions if c.type == kind), None)
-    if old is not None and (old.status, old.reason, old.message) == (on, reason, message):
-        return status
-    rest = [c for c in status.conditions if c.type != kind]
-    return status.model_copy(
-        update={"conditions": [*rest, Condition(type=kind, status=on, reason=reason, message=message)]}
-    )
+    """``status`` with condition ``kind`` set (:meth:`JobStatus.with_condition`)."""
+    return status.with_condition(kind, on, reason, message)
 
 
 def _stamped(before: JobStatus, after: JobStatus, now: datetime) -> JobStatus:

@@ -86,15 +86,21 @@ def advance(status: JobStatus, target: Target) -> tuple[JobStatus, list[Phase]]:
     return status, moves
 
 
-def progress_of(exposition: str, total_steps: int) -> Progress | None:
-    """Progress from the driver's ``/metrics`` text (None before its first step): each
-    ``fp8rl_*`` gauge is read back as its JSONL key (``rljob.metrics.PROMETHEUS``)."""
+def gauges_of(exposition: str) -> dict[str, float]:
+    """The driver's ``/metrics`` text as a ``metrics.jsonl`` line: each ``fp8rl_*`` gauge read
+    back as its JSONL key (``rljob.metrics.PROMETHEUS``)."""
     keys = {m.name: m.key for m in PROMETHEUS if m.kind == "gauge"}
     row: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             if sample.name in keys:
                 row.setdefault(keys[sample.name], sample.value)
+    return row
+
+
+def progress_of(exposition: str, total_steps: int) -> Progress | None:
+    """Progress from the driver's ``/metrics`` text (None before its first step)."""
+    row = gauges_of(exposition)
     return Progress.from_row(row, total_steps) if "step" in row else None
 
 

@@ -87,6 +87,13 @@ FAULTS_GENERATOR_RESTARTS: Final = "faults/generator_restarts"
 FAULTS_TRAINER_RESTARTS: Final = "faults/trainer_restarts"
 FAULTS_STEPS_RECOMPUTED: Final = "faults/steps_recomputed"
 FAULT_KEYS: Final = (FAULTS_GENERATOR_RESTARTS, FAULTS_TRAINER_RESTARTS, FAULTS_STEPS_RECOMPUTED)
+# the mismatch SLO (precision.mismatch_slo, rljob.mismatch_slo) over the window ending at the step:
+# its metric's median and bound, the steps above the tail bound, the tail bound, and 1 when breached
+SLO_MEDIAN: Final = "mismatch_slo/median"
+SLO_MEDIAN_BOUND: Final = "mismatch_slo/median_bound"
+SLO_TAIL_STEPS: Final = "mismatch_slo/tail_steps"
+SLO_TAIL_BOUND: Final = "mismatch_slo/tail_bound"
+SLO_BREACHED: Final = "mismatch_slo/breached"
 # validation (every ``validation.interval`` steps)
 VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
@@ -162,6 +169,17 @@ FaultMetrics = TypedDict(
     {"faults/generator_restarts": float, "faults/trainer_restarts": float, "faults/steps_recomputed": float},
     total=False,  # the driver's rows have them; a step computed alone (workers.rl_step) has not
 )
+SloMetrics = TypedDict(
+    "SloMetrics",
+    {
+        "mismatch_slo/median": float,
+        "mismatch_slo/median_bound": float,
+        "mismatch_slo/tail_steps": float,
+        "mismatch_slo/tail_bound": float,
+        "mismatch_slo/breached": float,
+    },
+    total=False,  # the driver's rows have them; a step computed alone (workers.rl_step) has not
+)
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
     {
@@ -220,7 +238,7 @@ class StepMetrics(_StepCore, MismatchMetrics, TrainMetrics, SyncMetrics):
     """One line of ``metrics.jsonl``: everything measured in one RL step."""
 
 
-class AsyncStepMetrics(StepMetrics, AsyncMetrics, FaultMetrics, total=False):
+class AsyncStepMetrics(StepMetrics, AsyncMetrics, FaultMetrics, SloMetrics, total=False):
     """The line of a step of the asynchronous loop (and the fault counts the driver adds)."""
 
 
@@ -261,6 +279,15 @@ PROMETHEUS: tuple[PromMetric, ...] = (
                "Fraction of tokens whose IS weight is outside the bounds"),
     PromMetric(CHI2_TOKEN, "fp8rl_chi2_token", "gauge", "Mean (w - 1)^2 per token"),
     PromMetric(IS_WEIGHT_MEAN, "fp8rl_is_weight_mean", "gauge", "Mean applied IS weight"),
+    PromMetric(SLO_MEDIAN, "fp8rl_mismatch_slo_median", "gauge",
+               "Median of the mismatch SLO's metric over its window (precision.mismatch_slo)"),
+    PromMetric(SLO_MEDIAN_BOUND, "fp8rl_mismatch_slo_median_bound", "gauge",
+               "The SLO's bound on that median"),
+    PromMetric(SLO_TAIL_STEPS, "fp8rl_mismatch_slo_tail_steps", "gauge",
+               "Steps of the SLO's window above its tail bound"),
+    PromMetric(SLO_TAIL_BOUND, "fp8rl_mismatch_slo_tail_bound", "gauge", "The SLO's tail bound"),
+    PromMetric(SLO_BREACHED, "fp8rl_mismatch_slo_breached", "gauge",
+               "1 while the job's mismatch breaks its SLO (median or tail), else 0"),
     PromMetric(IS_WEIGHT_MAX, "fp8rl_is_weight_max", "gauge", "Largest applied IS weight"),
     PromMetric(GENERATION_TOKENS_PER_S, "fp8rl_generation_tokens_per_second", "gauge",
                "Generated tokens per second in the last step"),

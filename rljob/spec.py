@@ -17,6 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 # ResourcesSpec lives in its own module and is re-exported here
+from rljob.mismatch_slo import MismatchSloSpec
 from rljob.resources_spec import ResourcesSpec as ResourcesSpec
 from rljob.spec_base import MAX_SEED, StrictModel
 
@@ -278,6 +279,11 @@ class PrecisionSpec(StrictModel):
         "cache), so the importance-sampling correction is a no-op; a step whose log-probs differ fails "
         "with the first differing token and layer. Recipes bf16 and fp8-e2e, native engines, CPU only; "
         "slower (docs/precision.md: exact on-policy RL).",
+    )
+    mismatch_slo: MismatchSloSpec = Field(
+        default_factory=MismatchSloSpec,
+        description="The train/generation mismatch the job is held to: a median and a tail bound over a "
+        "window of steps, the recipe's by default (docs/precision.md: the mismatch SLO).",
     )
 
 

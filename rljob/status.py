@@ -84,6 +84,9 @@ class Reason(StrEnum):
     SUSPENDED = "Suspended"
     COMPLETED = "Completed"
     DRIVER_COMPLETED = "DriverCompleted"  # the driver's metrics said every step was done
+    # the driver's verdict on the mismatch SLO (condition MISMATCH_SLO)
+    MISMATCH_WITHIN_SLO = "MismatchWithinSLO"
+    MISMATCH_SLO_BREACHED = "MismatchSLOBreached"
     UNKNOWN = "Unknown"
 
     @classmethod
@@ -148,6 +151,9 @@ class Condition(BaseModel):
 # the condition a job gets once its driver recovered from a data-plane fault: True, the reason of the
 # last fault's role, and a message with the fault and the job's restarts so far
 FAULTS_RECOVERED = "FaultsRecovered"
+# the job's mismatch against its precision.mismatch_slo: True within it (MismatchWithinSLO), False
+# breached (MismatchSLOBreached), with the numbers (rljob.mismatch_slo.condition_of)
+MISMATCH_SLO = "MismatchSLO"
 
 
 # how many attempts a status keeps (the newest): a job retried without end must not grow its record
@@ -232,3 +238,15 @@ class JobStatus(BaseModel):
         conditions = [c for c in self.conditions if c.type != kind]
         conditions.append(Condition(type=kind, status=True, reason=reason, message=message))
         return self.model_copy(update={"conditions": conditions})
+
+    def with_condition(self, kind: str, on: bool, reason: str, message: str) -> JobStatus:
+        """A copy with condition ``kind`` set to ``on``; itself when that condition already says
+        so (its transition time kept), and the time kept too while ``on`` does not change."""
+        old = next((c for c in self.conditions if c.type == kind), None)
+        if old is not None and (old.status, old.reason, old.message) == (on, reason, message):
+            return self
+        new = Condition(type=kind, status=on, reason=reason, message=message)
+        if old is not None and old.status == on:
+            new = new.model_copy(update={"last_transition": old.last_transition})
+        rest = [c for c in self.conditions if c.type != kind]
+        return self.model_copy(update={"conditions": [*rest, new]})

@@ -38,19 +38,22 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rljob import metrics as m
 from rljob.jobs import InvalidRecord, Job, JobNotFound, JobStore
 from rljob.metrics import MetricsLog
+from rljob.mismatch_slo import condition_of
 from rljob.paths import path_problems, shown_home, tenant_home
 from rljob.run_dir import RunDir, driver_argv
 from rljob.status import (
     EXIT_OUT_OF_MEMORY,
     EXIT_TOO_MANY_FAULTS,
     FAULTS_RECOVERED,
+    MISMATCH_SLO,
     TERMINAL,
     IllegalTransition,
     JobStatus,
@@ -392,6 +395,7 @@ class LocalExecutor:
 
             with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
                 self.store.update(r.job.tenant, r.job.name, change)
+            self._note_slo(r, rows[-1])
         self._note_faults(r)
         code = r.proc.poll()
         if code is None:
@@ -431,6 +435,18 @@ class LocalExecutor:
                 self.submit(r.job, r.retries + 1, f"driver exited {how}: {last}", r.first_started)
             else:
                 self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
+
+    def _note_slo(self, r: _Running, row: Mapping[str, Any]) -> None:
+        """The job's ``MismatchSLO`` condition from its newest line (``rljob.mismatch_slo``)."""
+        found = condition_of(row, r.job.spec.precision.mismatch_slo)
+        if found is None:
+            return
+        met, message = found
+        reason = Reason.MISMATCH_WITHIN_SLO if met else Reason.MISMATCH_SLO_BREACHED
+        with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
+            self.store.update(
+                r.job.tenant, r.job.name, lambda s: s.with_condition(MISMATCH_SLO, met, reason, message)
+            )
 
     def _note_faults(self, r: _Running) -> None:
         """The job's ``FaultsRecovered`` condition, when ``faults.jsonl`` has grown."""

@@ -32,6 +32,7 @@ from rljob.metrics import (
     StepMetrics,
     ValidatedStepMetrics,
 )
+from rljob.mismatch_slo import evaluate
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers import checkpoint
@@ -157,6 +158,7 @@ class JobRun:
         actors = grader_actors()  # graders' code: the job's Ray actors (workers.grader_actors)
         task.graders.use_pool(lambda memory_mb: RayGraderPool(actors, memory_mb))
         self.warned: set[str] = set()  # the fractions the log has warned about (response_warnings)
+        self.slo_met: bool | None = None  # the mismatch SLO at the last step (None: not yet evaluated)
 
     # -- the steps ---------------------------------------------------------------------------------
     def begin(self, first_step: int, ckpt: Path | None) -> int:
@@ -200,7 +202,7 @@ class JobRun:
         if validation_due(self.spec, step):  # after the step's weight sync: the updated policy
             val = validate(self.ctx, step)
             row = cast(ValidatedStepMetrics, {**row, **val})
-        line = cast(AsyncStepMetrics, {**row, **self.counts})
+        line = cast(AsyncStepMetrics, {**row, **self.counts, **self._slo(step, row)})
         due = step % self.spec.checkpoint_interval == 0 or step == self.spec.steps
         if due:
             save(self.actors, self.out, step, line)
@@ -215,6 +217,33 @@ class JobRun:
             if not due:
                 save(self.actors, self.out, step, line)
             self.opts.log(f"stopped after step {step}; continue with --resume")
+
+    def _slo(self, step: int, row: Mapping[str, Any]) -> dict[str, float]:
+        """The mismatch SLO over the window ending at this step (``rljob.mismatch_slo``), as the
+        line's ``mismatch_slo/*`` keys; a change between met and breached is logged once."""
+        slo = self.spec.precision.mismatch_slo
+        key = f"mismatch/{slo.metric}"
+        values = [float(row[key])] if key in row else []
+        for earlier in reversed(self.rows):  # the window's earlier steps (a resumed job's too)
+            if len(values) >= slo.window:
+                break
+            if key in earlier:
+                values.append(float(earlier[key]))
+        state = evaluate(values[::-1], slo, self.spec.precision.recipe)
+        if state is None:
+            return {}
+        if state.met != self.slo_met:
+            what = "met again" if state.met else "breached"
+            if not (state.met and self.slo_met is None):  # a job that starts within it says nothing
+                self.opts.log(f"step {step}: mismatch SLO {what}: {state.message(slo.metric)}")
+            self.slo_met = state.met
+        return {
+            m.SLO_MEDIAN: state.median,
+            m.SLO_MEDIAN_BOUND: state.median_bound,
+            m.SLO_TAIL_STEPS: float(state.tail_steps),
+            m.SLO_TAIL_BOUND: state.tail_bound,
+            m.SLO_BREACHED: 0.0 if state.met else 1.0,
+        }
 
     def _warn(self, row: Mapping[str, Any]) -> None:
         for warning in response_warnings(self.spec, row, self.warned):

@@ -16,7 +16,7 @@ from tests.helm.tools import by_kind, render, run, tool
 
 J = 'job="qwen",namespace="team-a",recipe="fp8-gen"'
 NAMES = [
-    "FP8RLTrainGenerationMismatch",
+    "FP8RLMismatchSLO",
     "FP8RLJobFailed",
     "FP8RLGenerationThroughputDrop",
     "FP8RLActorRestarts",
@@ -49,11 +49,12 @@ def test_rules_evaluate_on_a_real_prometheus(prom: Prometheus, tmp_path: Path) -
     assert list(loaded) == NAMES
     assert all((r["health"], r.get("lastError", "")) == ("ok", "") for r in loaded.values()), loaded
     # what each rule answers when the stack is ready: the run is healthy (its mismatch is about
-    # 1.0005, far below its recipe's 1.1) and less than an hour old; one job of tenant `default` failed (and
+    # 1.0005, within its recipe's SLO: it exports fp8rl_mismatch_slo_breached 0) and less than an
+    # hour old; one job of tenant `default` failed (and
     # Prometheus has no count from 10 minutes before), none of the idle tenant's
     answers = {name: prom.query(rule["query"]) for name, rule in loaded.items()}
     assert answers == {
-        "FP8RLTrainGenerationMismatch": [],
+        "FP8RLMismatchSLO": [],
         "FP8RLJobFailed": [({"namespace": DRIVER_NAMESPACE}, 1.0)],
         "FP8RLGenerationThroughputDrop": [],
         "FP8RLActorRestarts": [],  # the run had no fault: its restart counters stay at 0
@@ -82,19 +83,18 @@ RESTARTS_DESCRIPTION = (
 )
 
 
-THRESHOLDS = "bf16 1.1, fp8-e2e 1.1, fp8-gen 1.7"  # the chart's defaults (values.yaml)
-
-
-def mismatch_alert(value: str, recipe: str = "fp8-gen") -> dict[str, Any]:
+def mismatch_alert(median: str, recipe: str = "fp8-gen") -> dict[str, Any]:
     return {
         "exp_labels": {"severity": "warning", "job": "qwen", "namespace": "team-a", "recipe": recipe},
         "exp_annotations": {
-            "summary": f"RLJob team-a/qwen: train/generation mismatch {value} above the {recipe} threshold",
+            "summary": f"RLJob team-a/qwen: train/generation mismatch breaks its SLO (median {median})",
             "description": (
-                f"fp8rl_token_mult_prob_error of team-a/qwen (recipe {recipe}) stayed above the recipe's "
-                f"threshold ({THRESHOLDS}) for 5m, above what that recipe measures when healthy. The "
-                "generator and the trainer disagree on the sampled tokens: check that the generators "
-                "received this step's weights (weight sync), the FP8 recipe and its scales, and the "
+                f"The mismatch of team-a/qwen (recipe {recipe}) is outside its precision.mismatch_slo: "
+                "fp8rl_mismatch_slo_median against fp8rl_mismatch_slo_median_bound, and "
+                "fp8rl_mismatch_slo_tail_steps steps above fp8rl_mismatch_slo_tail_bound; the condition "
+                "MismatchSLO of the job says which, with the numbers. The generator and the trainer "
+                "disagree on the sampled tokens: check that the generators received this step's weights "
+                "(weight sync), the FP8 recipe, its scales and the FP8 KV cache, and the "
                 "importance-sampling settings."
             ),
         },
@@ -105,39 +105,29 @@ def test_each_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None:
     path, _ = rule_file(tmp_path)
     bf16 = J.replace("fp8-gen", "bf16")
     mismatch = {
-        # 1m samples: 1.01 at 0..4m, then 1.8 from 5m on. The expression is true from 5m; with
-        # `for: 5m` the alert is pending until it has been true 5 minutes: firing from 10m. A bf16
-        # job at 1.15 from 5m on is above its recipe's 1.1 and fires too; fp8-gen's 1.15 would not.
+        # 1m samples of what two jobs export. fp8-gen: median 1.21 and within its SLO until 5m, then
+        # breached (its median 1.31 over its window): the alert fires at the first evaluation that
+        # sees the breach, 5m (no `for`: the SLO's window already asks for persistence), and stops
+        # when the job is within it again (12m). bf16 stays within its SLO throughout (median 1.02).
         "interval": "1m",
         "input_series": [
-            {"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "1.01x4 1.8x20"},
-            {"series": f"fp8rl_token_mult_prob_error{{{bf16}}}", "values": "1.01x4 1.15x20"},
+            {"series": f"fp8rl_mismatch_slo_median{{{J}}}", "values": "1.21x4 1.31x6 1.2x10"},
+            {"series": f"fp8rl_mismatch_slo_breached{{{J}}}", "values": "0x4 1x6 0x10"},
+            {"series": f"fp8rl_mismatch_slo_median{{{bf16}}}", "values": "1.02x20"},
+            {"series": f"fp8rl_mismatch_slo_breached{{{bf16}}}", "values": "0x20"},
         ],
         "alert_rule_test": [
-            {"eval_time": "4m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []},
-            {"eval_time": "9m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []},
-            {
-                "eval_time": "10m",
-                "alertname": "FP8RLTrainGenerationMismatch",
-                "exp_alerts": [mismatch_alert("1.1500", "bf16"), mismatch_alert("1.8000")],
-            },
+            {"eval_time": "4m", "alertname": "FP8RLMismatchSLO", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "FP8RLMismatchSLO", "exp_alerts": [mismatch_alert("1.3100")]},
+            {"eval_time": "10m", "alertname": "FP8RLMismatchSLO", "exp_alerts": [mismatch_alert("1.3100")]},
+            {"eval_time": "12m", "alertname": "FP8RLMismatchSLO", "exp_alerts": []},
         ],
     }
-    # fp8-gen at 1.35, what it reaches on SmolLM2 in RL (make compare-smollm2): below its 1.7
-    fp8_gen_healthy = {
-        "interval": "1m",
-        "input_series": [{"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "1.35x30"}],
-        "alert_rule_test": [
-            {"eval_time": "30m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []}
-        ],
-    }
-    # a healthy FP8 run: 1.002 for 30 minutes never fires
+    # a job without the SLO's series (an older driver) never fires
     healthy = {
         "interval": "1m",
-        "input_series": [{"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "1.002x30"}],
-        "alert_rule_test": [
-            {"eval_time": "30m", "alertname": "FP8RLTrainGenerationMismatch", "exp_alerts": []}
-        ],
+        "input_series": [{"series": f"fp8rl_token_mult_prob_error{{{J}}}", "values": "8.5x30"}],
+        "alert_rule_test": [{"eval_time": "30m", "alertname": "FP8RLMismatchSLO", "exp_alerts": []}],
     }
     failed = {
         # two control-plane replicas report the same count: 0 Failed until 20m, then 1. At 25m the
@@ -235,7 +225,7 @@ def test_each_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None:
             {
                 "rule_files": [path.name],
                 "evaluation_interval": "1m",
-                "tests": [mismatch, fp8_gen_healthy, healthy, failed, drop, restarts],
+                "tests": [mismatch, healthy, failed, drop, restarts],
             }
         )
     )

@@ -96,6 +96,43 @@ def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     )
     generated = rows[0]["tokens/generated"] + rows[1]["tokens/generated"]
     assert f"fp8rl_generation_tokens_total{{{label}}} {generated}" in text
+    # every recipe's tiny run is within its default mismatch SLO (bf16 and fp8-e2e at exactly 1.0;
+    # fp8-gen below its 1.25 median)
+    assert f"fp8rl_mismatch_slo_breached{{{label}}} 0.0" in text
+    assert all(row["mismatch_slo/breached"] == 0.0 for row in rows)
+
+
+@pytest.mark.slow
+def test_the_mismatch_slo_follows_its_window_across_a_resume(tmp_path: Path) -> None:
+    """fp8-gen's mismatch is above 1.0 on every step, so an SLO of median 1.0 with no step allowed
+    above 1.0 breaches from step 1; each step's median is the median of the last three steps'
+    token_mult_prob_error as the rows hold them (the window reaches back across the stop and
+    resume), and the breach is logged once per driver."""
+    slo = {"median": 1.0, "tail_bound": 1.0, "tail_fraction": 0.0, "window": 3}
+    spec = tiny_spec("fp8-gen", steps=4, precision={"recipe": "fp8-gen", "mismatch_slo": slo})
+    stop, said = threading.Event(), list[str]()
+
+    def stop_at_2(row: Mapping[str, Any]) -> None:
+        if row["step"] == 2:
+            stop.set()
+
+    run(spec, tmp_path, RunOptions(stop=stop, on_step=stop_at_2, log=said.append))
+    run(spec, tmp_path, RunOptions(resume=True, log=said.append))
+    rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    values = [r["mismatch/token_mult_prob_error"] for r in rows]
+    assert all(v > 1.0 for v in values)
+    for i, row in enumerate(rows):
+        window = sorted(values[max(0, i - 2) : i + 1])
+        assert (
+            row["mismatch_slo/median"] == window[len(window) // 2]
+            if len(window) % 2
+            else ((window[0] + window[1]) / 2)
+        )
+        assert row["mismatch_slo/tail_steps"] == len(window)
+        assert (row["mismatch_slo/breached"], row["mismatch_slo/median_bound"]) == (1.0, 1.0)
+    breaches = [line for line in said if "mismatch SLO breached" in line]
+    assert [line.split(":")[0] for line in breaches] == ["step 1", "step 3"]  # once per driver
 
 
 @pytest.mark.slow
