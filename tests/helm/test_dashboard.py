@@ -123,15 +123,21 @@ def test_grid_positions_fit_and_do_not_overlap() -> None:
     assert not clashes
 
 
-def test_mismatch_panel_draws_a_red_line_at_the_bf16_and_fp8_e2e_threshold() -> None:
-    mismatch = [p for p in panels(load()) if MISMATCH in panel_metrics(p)]
-    assert any(p["type"] == "timeseries" for p in mismatch)
-    for p in mismatch:
-        defaults = p["fieldConfig"]["defaults"]
-        assert {"color": "red", "value": 1.1} in defaults["thresholds"]["steps"], p["title"]
-        if p["type"] == "timeseries":
-            assert defaults["custom"]["thresholdsStyle"]["mode"] == "line", p["title"]
-            assert "1.1" in p["description"] and "1.7" in p["description"]
+def test_mismatch_panels_follow_each_jobs_slo_not_one_threshold() -> None:
+    """The mismatch SLO's bounds differ per recipe (and per job), so no panel draws one fixed red
+    line: the time series draws each job's own bound beside its mismatch, and the stat panel shows
+    the job's verdict (breached 1 in red)."""
+    by_title = {p["title"]: p for p in panels(load())}
+    series = by_title["Token multiplicative probability error"]
+    assert [t["expr"] for t in series["targets"]] == [
+        f"{MISMATCH}{{{FILTER}}}",
+        f"fp8rl_mismatch_slo_median_bound{{{FILTER}}}",
+    ]
+    assert series["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "off"
+    verdict = by_title["Mismatch SLO"]
+    assert [t["expr"] for t in verdict["targets"]] == [f"fp8rl_mismatch_slo_breached{{{FILTER}}}"]
+    assert {"color": "red", "value": 1} in verdict["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert "1.25" in verdict["description"] and "1.1" in verdict["description"]
 
 
 def test_validation_panels_show_accuracy_and_reward_per_job_and_recipe() -> None:

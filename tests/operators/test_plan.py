@@ -156,6 +156,32 @@ def with_restarts(text: str, generator: int, trainer: int) -> str:
     )
 
 
+def with_slo(text: str, median: float, tail_steps: int, breached: int) -> str:
+    """``text`` and the driver's mismatch SLO gauges, with fp8-e2e's default bounds (1.1, 1.1)."""
+    labels = 'job="j",namespace="team-a",recipe="fp8-e2e"'
+    gauges = {
+        "median": median,
+        "median_bound": 1.1,
+        "tail_steps": float(tail_steps),
+        "tail_bound": 1.1,
+        "breached": float(breached),
+    }
+    return text + "".join(
+        f"# TYPE fp8rl_mismatch_slo_{k} gauge\nfp8rl_mismatch_slo_{k}{{{labels}}} {v}\n"
+        for k, v in gauges.items()
+    )
+
+
+# the message worked by hand from with_slo's numbers and the default window (10 steps, 10%: 1 allowed)
+SLO_BREACHED = (
+    "median token_mult_prob_error 1.3100 (bound 1.1); 3 of the last 10 steps above 1.1 (at most 1): breached"
+)
+SLO_MET = (
+    "median token_mult_prob_error 1.0040 (bound 1.1); 0 of the last 10 steps above 1.1 "
+    "(at most 1): within the SLO"
+)
+
+
 RECOVERED_1 = (
     "the driver replaced 1 generator and 0 trainer actor(s) after faults (process died, engine "
     "failed, call hung); its log has a line per fault"
@@ -638,6 +664,62 @@ def cases() -> dict[str, Case]:
                 Event("Warning", "GeneratorRestarted", RECOVERED_1),
             ],
             metrics=with_restarts(exposition(4, 0.5), 1, 0),
+        ),
+        "a driver whose mismatch breaks its SLO: condition MismatchSLO False and a Warning event": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [
+                WriteStatus(
+                    at_step.model_copy(
+                        update={
+                            "conditions": [
+                                STARTED,
+                                RUNNING,
+                                cond("MismatchSLO", "MismatchSLOBreached", SLO_BREACHED, NOW, on=False),
+                            ]
+                        }
+                    )
+                ),
+                Event("Warning", "MismatchSLOBreached", SLO_BREACHED),
+            ],
+            metrics=with_slo(exposition(4, 0.5), 1.31, 3, 1),
+        ),
+        "a driver within its SLO: condition MismatchSLO True, no event": Case(
+            steady,
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [
+                WriteStatus(
+                    at_step.model_copy(
+                        update={
+                            "conditions": [
+                                STARTED,
+                                RUNNING,
+                                cond("MismatchSLO", "MismatchWithinSLO", SLO_MET, NOW),
+                            ]
+                        }
+                    )
+                )
+            ],
+            metrics=with_slo(exposition(4, 0.5), 1.004, 0, 0),
+        ),
+        "the same breach again writes nothing and says nothing": Case(
+            rljob(
+                at_step.model_copy(
+                    update={
+                        "conditions": [
+                            STARTED,
+                            RUNNING,
+                            cond("MismatchSLO", "MismatchSLOBreached", SLO_BREACHED, on=False),
+                        ]
+                    }
+                )
+            ),
+            rayjob(steady, "Running", "RUNNING", rayClusterName="j-raycluster"),
+            configmap(steady),
+            [],
+            metrics=with_slo(exposition(4, 0.5), 1.31, 3, 1),
         ),
         "no restart exported as 0: no condition": Case(
             steady,

@@ -85,3 +85,38 @@ def test_gen_kl_needs_its_bounds_and_bad_values_are_refused() -> None:
     for bad in ({"window": 0}, {"tail_fraction": 1.5}, {"median": -1}, {"action": "panic"}):
         with pytest.raises(ValidationError):
             MismatchSloSpec.model_validate(bad)
+
+
+def test_a_line_becomes_a_condition_and_its_time_moves_only_when_it_flips() -> None:
+    from datetime import UTC, datetime
+
+    from rljob.mismatch_slo import condition_of
+    from rljob.status import MISMATCH_SLO, Condition, JobStatus
+
+    assert condition_of({"step": 1}, DEFAULT) is None  # a line without the SLO's keys
+    row = {
+        "mismatch_slo/median": 1.31,
+        "mismatch_slo/median_bound": 1.25,
+        "mismatch_slo/tail_steps": 2.0,
+        "mismatch_slo/tail_bound": 1.5,
+        "mismatch_slo/breached": 1.0,
+    }
+    met, message = condition_of(row, DEFAULT)  # type: ignore[misc]
+    assert not met
+    assert message == (
+        "median token_mult_prob_error 1.3100 (bound 1.25); 2 of the last 10 steps above 1.5 "
+        "(at most 1): breached"
+    )
+    then = datetime(2026, 1, 1, tzinfo=UTC)
+    s = JobStatus(
+        conditions=[
+            Condition(type=MISMATCH_SLO, status=False, reason="r", message="old", last_transition=then)
+        ]
+    )
+    same_state = s.with_condition(MISMATCH_SLO, False, "r", "new numbers")
+    assert (
+        same_state.conditions[0].message == "new numbers" and same_state.conditions[0].last_transition == then
+    )
+    assert s.with_condition(MISMATCH_SLO, False, "r", "old") is s  # nothing to change
+    flipped = s.with_condition(MISMATCH_SLO, True, "r2", "ok")
+    assert flipped.conditions[0].status and flipped.conditions[0].last_transition > then

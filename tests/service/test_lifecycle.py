@@ -94,6 +94,13 @@ def test_submit_progress_suspend_resume_succeed(tmp_path: Path) -> None:
         )
         done = wait_for(get, "success", lambda j: j["status"]["phase"] == "Succeeded", RUN_TIMEOUT)
         assert done["status"]["progress"]["step"] == STEPS
+        # the tiny fp8-e2e job's mismatch is exactly 1.0 on every step: within its recipe's SLO
+        [slo] = [c for c in done["status"]["conditions"] if c["type"] == "MismatchSLO"]
+        assert (slo["status"], slo["reason"]) == (True, "MismatchWithinSLO")
+        assert slo["message"] == (
+            "median token_mult_prob_error 1.0000 (bound 1.1); 0 of the last 10 steps above 1.1 "
+            "(at most 1): within the SLO"
+        )
         history = api.get("/v1/jobs/life/metrics", headers=HEADERS).json()
         assert [r["step"] for r in history] == list(range(1, STEPS + 1))  # nothing lost, nothing twice
         since = api.get(f"/v1/jobs/life/metrics?since={STEPS - 2}", headers=HEADERS).json()
