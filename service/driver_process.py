@@ -55,6 +55,10 @@ DRIVER_ENV_PREFIXES = (
     *("LC_", "PYTHON", "RAY_", "CUDA_", "NVIDIA_", "NCCL_", "TORCH", "TRITON_", "VLLM_", "NVTE_"),
     *("OMP_", "KMP_", "MKL_", "OPENBLAS_", "TRANSFORMERS_", "TOKENIZERS_"),
 )
+# Never inherited from the service, though a family above names them: RAY_ADDRESS would make a
+# local driver join the Ray cluster the service's environment names (every tenant's job on one
+# cluster, and not the one the executor confines) instead of starting its own
+NOT_INHERITED = frozenset({"RAY_ADDRESS"})
 # Never passed by the lists above, whatever the prefix (HF_TOKEN, RAY_AUTH_TOKEN, ..._API_KEY):
 # a site that means its drivers to have one names it in driver_env
 SECRET_NAME = re.compile(
@@ -91,7 +95,7 @@ def driver_environment(environ: Mapping[str, str], extra: Iterable[str] = ()) ->
         if name in wanted:
             return True
         known = name in DRIVER_ENV_NAMES or name.startswith(DRIVER_ENV_PREFIXES)
-        return known and SECRET_NAME.search(name) is None
+        return known and name not in NOT_INHERITED and SECRET_NAME.search(name) is None
 
     return {k: v for k, v in environ.items() if passed(k)}
 
