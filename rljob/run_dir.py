@@ -10,6 +10,9 @@ writes them and who reads them:
   ``/v1/jobs/{name}/metrics``, ``fp8rl report`` and the benchmarks read it.
 - ``quantization_audit.json``: which layers are FP8 (and why not), by the driver once its actors
   are up.
+- ``numerics.json``: what the run's numbers depend on beyond its spec, by the driver at its start:
+  torch and CUDA versions, how the driver's node runs a BF16 GEMM on its CPU, and the ``FP8RL_*``
+  kernel switches as set (``workers.numerics``); two runs' mismatch can be told apart afterwards.
 - ``warmup.jsonl``: one line per SFT warm-up step (``warmup.sft_steps``).
 - ``faults.jsonl``: one line per data-plane fault the driver recovered from (which actor, which
   step, what was done, seconds); the service's monitor reads it into the job's conditions.
@@ -32,6 +35,7 @@ from pathlib import Path, PurePath
 SPEC_RESOLVED = "spec.resolved.json"
 METRICS = "metrics.jsonl"
 QUANTIZATION_AUDIT = "quantization_audit.json"
+NUMERICS = "numerics.json"
 WARMUP = "warmup.jsonl"
 FAULTS = "faults.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -64,6 +68,10 @@ class RunDir:
     @property
     def quantization_audit(self) -> Path:
         return self.root / QUANTIZATION_AUDIT
+
+    @property
+    def numerics(self) -> Path:
+        return self.root / NUMERICS
 
     @property
     def warmup(self) -> Path:

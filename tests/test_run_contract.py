@@ -27,7 +27,7 @@ PRODUCTION = ("fp8rl", "rljob", "workers", "service", "operators", "bench")
 def test_a_run_directory_names_its_files() -> None:
     run = RunDir(Path("/runs/j"))
     files = [run.spec_resolved, run.metrics, run.quantization_audit, run.warmup, run.checkpoints,
-             run.job_spec, run.driver_log, run.driver_pid]  # fmt: skip
+             run.job_spec, run.driver_log, run.driver_pid, run.numerics]  # fmt: skip
     # the names users and tools see, written out here rather than read from the code
     assert [str(f) for f in files] == [
         "/runs/j/spec.resolved.json",
@@ -38,6 +38,7 @@ def test_a_run_directory_names_its_files() -> None:
         "/runs/j/job.json",
         "/runs/j/driver.log",
         "/runs/j/driver.pid",
+        "/runs/j/numerics.json",
     ]
     assert run_dir(Path("/data"), "team-a", "j") == RunDir(Path("/data/runs/team-a/j"))
 

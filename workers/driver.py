@@ -40,6 +40,7 @@ from workers.engines.factory import check_engines
 from workers.faults import ActorFault, RestartLimitError
 from workers.job_run import JobRun, write_json
 from workers.job_run import RunOptions as RunOptions  # the driver's options, imported from here
+from workers.numerics import numerics_record
 from workers.prom_exporter import PromExporter
 from workers.ray_cluster import ray_init, ray_shutdown
 from workers.tasks import Task
@@ -115,6 +116,7 @@ def _run_task(spec: JobSpec, out: Path, opts: RunOptions, tok: Tokenizer, task: 
     first_step, ckpt = _prepare_output(spec, out, opts.resume)
     run_dir = RunDir(out)
     write_json(run_dir.spec_resolved, spec.model_dump(mode="json"))
+    write_json(run_dir.numerics, numerics_record())
     log = MetricsLog(run_dir.metrics)
     rows: list[Mapping[str, Any]] = list(log.truncate(first_step - 1)) if opts.resume else []
     prom = PromExporter(opts.job or out.name, opts.namespace, spec.precision.recipe)

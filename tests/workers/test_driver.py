@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
 from rljob import JobSpec, parse_spec
 from rljob.metrics import REQUIRED_KEYS, MetricsLog
@@ -84,6 +85,9 @@ def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     assert (fp8_gen, fp8_train) == {"bf16": (0, 0), "fp8-gen": (7, 0), "fp8-e2e": (7, 7)}[recipe]
     spec_back = json.loads((tmp_path / recipe / "spec.resolved.json").read_text())
     assert spec_back["precision"]["recipe"] == recipe
+    numerics = json.loads((tmp_path / recipe / "numerics.json").read_text())
+    assert numerics["torch"] == torch.__version__ and numerics["cpu_bf16_gemm"] in ("native", "float32")
+    assert set(numerics["switches"]) >= {"FP8RL_CPU_BF16_GEMM", "FP8RL_TRITON", "FP8RL_CUBLAS_BLOCKWISE"}
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / recipe)] == [0, 2]
     # Prometheus, scraped over HTTP while the run was live
     assert scraped, "the metrics endpoint was never reached"
