@@ -80,9 +80,10 @@ def run_from_cli(
     progress: bool,
     inject_fault: list[str] | None = None,
 ) -> int:
-    """Returns the exit code: 0 done, 2 bad spec/output or an engine that cannot run here, 4 more
-    actor faults than the job recovers from (``rljob.status.EXIT_TOO_MANY_FAULTS``), 130 stopped
-    by Ctrl-C."""
+    """Returns the exit code: 0 done, 1 the run failed on its way (a non-finite FP8 value, a
+    grader that failed on too many responses: not the spec's fault), 2 bad spec/output or an
+    engine that cannot run here, 4 more actor faults than the job recovers from
+    (``rljob.status.EXIT_TOO_MANY_FAULTS``), 130 stopped by Ctrl-C."""
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -90,6 +91,8 @@ def run_from_cli(
     from workers import driver
     from workers.engines.factory import EngineUnavailable
     from workers.faults import FaultDrill, RestartLimitError
+    from workers.fp8.guard import NonFiniteError
+    from workers.tasks.grading import GraderFailure
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)
 
@@ -139,6 +142,9 @@ def run_from_cli(
     try:
         with bar:
             result = driver.run(spec, spec.output_dir, opts)
+    except (NonFiniteError, GraderFailure) as err:  # raised in the run (an actor's, through Ray)
+        console.print(f"[red]the run failed:[/red] {escape(str(err))}", highlight=False)
+        return 1
     except (FileExistsError, ValueError, EngineUnavailable) as err:
         error(err)
         return 2

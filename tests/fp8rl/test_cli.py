@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -125,6 +126,29 @@ def test_run_prints_an_error_that_looks_like_markup_as_it_is(tmp_path: Path) -> 
     bad = runner.invoke(app, ["run", str(spec), "--inject-fault", "generator:[/gloo/pair.cc:553]@2"])
     assert bad.exit_code == 2, bad.output
     assert "'generator:[/gloo/pair.cc:553]@2': expected ROLE[INDEX]:KIND@STEP" in bad.output
+
+
+@pytest.mark.parametrize("raised", ["NonFiniteError", "GraderFailure"])
+def test_a_run_that_fails_on_its_way_is_not_a_bad_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raised: str
+) -> None:
+    """A non-finite FP8 value (a ValueError, from an actor) or a failing grader ends the run with
+    exit 1 and says so; exit 2 stays for what the user must fix in the spec."""
+    from workers import driver
+    from workers.fp8.guard import NonFiniteError
+    from workers.tasks.grading import GraderFailure
+
+    error = {"NonFiniteError": NonFiniteError, "GraderFailure": GraderFailure}[raised]
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise error("model.layers.0.mlp.down_proj: input: 3 non-finite values at step 7")
+
+    monkeypatch.setattr(driver, "run", fail)
+    spec = tmp_path / "ok.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(steps=5)))
+    result = runner.invoke(app, ["run", str(spec), "--no-progress"])
+    assert result.exit_code == 1, result.output
+    assert "the run failed: model.layers.0.mlp.down_proj: input: 3 non-finite values" in result.output
 
 
 @pytest.mark.slow
