@@ -66,10 +66,16 @@ def _token_auth_unless_set() -> None:
     default does when it turns token auth on); its processes inherit the variable."""
     if RAY_AUTH_MODE_ENV in os.environ:
         return
-    from ray._raylet import Config  # type: ignore[attr-defined]  # compiled; not in its stub
-
     os.environ[RAY_AUTH_MODE_ENV] = "token"
-    Config.initialize("")
+    try:  # a private API (pyproject bounds Ray to the minor version it was tested on)
+        from ray._raylet import Config  # type: ignore[attr-defined]  # compiled; not in its stub
+
+        Config.initialize("")
+    except (ImportError, AttributeError, TypeError) as err:
+        # Ray 2.60 turns token auth on for local clusters by itself; only its warning comes back
+        logging.getLogger(__name__).warning(
+            "Ray's config was not read again (%s): Ray's default auth applies", err
+        )
 
 
 def ray_shutdown() -> None:
