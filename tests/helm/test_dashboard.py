@@ -132,6 +132,8 @@ def test_mismatch_panels_follow_each_jobs_slo_not_one_threshold() -> None:
     assert [t["expr"] for t in series["targets"]] == [
         f"{MISMATCH}{{{FILTER}}}",
         f"fp8rl_mismatch_slo_median_bound{{{FILTER}}}",
+        f"fp8rl_mismatch_slo_median{{{FILTER}}}",
+        f"fp8rl_mismatch_slo_tail_bound{{{FILTER}}}",
     ]
     assert series["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] == "off"
     verdict = by_title["Mismatch SLO"]
@@ -234,8 +236,13 @@ def test_panels_show_what_the_run_and_the_control_plane_did(prom: Prometheus) ->
     [[step]] = ask(prom, "Step progress")
     assert step.value >= 3 and step.value.is_integer()
     # exp(|logp_train - logp_gen|) is at least 1; a response has 1 to max_new_tokens tokens
-    [[mismatch]] = ask(prom, "Token multiplicative probability error")
-    assert mismatch.value >= 1.0
+    # beside it the run's SLO (its recipe's defaults): the median over the window, its bound and
+    # the tail bound; and how many steps of the window were above that bound (none: a healthy run)
+    [[mismatch], [bound], [median], [tail_bound]] = ask(prom, "Token multiplicative probability error")
+    assert mismatch.value >= 1.0 and median.value >= 1.0
+    assert (bound.value, tail_bound.value) == (1.1, 1.1)
+    [[tail_steps]] = ask(prom, "Mismatch SLO: steps above the tail bound")
+    assert tail_steps.value == 0.0
     [[length]] = ask(prom, "Mean response length")
     assert 1.0 <= length.value <= MAX_NEW_TOKENS
     [by_phase] = ask(prom, "Step time by phase")
