@@ -20,6 +20,9 @@ import pytest
 
 from tests.service.servers import serve
 
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = pytest.mark.timeout(660)
+
 TOKEN = "contract-token-0123456789"
 TENANT = "team-a"
 SEED = 20261123

@@ -24,6 +24,9 @@ from service.settings import Settings
 from tests.helpers import wait_for
 from tests.service.servers import serve
 
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = pytest.mark.timeout(960)
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-addition.yaml"
 TOKEN = "smollm2-token-0123456789"
 TENANT = "team-a"

@@ -22,6 +22,9 @@ from tests import helpers
 from tests.helpers import ONE_DIGIT_SUMS
 from workers import checkpoint
 
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = pytest.mark.timeout(460)
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 

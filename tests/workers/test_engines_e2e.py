@@ -31,7 +31,8 @@ from tests.helpers import ONE_DIGIT_SUMS, wait_for
 from workers.driver import RunOptions, run
 from workers.engines.vllm.config import CpuFeatures
 
-pytestmark = pytest.mark.slow
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 
 # the example's model (vLLM's CPU FP8 KV cache needs head_dim 32): 2 layers, untied lm_head
 MODEL = {"arch": "llama", "hidden_size": 128, "intermediate_size": 256, "num_layers": 2}

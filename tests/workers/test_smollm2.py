@@ -24,7 +24,8 @@ from workers.engines.protocols import Rollouts
 from workers.tasks import Problem, Task
 from workers.tokenizer import HfTokenizer, build_tokenizer
 
-pytestmark = pytest.mark.slow
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(960)]
 
 EXAMPLE = SMOLLM2_EXAMPLE
 HELD_OUT = 48  # of the example's held-out problems (all 100 would triple the time)

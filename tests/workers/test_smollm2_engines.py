@@ -19,7 +19,8 @@ import pytest
 
 from tests.helpers import run_smollm2_example
 
-pytestmark = pytest.mark.slow
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
 
 
 def test_a_two_step_run_on_vllm_and_megatron(smollm2_dir: Path, tmp_path: Path) -> None:

@@ -19,6 +19,9 @@ from tests.workers.triton_sm90 import compile_sm90
 from workers.fp8 import triton_quant as tq
 from workers.fp8.quant import quantize_dual, quantize_rows
 
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = pytest.mark.timeout(660)
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

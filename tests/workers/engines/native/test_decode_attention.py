@@ -21,6 +21,9 @@ import triton  # noqa: F401  # comes with the engines install (make test runs it
 from tests.workers.engines.native.decode_attention_checks import case, fp8
 from workers.engines.native import decode_attention as da
 
+# above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
+pytestmark = pytest.mark.timeout(660)
+
 ROOT = Path(__file__).resolve().parents[4]
 
 
