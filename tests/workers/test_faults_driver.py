@@ -91,6 +91,7 @@ def same_as(rows: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None
         assert [r.get(key) for r in rows] == [r.get(key) for r in reference], key
 
 
+@pytest.mark.slow  # real Ray actors killed and restarted: tens of seconds
 def test_a_killed_generator_is_replaced_and_its_step_generated_again(
     tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
@@ -159,6 +160,7 @@ def test_a_hung_trainer_call_goes_back_to_the_checkpoint(tmp_path: Path) -> None
     assert "no answer" in entry["what"] and entry["steps_recomputed"] == 0  # checkpoint of step 2
 
 
+@pytest.mark.slow  # real Ray actors killed and restarted: tens of seconds
 def test_asynchronous_a_batch_in_flight_when_its_generator_dies_is_generated_again(tmp_path: Path) -> None:
     """max_staleness 1: batches 3 and 4 are in flight when the generator dies; each step is
     trained once (the Adam count), from batches generated again by the fresh generator."""
@@ -183,6 +185,7 @@ def test_asynchronous_an_engine_failure_and_a_hang_are_recovered(tmp_path: Path)
     assert adam_steps(tmp_path) == STEPS
 
 
+@pytest.mark.slow  # real Ray actors killed and restarted: tens of seconds
 def test_more_faults_than_the_bound_fail_the_job_naming_the_field(tmp_path: Path) -> None:
     job = spec(max_generator_restarts=0)
     with pytest.raises(RestartLimitError, match=r"resources\.max_generator_restarts \(0\)"):
