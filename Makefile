@@ -82,7 +82,7 @@ run: $(STAMP)
 	$(VENV)/bin/fp8rl run examples/addition-cpu.yaml --recipe $(RECIPE) --output runs/addition-$(RECIPE) --resume $(RUN_ARGS)
 
 # GRPO on a real pretrained chat model (examples/smollm2-addition.yaml): SmolLM2-135M-Instruct learns to
-# answer one- and two-digit sums within 12 tokens; about 25 minutes on 2 CPU cores (README: "A real
+# answer one- and two-digit sums within 12 tokens; 28 (bf16) to 35 (fp8-e2e) minutes on 2 CPU cores (README: "A real
 # pretrained model"). RECIPE and RUN_ARGS as for `make run`.
 run-smollm2: $(STAMP)
 	out=$$($(VENV)/bin/fp8rl model fetch smollm2-135m-instruct) && dir=$$(echo "$$out" | tail -1) && \
