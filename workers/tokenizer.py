@@ -63,7 +63,8 @@ class ByteTokenizer:
 
 class HfTokenizer:
     """A Hugging Face ``AutoTokenizer``; PAD falls back to EOS when the model has none. The stop
-    ids are the tokenizer's EOS and every ``eos_token_id`` of the directory's generation config."""
+    ids are the tokenizer's EOS and every ``eos_token_id`` of the model's generation config (a
+    directory's or a hub id's)."""
 
     def __init__(self, name: str) -> None:
         from transformers import AutoTokenizer
@@ -106,12 +107,21 @@ class HfTokenizer:
 
 
 def generation_eos_ids(name: str) -> tuple[int, ...]:
-    """The ``eos_token_id`` (an id or a list) of ``name``'s ``generation_config.json``; () if it
+    """The ``eos_token_id`` (an id or a list) of ``name``'s generation config: a directory's
+    ``generation_config.json``, or a hub id's (from the hub, or its cache when offline); () if it
     has none (a tokenizer-only directory, or a model without a generation config)."""
     path = Path(name) / "generation_config.json"
-    if not path.is_file():
+    if path.is_file():
+        value = json.loads(path.read_text()).get("eos_token_id")
+    elif Path(name).is_dir():
         return ()
-    value = json.loads(path.read_text()).get("eos_token_id")
+    else:  # a hub id: a chat model's end of turn is often only in its generation config
+        from transformers import GenerationConfig
+
+        try:
+            value = GenerationConfig.from_pretrained(name).eos_token_id
+        except (OSError, ValueError):  # no generation config on the hub, or offline without it
+            return ()
     ids = value if isinstance(value, list) else [] if value is None else [value]
     return tuple(int(i) for i in ids)
 

@@ -183,3 +183,34 @@ def test_a_tokenizer_without_a_chat_template_is_refused(tmp_path: Path) -> None:
         tok.apply_chat_template(USER)
     with pytest.raises(ValueError, match=r"^task\.chat_template: the byte tokenizer .* has no chat template"):
         TOK.apply_chat_template(USER)
+
+
+def test_a_hub_ids_stop_ids_come_from_its_generation_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat model's end of turn is often only in its generation config: a hub id's is read
+    through transformers (the hub or its cache), as a directory's file is; a model without one,
+    or a directory without the file, gives none."""
+    import transformers
+
+    from workers.tokenizer import generation_eos_ids
+
+    class Config:
+        def __init__(self) -> None:
+            self.eos_token_id = [2, 5]
+
+    asked: list[str] = []
+
+    def from_pretrained(name: str) -> Config:
+        asked.append(name)
+        if name == "org/no-config":
+            raise OSError("does not appear to have a file named generation_config.json")
+        return Config()
+
+    monkeypatch.setattr(transformers.GenerationConfig, "from_pretrained", staticmethod(from_pretrained))
+    assert generation_eos_ids("org/chat-model") == (2, 5)
+    assert generation_eos_ids("org/no-config") == ()
+    assert generation_eos_ids(str(tmp_path)) == ()  # a directory is read as files, never asked of the hub
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 7}')
+    assert generation_eos_ids(str(tmp_path)) == (7,)
+    assert asked == ["org/chat-model", "org/no-config"]
