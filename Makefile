@@ -13,6 +13,10 @@ TORCH_INDEX ?=
 .PHONY: install engines tools kube model test test-fast lint bench run run-smollm2 crd clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "fp8rl needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) -V 2>&1): set PYTHON=python3.11 (or newer)"; exit 1; }
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
+	  echo "$(PYTHON) cannot make a virtual environment: on Debian/Ubuntu, apt install python3-venv"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet -c constraints.txt --index-url $(TORCH_INDEX) torch)
