@@ -364,8 +364,7 @@ def _with_slo(
     found = condition_of(gauges, slo)
     if found is None:
         return status, []
-    met, message = found
-    reason = Reason.MISMATCH_WITHIN_SLO if met else Reason.MISMATCH_SLO_BREACHED
+    met, reason, message = found
     old = next((c for c in status.conditions if c.type == MISMATCH_SLO), None)
     new = _condition(status, MISMATCH_SLO, met, reason, message)
     breached_now = not met and (old is None or old.status)

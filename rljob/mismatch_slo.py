@@ -40,6 +40,7 @@ from pydantic import Field, model_validator
 
 from rljob import metrics as m
 from rljob.spec_base import StrictModel
+from rljob.status import Reason
 
 SloMetric = Literal["token_mult_prob_error", "gen_kl_error"]
 
@@ -73,6 +74,11 @@ class MismatchSloSpec(StrictModel):
     action: Literal["alert-only"] = Field(
         "alert-only", description="What a breach does: alert-only (a metric, an alert, a condition)."
     )
+
+    @property
+    def tail_allowed(self) -> int:
+        """Steps of a window that may be above ``tail_bound``: ``floor(tail_fraction x window)``."""
+        return math.floor(self.tail_fraction * self.window + 1e-9)
 
     @model_validator(mode="after")
     def _bounds(self) -> MismatchSloSpec:
@@ -125,6 +131,16 @@ class SloState:
             broke.append(tail)
         return "; ".join(broke)
 
+    def as_row(self) -> dict[str, float]:
+        """The step line's ``mismatch_slo/*`` keys (read back by :func:`condition_of`)."""
+        return {
+            m.SLO_MEDIAN: self.median,
+            m.SLO_MEDIAN_BOUND: self.median_bound,
+            m.SLO_TAIL_STEPS: float(self.tail_steps),
+            m.SLO_TAIL_BOUND: self.tail_bound,
+            m.SLO_BREACHED: 0.0 if self.met else 1.0,
+        }
+
 
 def evaluate(values: Sequence[float], slo: MismatchSloSpec, recipe: str) -> SloState | None:
     """The SLO over the last ``slo.window`` of ``values`` (one per RL step, oldest first; NaN
@@ -138,22 +154,22 @@ def evaluate(values: Sequence[float], slo: MismatchSloSpec, recipe: str) -> SloS
         median=float(statistics.median(recent)),
         median_bound=median_bound,
         tail_steps=sum(v > tail_bound for v in recent),
-        tail_allowed=math.floor(slo.tail_fraction * slo.window + 1e-9),
+        tail_allowed=slo.tail_allowed,
         tail_bound=tail_bound,
         window=slo.window,
     )
 
 
-def condition_of(row: Mapping[str, float], slo: MismatchSloSpec) -> tuple[bool, str] | None:
-    """Whether a step's line (or the driver's gauges read back as one) is within the SLO, and the
-    condition's message with the numbers; None when it has no SLO keys (before the first step)."""
+def condition_of(row: Mapping[str, float], slo: MismatchSloSpec) -> tuple[bool, Reason, str] | None:
+    """The job's ``MismatchSLO`` condition from a step's line (or the driver's gauges read back as
+    one): within the SLO or not, the reason, and the message with the numbers; None when the
+    line has no SLO keys (before the first step)."""
     if m.SLO_BREACHED not in row or m.SLO_MEDIAN not in row:
         return None
     met = float(row[m.SLO_BREACHED]) == 0.0
-    allowed = math.floor(slo.tail_fraction * slo.window + 1e-9)
     message = (
         f"median {slo.metric} {float(row[m.SLO_MEDIAN]):.4f} (bound {float(row[m.SLO_MEDIAN_BOUND]):g}); "
         f"{int(row[m.SLO_TAIL_STEPS])} of the last {slo.window} steps above {float(row[m.SLO_TAIL_BOUND]):g} "
-        f"(at most {allowed}): " + ("within the SLO" if met else "breached")
+        f"(at most {slo.tail_allowed}): " + ("within the SLO" if met else "breached")
     )
-    return met, message
+    return met, Reason.MISMATCH_WITHIN_SLO if met else Reason.MISMATCH_SLO_BREACHED, message

@@ -441,8 +441,7 @@ class LocalExecutor:
         found = condition_of(row, r.job.spec.precision.mismatch_slo)
         if found is None:
             return
-        met, message = found
-        reason = Reason.MISMATCH_WITHIN_SLO if met else Reason.MISMATCH_SLO_BREACHED
+        met, reason, message = found
         with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
             self.store.update(
                 r.job.tenant, r.job.name, lambda s: s.with_condition(MISMATCH_SLO, met, reason, message)

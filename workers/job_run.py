@@ -237,13 +237,7 @@ class JobRun:
             if not (state.met and self.slo_met is None):  # a job that starts within it says nothing
                 self.opts.log(f"step {step}: mismatch SLO {what}: {state.message(slo.metric)}")
             self.slo_met = state.met
-        return {
-            m.SLO_MEDIAN: state.median,
-            m.SLO_MEDIAN_BOUND: state.median_bound,
-            m.SLO_TAIL_STEPS: float(state.tail_steps),
-            m.SLO_TAIL_BOUND: state.tail_bound,
-            m.SLO_BREACHED: 0.0 if state.met else 1.0,
-        }
+        return state.as_row()
 
     def _warn(self, row: Mapping[str, Any]) -> None:
         for warning in response_warnings(self.spec, row, self.warned):

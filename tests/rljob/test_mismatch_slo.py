@@ -101,8 +101,8 @@ def test_a_line_becomes_a_condition_and_its_time_moves_only_when_it_flips() -> N
         "mismatch_slo/tail_bound": 1.5,
         "mismatch_slo/breached": 1.0,
     }
-    met, message = condition_of(row, DEFAULT)  # type: ignore[misc]
-    assert not met
+    met, reason, message = condition_of(row, DEFAULT)  # type: ignore[misc]
+    assert not met and reason == "MismatchSLOBreached"
     assert message == (
         "median token_mult_prob_error 1.3100 (bound 1.25); 2 of the last 10 steps above 1.5 "
         "(at most 1): breached"
