@@ -107,16 +107,8 @@ def run(samples: int = 512, work_ms: float = 10.0, workers: int | None = None) -
 
     spec = TaskSpec.model_validate({"dataset": "rows.jsonl", "grader": {"type": "python", "source": source}})
     graders = Graders(spec.grader_list(), lambda a, r: 0.0, pool_size=workers, launcher=launcher)
-    try:
-        graders.check()  # the pool started and the grader loaded: not part of the timed grading
-        t0 = time.perf_counter()
-        grades, _ = graders.grade(texts, rows)
-        pool_s = time.perf_counter() - t0
-    finally:
-        graders.close()
-    if [g.reward for g in grades] != [float(b) for b in baseline]:
-        raise AssertionError("the pool's scores differ from the function's own")
-    actors_s, actors_start_s = _through_actors(spec, texts, rows, baseline, workers)
+    _, pool_s = _timed(graders, texts, rows, baseline, "the pool")
+    actors_start_s, actors_s = _through_actors(spec, texts, rows, baseline, workers)
     return GraderBench(
         samples,
         work_ms,
@@ -131,28 +123,39 @@ def run(samples: int = 512, work_ms: float = 10.0, workers: int | None = None) -
     )
 
 
-def _through_actors(
-    spec: TaskSpec, texts: list[str], rows: list[Row], baseline: list[Any], workers: int
+def _timed(
+    graders: Graders, texts: list[str], rows: list[Row], baseline: list[Any], what: str
 ) -> tuple[float, float]:
-    """Seconds to grade ``texts`` through a job's pool of Ray actors, and to start it."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR)
-    graders = Graders(spec.grader_list(), lambda a, r: 0.0)
+    """Seconds ``graders`` take to be ready (their pool started, the grader loaded: not part of
+    the grading) and then to grade ``texts``; their scores must be the function's own."""
     try:
         t0 = time.perf_counter()
-        graders.use_pool(lambda memory_mb: RayGraderPool(workers, memory_mb))
-        graders.check()  # the actors started and the grader loaded
-        start_s = time.perf_counter() - t0
+        graders.check()
+        ready_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         grades, _ = graders.grade(texts, rows)
         seconds = time.perf_counter() - t0
     finally:
         graders.close()
+    if [g.reward for g in grades] != [float(b) for b in baseline]:
+        raise AssertionError(f"{what}'s scores differ from the function's own")
+    return ready_s, seconds
+
+
+def _through_actors(
+    spec: TaskSpec, texts: list[str], rows: list[Row], baseline: list[Any], workers: int
+) -> tuple[float, float]:
+    """Seconds to start a job's pool of Ray actors (on a local Ray of ``workers`` CPUs, unless one
+    runs) and to grade ``texts`` through it."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=workers, include_dashboard=False, logging_level=logging.ERROR)
+    try:
+        graders = Graders(spec.grader_list(), lambda a, r: 0.0)
+        graders.use_pool(lambda memory_mb: RayGraderPool(workers, memory_mb))  # started by check()
+        return _timed(graders, texts, rows, baseline, "the Ray actors")
+    finally:
         if started:
             ray.shutdown()
-    if [g.reward for g in grades] != [float(b) for b in baseline]:
-        raise AssertionError("the Ray actors' scores differ from the function's own")
-    return seconds, start_s
