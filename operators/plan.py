@@ -41,7 +41,6 @@ executor plans again from fresh reads, so events always describe the write that 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -66,13 +65,20 @@ from operators.actions import (
 from operators.attempts import Cause, retries_used, track
 from operators.ownership import Ownership, describe, ownership
 from operators.settings import OperatorSettings
-from operators.status import Target, advance, gauges_of, progress_of, restarts_of, run_complete, target_of
+from operators.status import (
+    Target,
+    advance,
+    gauges_of,
+    progress_of,
+    restarts_of,
+    run_complete,
+    target_of,
+    with_faults,
+    with_slo,
+)
 from rljob import resource as rl
-from rljob.mismatch_slo import MismatchSloSpec, condition_of
 from rljob.spec import describe_errors
 from rljob.status import (
-    FAULTS_RECOVERED,
-    MISMATCH_SLO,
     TERMINAL,
     JobStatus,
     Phase,
@@ -224,9 +230,9 @@ def plan(
     new, passed = advance(new, target)
     if metrics and target[0] in _WITH_PROGRESS:
         new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
-        new, recovered = _with_faults(new, restarts_of(metrics))
+        new, recovered = with_faults(new, restarts_of(metrics))
         after.extend(recovered)
-        new, slo_events = _with_slo(new, gauges_of(metrics), spec.job.precision.mismatch_slo)
+        new, slo_events = with_slo(new, gauges_of(metrics), spec.job.precision.mismatch_slo)
         after.extend(slo_events)
     new = _stamped(status, new, now)
     if new != status:
@@ -333,48 +339,6 @@ def _with_progress(status: JobStatus, progress: Progress | None, now: datetime) 
     if progress.model_copy(update={"updated": status.progress.updated}) == status.progress:
         return status
     return status.model_copy(update={"progress": progress.model_copy(update={"updated": now})})
-
-
-def _with_faults(status: JobStatus, restarts: dict[str, float]) -> tuple[JobStatus, list[Event]]:
-    """``status`` with condition ``FaultsRecovered`` once the driver replaced an actor (its
-    ``fp8rl_actor_restarts_total``), and a Warning event when the count grew. The counters are the
-    running driver's: a driver started again by the RayJob counts from 0, and the condition keeps
-    the higher count it saw until then."""
-    generator, trainer = int(restarts.get("generator", 0)), int(restarts.get("trainer", 0))
-    if generator + trainer == 0:
-        return status, []
-    message = (
-        f"the driver replaced {generator} generator and {trainer} trainer actor(s) after faults "
-        "(process died, engine failed, call hung); its log has a line per fault"
-    )
-    old = next((c for c in status.conditions if c.type == FAULTS_RECOVERED), None)
-    if old is not None and old.message == message:
-        return status, []
-    if old is not None and _counts(old.message) >= generator + trainer:
-        return status, []  # an older count (a driver started again): keep the higher one
-    reason = Reason.TRAINER_RESTARTED if trainer else Reason.GENERATOR_RESTARTED
-    return _condition(status, FAULTS_RECOVERED, True, reason, message), [Event("Warning", reason, message)]
-
-
-def _with_slo(
-    status: JobStatus, gauges: dict[str, float], slo: MismatchSloSpec
-) -> tuple[JobStatus, list[Event]]:
-    """``status`` with condition ``MismatchSLO`` from the driver's ``fp8rl_mismatch_slo_*`` gauges,
-    and a Warning event when the job moves from within the SLO to breached."""
-    found = condition_of(gauges, slo)
-    if found is None:
-        return status, []
-    met, reason, message = found
-    old = next((c for c in status.conditions if c.type == MISMATCH_SLO), None)
-    new = _condition(status, MISMATCH_SLO, met, reason, message)
-    breached_now = not met and (old is None or old.status)
-    return new, [Event("Warning", reason, message)] if breached_now else []
-
-
-def _counts(message: str) -> int:
-    """The restarts a ``FaultsRecovered`` message of :func:`_with_faults` states."""
-    found = re.match(r"the driver replaced (\d+) generator and (\d+) trainer", message)
-    return int(found.group(1)) + int(found.group(2)) if found else 0
 
 
 def _fail_invalid(status: JobStatus, problems: str, now: datetime) -> list[Action]:

@@ -1,15 +1,19 @@
 """Pure status logic of the operator: what phase a RayJob's status means for its RLJob, how to get
-there through the state machine, and the progress read from the driver's Prometheus exposition."""
+there through the state machine, and what the driver's Prometheus exposition says: its progress,
+and the conditions it reports (``FaultsRecovered``, ``MismatchSLO``)."""
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from operators.actions import Event
 from rljob.metrics import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
-from rljob.status import ALLOWED, TERMINAL, JobStatus, Phase, Progress, Reason
+from rljob.mismatch_slo import MismatchSloSpec, condition_of
+from rljob.status import ALLOWED, FAULTS_RECOVERED, MISMATCH_SLO, TERMINAL, JobStatus, Phase, Progress, Reason
 
 Target = tuple[Phase, str, str]  # phase, reason, message
 
@@ -122,3 +126,46 @@ def run_complete(exposition: str) -> bool:
             if sample.name == RUN_COMPLETE and sample.value == 1:
                 return True
     return False
+
+
+def with_faults(status: JobStatus, restarts: dict[str, float]) -> tuple[JobStatus, list[Event]]:
+    """``status`` with condition ``FaultsRecovered`` once the driver replaced an actor (its
+    ``fp8rl_actor_restarts_total``), and a Warning event when the count grew. The counters are the
+    running driver's: a driver started again by the RayJob counts from 0, and the condition keeps
+    the higher count it saw until then."""
+    generator, trainer = int(restarts.get("generator", 0)), int(restarts.get("trainer", 0))
+    if generator + trainer == 0:
+        return status, []
+    message = (
+        f"the driver replaced {generator} generator and {trainer} trainer actor(s) after faults "
+        "(process died, engine failed, call hung); its log has a line per fault"
+    )
+    old = next((c for c in status.conditions if c.type == FAULTS_RECOVERED), None)
+    if old is not None and old.message == message:
+        return status, []
+    if old is not None and _counts(old.message) >= generator + trainer:
+        return status, []  # an older count (a driver started again): keep the higher one
+    reason = Reason.TRAINER_RESTARTED if trainer else Reason.GENERATOR_RESTARTED
+    new = status.with_condition(FAULTS_RECOVERED, True, reason, message)
+    return new, [Event("Warning", reason, message)]
+
+
+def with_slo(
+    status: JobStatus, gauges: dict[str, float], slo: MismatchSloSpec
+) -> tuple[JobStatus, list[Event]]:
+    """``status`` with condition ``MismatchSLO`` from the driver's ``fp8rl_mismatch_slo_*`` gauges,
+    and a Warning event when the job moves from within the SLO to breached."""
+    found = condition_of(gauges, slo)
+    if found is None:
+        return status, []
+    met, reason, message = found
+    old = next((c for c in status.conditions if c.type == MISMATCH_SLO), None)
+    new = status.with_condition(MISMATCH_SLO, met, reason, message)
+    breached_now = not met and (old is None or old.status)
+    return new, [Event("Warning", reason, message)] if breached_now else []
+
+
+def _counts(message: str) -> int:
+    """The restarts a ``FaultsRecovered`` message of :func:`with_faults` states."""
+    found = re.match(r"the driver replaced (\d+) generator and (\d+) trainer", message)
+    return int(found.group(1)) + int(found.group(2)) if found else 0
