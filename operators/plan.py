@@ -192,9 +192,9 @@ def plan(
         if status.phase in RUNNING:
             if not any(c.type == Reason.SPEC_CHANGE_REFUSED and c.status for c in status.conditions):
                 after.append(Event("Warning", Reason.SPEC_CHANGE_REFUSED, REFUSED_MESSAGE))
-            new = _condition(new, Reason.SPEC_CHANGE_REFUSED, True, Reason.JOB_RUNNING, REFUSED_MESSAGE)
+            new = new.with_condition(Reason.SPEC_CHANGE_REFUSED, True, Reason.JOB_RUNNING, REFUSED_MESSAGE)
         else:  # not running: rebuild it from the new spec
-            new = _condition(new, Reason.SPEC_CHANGE_REFUSED, False, Reason.APPLIED, "spec applied")
+            new = new.with_condition(Reason.SPEC_CHANGE_REFUSED, False, Reason.APPLIED, "spec applied")
             applied = Event("Normal", Reason.SPEC_APPLIED, "RayJob rebuilt from the changed spec")
             actions += [DeleteRayJob(_uid(rayjob)), *before_rayjob, applied, create(Reason.RAYJOB_CREATED)]
     elif (
@@ -219,8 +219,8 @@ def plan(
     assert observed is not None  # created or read above
     target = _outcome_from_driver(target_of(observed, spec.suspend), new, metrics)
     if metrics is not None and run_complete(metrics):
-        new = _condition(
-            new, Reason.DRIVER_COMPLETED, True, Reason.DRIVER_COMPLETED, DRIVER_COMPLETED_MESSAGE
+        new = new.with_condition(
+            Reason.DRIVER_COMPLETED, True, Reason.DRIVER_COMPLETED, DRIVER_COMPLETED_MESSAGE
         )
     # a failure ends the attempt (with what the job would have said), also the one retried now
     attempts = track(new.attempts, rayjob, metrics, target[0], target[1], target[2], now)
@@ -362,7 +362,7 @@ def _fail_conflict(status: JobStatus, objects: list[str], now: datetime) -> list
         "its uid); the operator leaves it alone. Rename the RLJob, or remove that object and the job starts"
     )
     moved, _ = advance(status, (Phase.FAILED, Reason.NAME_CONFLICT, message))
-    moved = _condition(moved, Reason.NAME_CONFLICT, True, Reason.NAME_CONFLICT, message)
+    moved = moved.with_condition(Reason.NAME_CONFLICT, True, Reason.NAME_CONFLICT, message)
     moved = _stamped(status, moved, now)
     if moved == status:
         return []
@@ -407,11 +407,6 @@ def _configmap(current: dict[str, Any] | None, wanted: dict[str, Any]) -> list[A
     if current.get("data") != wanted["data"]:
         return [ReplaceConfigMap(wanted)]
     return []
-
-
-def _condition(status: JobStatus, kind: str, on: bool, reason: str, message: str) -> JobStatus:
-    """``status`` with condition ``kind`` set (:meth:`JobStatus.with_condition`)."""
-    return status.with_condition(kind, on, reason, message)
 
 
 def _stamped(before: JobStatus, after: JobStatus, now: datetime) -> JobStatus:
