@@ -82,8 +82,8 @@ def overlap_ceiling(gen_s: float, train_s: float, sync_s: float) -> float:
 
 def report(spec_path: str | Path, steps: int = 12, skip: int = 2, warmup: bool = True) -> str:
     """The table (module docstring)."""
-    from workers import driver
-    from workers.ray_cluster import ray_init, ray_shutdown
+    from workers.job import driver
+    from workers.job.ray_cluster import ray_init, ray_shutdown
 
     if skip < 1:
         raise ValueError("--skip must be >= 1 (the first step's end starts the clock)")

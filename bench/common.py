@@ -72,7 +72,7 @@ def real_model_dir(model: str) -> Path | None:
     if model in MODELS:
         return None
     if model in REAL_MODELS:
-        from workers.model_store import fetch
+        from workers.models.store import fetch
 
         return fetch(REAL_MODELS[model])
     path = Path(model).expanduser()

@@ -5,7 +5,7 @@
   grading costs without a sandbox, on one core);
 - ``pool``: through the grader sandbox's pool (:mod:`workers.tasks.sandbox`), ``workers``
   processes (default: the machine's cores), each sample a request;
-- ``Ray actors``: through the pool a job grades with (:mod:`workers.grader_actors`), ``workers``
+- ``Ray actors``: through the pool a job grades with (:mod:`workers.job.grader_actors`), ``workers``
   actors of one sandboxed process each, on a local Ray of ``workers`` CPUs started for the bench;
 - the cost of starting the pool (its processes and their limits) and of one round trip, and of
   starting the actors.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rljob.spec import TaskSpec
-from workers.grader_actors import RayGraderPool
+from workers.job.grader_actors import RayGraderPool
 from workers.tasks.grading import Graders
 from workers.tasks.sandbox import GraderPool, Launcher
 

@@ -235,7 +235,7 @@ def weight_quantization(model: str = "1b", device: str = "cuda", repeats: int = 
     from bench.common import bench_spec, pick_device, timed, vocab_size
     from workers.engines.native.trainer import NativeTrainer
     from workers.fp8.linear import Fp8Linear
-    from workers.tokenizer import ByteTokenizer
+    from workers.models.tokenizer import ByteTokenizer
 
     dev = pick_device(device)
     trainer = NativeTrainer(

@@ -15,11 +15,11 @@ from rljob import metrics as m
 from rljob.algorithms import RECIPES
 from rljob.spec import JobSpec
 from workers.algo.mismatch import mismatch_metrics
-from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_pair
-from workers.rl_step import prompt_batch
+from workers.models.checkpoint import load_master_weights
+from workers.models.tokenizer import build_tokenizer
+from workers.rl.step import prompt_batch
 from workers.tasks import Task
-from workers.tokenizer import build_tokenizer
 
 KV_MODES = {
     "off": "",  # the spec's KV cache off

@@ -37,7 +37,7 @@ import torch
 from bench.common import bench_spec, device_name, pick_device, timed, vocab_size
 from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Trainer
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 VARIANTS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True))
 DECODES = ("eager", "graph", "graph-triton")  # graph-triton: FP8RL_DECODE_ATTENTION=triton

@@ -34,8 +34,8 @@ from bench.common import bench_spec, device_name, pick_device, real_model_dir, r
 from rljob.spec import JobSpec
 from workers.engines.factory import build_generator, build_trainer
 from workers.engines.protocols import Rollouts
+from workers.models.tokenizer import ByteTokenizer, build_tokenizer
 from workers.tasks import Task, extract_answer
-from workers.tokenizer import ByteTokenizer, build_tokenizer
 from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
 
 T = TypeVar("T")

@@ -4,7 +4,7 @@ Two processes over torch.distributed (NCCL between two GPUs when there are two; 
 rank 0 builds a trainer of the model (a preset, or ``smollm2`` / a Hugging Face directory: the
 real model as ``examples/smollm2-addition.yaml`` runs it) and sends its weight-sync payload with
 :class:`~workers.weight_sync.BroadcastWeightSync`; rank 1 builds a generator, receives, unpacks
-and loads it, as the product's workers do (:mod:`workers.ray_workers`).
+and loads it, as the product's workers do (:mod:`workers.job.ray_workers`).
 Payloads: ``bf16`` (a ``bf16`` job: every weight in BF16) and ``fp8`` (an ``fp8-e2e`` job: decoder
 linears as FP8 data + float32 block scales). The baseline, measured in the same run, is one raw
 ``torch.distributed.broadcast`` of a byte tensor of the same size: ``sync / raw`` is what the
@@ -63,7 +63,7 @@ def _spec(model: str, recipe: str, dev: torch.device) -> Any:
 
 
 def _vocab(model: str) -> int:
-    from workers.tokenizer import ByteTokenizer, HfTokenizer
+    from workers.models.tokenizer import ByteTokenizer, HfTokenizer
 
     path = real_model_dir(model)
     return ByteTokenizer().vocab_size if path is None else HfTokenizer(str(path)).vocab_size

@@ -1,5 +1,5 @@
 # The GPU worker: the image of every pod of a job's RayCluster (KubeRay starts `ray start` in it
-# as head and as workers; the head runs the driver, `python -m workers.driver`). CUDA PyTorch,
+# as head and as workers; the head runs the driver, `python -m workers.job.driver`). CUDA PyTorch,
 # vLLM (generation), Megatron-Core + Transformer Engine (training), Ray, fp8rl.
 #
 #   docker build -f docker/worker.Dockerfile -t ghcr.io/fp8rl/worker:0.1.0 .

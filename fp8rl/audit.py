@@ -15,8 +15,8 @@ from rljob.spec import JobSpec
 from workers.engines.models import DTYPES, apply_recipe, build_policy
 from workers.fp8.convert import Fp8Audit
 from workers.fp8.input_stats import MIN_TOKENS, measure_inputs
+from workers.models.tokenizer import build_tokenizer
 from workers.tasks import Task
-from workers.tokenizer import build_tokenizer
 
 
 def calibrated_audit(spec: JobSpec, prompts: int = 32, seed: int = 0, role: str = "generator") -> Fp8Audit:

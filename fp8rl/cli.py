@@ -404,7 +404,7 @@ def export_cmd(
     """Write a run's checkpoint as a Hugging Face model directory (safetensors, config.json and
     the tokenizer) that vLLM, SGLang and transformers load. hf-fp8 stores the decoder linears as
     E4M3 with 128x128-block scales; for an fp8-e2e run they are the trainer's own FP8 weights."""
-    from workers.hf_export import export_run
+    from workers.models.hf_export import export_run
 
     try:
         result = export_run(run_dir, step, out, fmt, log=typer.echo)

@@ -13,11 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from rljob.spec import JobSpec
-from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_pair
 from workers.engines.layer_diff import compare_traces, describe
+from workers.models.checkpoint import load_master_weights
+from workers.models.tokenizer import build_tokenizer
 from workers.tasks import Task
-from workers.tokenizer import build_tokenizer
 
 
 def report(spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed: int = 0) -> str:

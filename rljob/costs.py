@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from rljob.spec import JobSpec, TinyModel
 
-BYTES_VOCAB = 259  # workers.tokenizer's byte-level tokenizer: 256 bytes and 3 specials
+BYTES_VOCAB = 259  # workers.models.tokenizer's byte-level tokenizer: 256 bytes and 3 specials
 VOCAB_MULTIPLE = 16  # the engines pad the vocabulary to this (workers.engines.models.padded_vocab)
 HF_VOCAB_BOUND = 262_144  # the largest vocabulary of the Hugging Face families we run (Gemma 3's)
 

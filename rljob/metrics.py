@@ -80,7 +80,7 @@ STALENESS_MEAN: Final = "staleness/mean"
 STALENESS_MAX: Final = "staleness/max"
 STALENESS_DROPPED: Final = "staleness/dropped_batches"
 TIMING_OVERLAP_S: Final = "timing/overlap_s"
-# data-plane faults recovered from during the step (workers.faults): actors replaced because a
+# data-plane faults recovered from during the step (workers.rl.faults): actors replaced because a
 # generator or a trainer was lost, and completed steps computed again because a trainer fault took
 # the job back to its last checkpoint; each row holds the step's own count (0 on most)
 FAULTS_GENERATOR_RESTARTS: Final = "faults/generator_restarts"
@@ -167,7 +167,7 @@ AsyncMetrics = TypedDict(
 FaultMetrics = TypedDict(
     "FaultMetrics",
     {"faults/generator_restarts": float, "faults/trainer_restarts": float, "faults/steps_recomputed": float},
-    total=False,  # the driver's rows have them; a step computed alone (workers.rl_step) has not
+    total=False,  # the driver's rows have them; a step computed alone (workers.rl.step) has not
 )
 SloMetrics = TypedDict(
     "SloMetrics",
@@ -178,7 +178,7 @@ SloMetrics = TypedDict(
         "mismatch_slo/tail_bound": float,
         "mismatch_slo/breached": float,
     },
-    total=False,  # the driver's rows have them; a step computed alone (workers.rl_step) has not
+    total=False,  # the driver's rows have them; a step computed alone (workers.rl.step) has not
 )
 ValidationMetrics = TypedDict(
     "ValidationMetrics",
@@ -357,7 +357,7 @@ RESTART_ROLES: dict[str, str] = {"generator": FAULTS_GENERATOR_RESTARTS, "traine
 # driver keeps serving it for --metrics-linger seconds after its last step for that read
 RUN_COMPLETE = "fp8rl_run_complete"
 # fp8rl_driver_attempt{previous_exit}: which run of the driver on this Ray cluster serves the metrics
-# (1, then 2, 3, ... after in-place retries, workers.driver_supervisor), and the exit code of the run
+# (1, then 2, 3, ... after in-place retries, workers.job.supervisor), and the exit code of the run
 # before it ("" for the first); the operator records each as an attempt on a reused cluster
 DRIVER_ATTEMPT = "fp8rl_driver_attempt"
 

@@ -12,11 +12,11 @@ writes them and who reads them:
   are up.
 - ``numerics.json``: what the run's numbers depend on beyond its spec, by the driver at its start:
   torch and CUDA versions, how the driver's node runs a BF16 GEMM on its CPU, and the ``FP8RL_*``
-  kernel switches as set (``workers.numerics``); two runs' mismatch can be told apart afterwards.
+  kernel switches as set (``workers.job.numerics``); two runs' mismatch can be told apart afterwards.
 - ``warmup.jsonl``: one line per SFT warm-up step (``warmup.sft_steps``).
 - ``faults.jsonl``: one line per data-plane fault the driver recovered from (which actor, which
   step, what was done, seconds); the service's monitor reads it into the job's conditions.
-- ``checkpoints/step_N/``: by the driver (``workers.checkpoint``); ``--resume`` and
+- ``checkpoints/step_N/``: by the driver (``workers.models.checkpoint``); ``--resume`` and
   ``fp8rl export`` read them.
 - ``job.json``: the spec as submitted, which the driver is started with: written by the service's
   local executor; on Kubernetes it is the key of the job's ConfigMap, mounted in the head pod.
@@ -44,7 +44,7 @@ DRIVER_LOG = "driver.log"
 DRIVER_PID = "driver.pid"
 
 # the driver's module: the entrypoint both the local executor and the operator start
-DRIVER_MODULE = "workers.driver"
+DRIVER_MODULE = "workers.job.driver"
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def driver_argv(
     ``resume``: continue from the newest checkpoint in ``output``; ``metrics_port``: serve
     Prometheus ``/metrics`` there (None: no HTTP server), and ``metrics_linger`` seconds more after
     the run ends (0: none); ``job`` and ``namespace`` label the metrics; ``in_place_retries``:
-    start a failed driver again on its Ray cluster (``workers.driver_supervisor``, 0: never).
+    start a failed driver again on its Ray cluster (``workers.job.supervisor``, 0: never).
     ``python``: the interpreter (the image's ``python``, or the service's own).
     """
     argv = [python, "-m", DRIVER_MODULE, str(spec_file), "--output", str(output)]

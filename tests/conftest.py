@@ -38,7 +38,7 @@ def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory, fetched once per machine into the real
     cache ($FP8RL_HOME, else ~/.cache/fp8rl; docs/models.md) and reused by every test and run.
     A fetch that fails fails the tests with its message (no skip: offline machines must know)."""
-    from workers.model_store import ModelStoreError, fetch
+    from workers.models.store import ModelStoreError, fetch
 
     try:
         return fetch("smollm2-135m-instruct")

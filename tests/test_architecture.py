@@ -180,3 +180,57 @@ def test_the_checks_see_a_circle_and_a_private_import(tmp_path: Path) -> None:
     imports = module_imports(tree)
     assert import_circles(imports) == [["rljob.s"], ["workers.a", "workers.b", "workers.c"]]
     assert private_imports(imports) == ["workers.c:2 takes _g from workers.d"]
+
+
+# workers/ in rooms, from the bottom up (workers/__init__.py): a room imports only rooms below it.
+WORKER_ROOMS = ["fp8", "algo", "weight_sync", "engines", "models", "tasks", "rl", "job"]
+
+
+def room_violations(root: Path) -> list[str]:
+    """Imports from a lower room of workers/ to a higher one, and modules outside every room."""
+    found = []
+    for path in sorted((root / "workers").rglob("*.py")):
+        parts = path.relative_to(root / "workers").parts
+        if parts == ("__init__.py",):
+            continue
+        if len(parts) == 1 or parts[0] not in WORKER_ROOMS:
+            found.append(f"workers/{'/'.join(parts)} is in no room")
+            continue
+        floor = WORKER_ROOMS.index(parts[0])
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names: list[str] = []
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                bits = name.split(".")
+                if (
+                    len(bits) > 1
+                    and bits[0] == "workers"
+                    and bits[1] in WORKER_ROOMS
+                    and WORKER_ROOMS.index(bits[1]) > floor
+                ):
+                    where = f"workers/{'/'.join(parts)}:{node.lineno}"
+                    found.append(f"{where} imports workers.{bits[1]} (upward)")
+                    break
+    return found
+
+
+def test_workers_rooms_import_only_downward() -> None:
+    assert room_violations(ROOT) == []
+
+
+def test_the_room_check_sees_an_upward_import_and_a_flat_module(tmp_path: Path) -> None:
+    for room in ("fp8", "rl", "job"):
+        (tmp_path / "workers" / room).mkdir(parents=True)
+    (tmp_path / "workers" / "__init__.py").write_text("")
+    (tmp_path / "workers" / "loose.py").write_text("")
+    (tmp_path / "workers" / "fp8" / "q.py").write_text("def f():\n    from workers.rl import step\n")
+    (tmp_path / "workers" / "job" / "d.py").write_text("import workers.rl.step\nfrom workers.fp8 import q\n")
+    assert room_violations(tmp_path) == [
+        "workers/fp8/q.py:2 imports workers.rl (upward)",
+        "workers/loose.py is in no room",
+    ]

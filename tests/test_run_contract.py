@@ -18,7 +18,7 @@ from rljob.run_dir import RunDir, driver_argv
 from rljob.spec import JobSpec
 from rljob.status import JobStatus
 from service.local_executor import driver_command, run_dir
-from workers import driver
+from workers.job import driver
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCTION = ("fp8rl", "rljob", "workers", "service", "operators", "bench")
@@ -45,13 +45,13 @@ def test_a_run_directory_names_its_files() -> None:
 
 def test_the_driver_command_line_in_both_forms() -> None:
     local = driver_argv("d/job.json", "d", job="j", namespace="team-a", resume=False, metrics_port=None)
-    assert local == ["python", "-m", "workers.driver", "d/job.json", "--output", "d", "--job", "j",
+    assert local == ["python", "-m", "workers.job.driver", "d/job.json", "--output", "d", "--job", "j",
                      "--namespace", "team-a"]  # fmt: skip
     pod = driver_argv(
         "/etc/fp8rl/job.json", "/runs/j", job="j", namespace="team-a", resume=True, metrics_port=9400
     )
-    assert pod == ["python", "-m", "workers.driver", "/etc/fp8rl/job.json", "--output", "/runs/j", "--resume",
-                   "--metrics-port", "9400", "--job", "j", "--namespace", "team-a"]  # fmt: skip
+    assert pod == ["python", "-m", "workers.job.driver", "/etc/fp8rl/job.json", "--output", "/runs/j",
+                   "--resume", "--metrics-port", "9400", "--job", "j", "--namespace", "team-a"]  # fmt: skip
 
 
 def test_the_service_and_the_operator_start_the_driver_with_one_command(tmp_path: Path) -> None:
@@ -99,6 +99,6 @@ def test_the_driver_module_is_named_in_one_production_module() -> None:
         str(p.relative_to(ROOT))
         for package in PRODUCTION
         for p in (ROOT / package).rglob("*.py")
-        if re.search(r"workers\.driver\b(?!_)", p.read_text())
+        if re.search(r"workers\.job\.driver\b", p.read_text())
     )
     assert naming == ["rljob/run_dir.py"]

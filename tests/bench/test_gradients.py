@@ -31,11 +31,11 @@ import torch
 from bench import gradients as ga
 from rljob import JobSpec, parse_spec
 from tests.helpers import TWO_LAYER_MODEL
-from workers.checkpoint import load_master_weights
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
 from workers.fp8.linear import Fp8Linear
-from workers.tokenizer import ByteTokenizer
+from workers.models.checkpoint import load_master_weights
+from workers.models.tokenizer import ByteTokenizer
 
 
 def test_cosine_and_relative_error_by_hand() -> None:

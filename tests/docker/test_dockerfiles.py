@@ -90,8 +90,8 @@ def test_hadolint_fails_an_unpinned_dockerfile(tmp_path: Path) -> None:
     [
         ("runs/", "runs/arithmetic-bf16/metrics.jsonl", True),
         ("runs/", "workers/runs.py", False),
-        ("*.py", "workers/driver.py", False),  # * stays in the top directory
-        ("**/*.py", "workers/driver.py", True),
+        ("*.py", "workers/job/driver.py", False),  # * stays in the top directory
+        ("**/*.py", "workers/job/driver.py", True),
         ("**/__pycache__", "__pycache__/x.pyc", True),  # **/ also matches no directory
         ("**/__pycache__", "fp8rl/__pycache__/cli.cpython-312.pyc", True),
         ("**/__pycache__", "fp8rl/cli.py", False),
@@ -103,7 +103,7 @@ def test_hadolint_fails_an_unpinned_dockerfile(tmp_path: Path) -> None:
         ("**/*.md\n!README.md", "docs/README.md", True),  # the exception is for the top one only
         ("!README.md\n**/*.md", "README.md", True),  # the last matching pattern wins
         ("/docs\n# docs/x", "docs/x", True),  # a leading / is the context root; comments
-        ("workers\n!workers/driver.py", "workers/driver.py", False),
+        ("workers\n!workers/job/driver.py", "workers/job/driver.py", False),
     ],
 )
 def test_dockerignore_matcher(rules: str, path: str, ignored: bool) -> None:

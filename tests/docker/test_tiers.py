@@ -175,7 +175,7 @@ def test_the_walk_sees_lazy_and_dispatched_imports(tmp_path: Path) -> None:
 
             @app.command("run")
             def run() -> None:
-                import workers.driver
+                import workers.job.driver
             """
         )
     )
@@ -188,7 +188,7 @@ def test_the_walk_sees_lazy_and_dispatched_imports(tmp_path: Path) -> None:
     ]
     assert [i.target for i in serve.third_party] == ["typer"]
     run = tiers.walk(["fp8rl.cli"], ["run"], root=tmp_path)
-    assert "workers.driver" in run.modules and "rljob.store" not in run.modules
+    assert "workers.job.driver" in run.modules and "rljob.store" not in run.modules
 
 
 # --- at run time -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ PACKAGES = {
 ALSO_RUNS: dict[str, list[str]] = {
     "controlplane": [],
     "operator": [],
-    "worker": ["workers.driver", "bench.gpu_check", "service.main"],
+    "worker": ["workers.job.driver", "bench.gpu_check", "service.main"],
 }
 # module: its Typer object; and the command group it holds ("bench fp8" is fp8 in fp8rl.bench_cli)
 DISPATCH = {

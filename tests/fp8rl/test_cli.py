@@ -134,8 +134,8 @@ def test_a_run_that_fails_on_its_way_is_not_a_bad_spec(
 ) -> None:
     """A non-finite FP8 value (a ValueError, from an actor) or a failing grader ends the run with
     exit 1 and says so; exit 2 stays for what the user must fix in the spec."""
-    from workers import driver
     from workers.fp8.guard import NonFiniteError
+    from workers.job import driver
     from workers.tasks.grading import GraderFailure
 
     error = {"NonFiniteError": NonFiniteError, "GraderFailure": GraderFailure}[raised]

@@ -22,12 +22,12 @@ from typer.testing import CliRunner
 from fp8rl.cli import app
 from rljob import JobSpec, parse_spec
 from tests import helpers
-from workers.checkpoint import load_master_weights
 from workers.engines.factory import native_trainer
 from workers.engines.native.trainer import NativeTrainer
 from workers.fp8.linear import Fp8Linear
-from workers.hf_export import export_run
-from workers.tokenizer import ByteTokenizer
+from workers.models.checkpoint import load_master_weights
+from workers.models.hf_export import export_run
+from workers.models.tokenizer import ByteTokenizer
 
 VOCAB = ByteTokenizer().vocab_size
 LINEARS = [

@@ -44,7 +44,7 @@ def test_layer_diff_loads_a_checkpoint(tmp_path: Path) -> None:
     """Other weights, from a checkpoint directory: both engines run on them and still agree."""
     from rljob import parse_spec
     from workers.engines.native.trainer import NativeTrainer
-    from workers.tokenizer import ByteTokenizer
+    from workers.models.tokenizer import ByteTokenizer
 
     spec_path = tmp_path / "s.yaml"
     spec_path.write_text(SPEC % "bf16")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from fp8rl.cli import app
-from workers.model_store import MARKER
+from workers.models.store import MARKER
 
 runner = CliRunner()
 

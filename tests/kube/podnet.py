@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from tests.kube.cluster import POD_CIDR, KubeCluster
-from workers.prom_exporter import PromExporter
+from workers.job.prom_exporter import PromExporter
 
 DASHBOARD_PORT = 8265
 
@@ -112,7 +112,7 @@ class PodNetwork:
 
     def restart_driver(self, namespace: str, rljob: str, exit_code: int) -> SimulatedDriver:
         """The driver exited with ``exit_code`` and its supervisor started it again on the same
-        Ray cluster (workers.driver_supervisor): the next attempt's metrics."""
+        Ray cluster (workers.job.supervisor): the next attempt's metrics."""
         with self._lock:
             old = self.drivers[(namespace, rljob)]
         attempt = int(old.exporter.registry.get_sample_value(

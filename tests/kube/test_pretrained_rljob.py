@@ -116,14 +116,14 @@ def one_real_step(spec: JobSpec) -> dict[str, Any]:
     the generators start from the trainer's weights, then the RL loop's step 1; the row as the driver
     writes and exports it (with its fault counts)."""
     from tests.workers.inprocess_actors import InProcessActors
-    from workers.rl_loop import RlLoop
-    from workers.rl_step import sync_weights
-    from workers.step_protocol import StepContext
+    from workers.models.tokenizer import build_tokenizer
+    from workers.rl.loop import RlLoop
+    from workers.rl.protocol import StepContext
+    from workers.rl.step import sync_weights
     from workers.tasks import Task
-    from workers.tokenizer import build_tokenizer
 
     threads = torch.get_num_threads()
-    # each actor's threads on a 2-core node (workers.ray_workers): oversubscribed OpenMP threads crawl
+    # each actor's threads on a 2-core node (workers.job.ray_workers): oversubscribed OpenMP threads crawl
     torch.set_num_threads(spec.resources.threads(2))
     try:
         tok = build_tokenizer(spec)

@@ -94,7 +94,7 @@ def test_rayjob_fields() -> None:
     assert spec["ttlSecondsAfterFinished"] == 99  # operator default (the example sets none)
     assert spec["activeDeadlineSeconds"] == 172800 and spec["backoffLimit"] == 2  # from the RLJob
     argv = shlex.split(spec["entrypoint"])
-    assert argv[:4] == ["python", "-m", "workers.driver", "/etc/fp8rl/job.json"]
+    assert argv[:4] == ["python", "-m", "workers.job.driver", "/etc/fp8rl/job.json"]
     assert "--resume" in argv and argv[argv.index("--output") + 1] == "/runs/qwen-arith-fp8"
     assert (
         argv[argv.index("--job") + 1] == "qwen-arith-fp8" and argv[argv.index("--namespace") + 1] == "team-a"
@@ -234,7 +234,7 @@ def test_operator_refuses_a_bad_config_before_starting(tmp_path: Path) -> None:
 def test_driver_actors_ask_for_what_their_group_advertises(monkeypatch: pytest.MonkeyPatch) -> None:
     """The builder's rayStartParams and the driver's actor options must meet: same custom resource,
     same GPUs per actor; outside a RayJob built by the operator the actors ask for no group."""
-    from workers.ray_cluster import actor_options
+    from workers.job.ray_cluster import actor_options
 
     obj = rljob()
     spec = rl.spec_of(obj)

@@ -10,7 +10,7 @@ import pytest
 
 from operators.status import advance, path, progress_of, target_of
 from rljob.status import JobStatus, Phase
-from workers.prom_exporter import PromExporter
+from workers.job.prom_exporter import PromExporter
 
 
 def rayjob(deployment: str, job: str = "", **extra: Any) -> dict[str, Any]:

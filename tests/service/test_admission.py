@@ -251,7 +251,7 @@ def test_the_driver_exits_with_the_out_of_memory_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from rljob.status import EXIT_OUT_OF_MEMORY
-    from workers import driver
+    from workers.job import driver
 
     def runaway(*args: Any) -> Any:
         raise MemoryError

@@ -1,6 +1,6 @@
 """The step's actors in this one process, without Ray: :class:`InProcessActors` implements
-:class:`~workers.step_protocol.StepActors` over one native trainer and ``G`` native generators, so
-the tests run :mod:`workers.rl_step` as the driver does, minus the transport.
+:class:`~workers.rl.protocol.StepActors` over one native trainer and ``G`` native generators, so
+the tests run :mod:`workers.rl.step` as the driver does, minus the transport.
 
 What the Ray actors run concurrently runs here one after another (one trainer: no data-parallel
 group to all-reduce over); ``start_generate`` generates at once, with the weights the generators
@@ -23,14 +23,14 @@ from workers.engines.layer_diff import Trace
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts, TrainStats
-from workers.step_protocol import Generated, WeightTransfer
-from workers.tokenizer import Tokenizer
+from workers.models.tokenizer import Tokenizer
+from workers.rl.protocol import Generated, WeightTransfer
 from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
 from workers.weight_sync.contract import kv_cache_dtype, sent_report
 
 
 class Done:
-    """A generation already done (:class:`~workers.step_protocol.PendingRollouts`)."""
+    """A generation already done (:class:`~workers.rl.protocol.PendingRollouts`)."""
 
     def __init__(self, out: list[Generated]) -> None:
         self.out = out

@@ -28,8 +28,8 @@ import vllm  # noqa: F401
 from rljob import parse_spec
 from rljob.metrics import REQUIRED_KEYS, MetricsLog
 from tests.helpers import ONE_DIGIT_SUMS, wait_for
-from workers.driver import RunOptions, run
 from workers.engines.vllm.config import CpuFeatures
+from workers.job.driver import RunOptions, run
 
 # above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(660)]
@@ -125,7 +125,7 @@ def test_vllms_engine_core_dying_is_a_generator_fault_recovered_in_place(tmp_pat
     """vLLM's own death: its engine-core process killed during step 2's request, so that vLLM
     raises EngineDeadError, goes through the driver's generator recovery (fresh actors, a new vLLM,
     the trainer's weights of step 1, step 2 generated again), and the job ends with every step once."""
-    from workers.faults import FaultDrill
+    from workers.rl.faults import FaultDrill
 
     spec = {**engines_spec(), "resources": {"generator_engine": "vllm"}, "steps": 3, "checkpoint_interval": 3}
     lines: list[str] = []

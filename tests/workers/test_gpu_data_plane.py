@@ -18,7 +18,7 @@ from workers.engines.batching import left_pad
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.fp8 import Fp8Linear, simulate
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.payload import fp8_weight_names
 
 pytestmark = pytest.mark.gpu

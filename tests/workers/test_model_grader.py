@@ -3,7 +3,7 @@ hand where the model's last norm is zeroed: every logit 0, sigmoid 0.5; and for 
 equal to the same model run on each text alone, unpadded), a judge's rating read from its answer
 and mapped to [0, 1] (a judge whose last norm is zeroed answers its vocabulary's first token
 forever: "7 7 7 ...", rated 7), a judge without a number counted as an error, and the grader on
-its own Ray actor in a job (workers.grader_actors.model_scorer)."""
+its own Ray actor in a job (workers.job.grader_actors.model_scorer)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_a_judge_without_a_number_is_an_error(tmp_path: Path) -> None:
 def test_the_model_grader_runs_on_a_ray_actor_of_its_own(tmp_path: Path) -> None:
     import ray
 
-    from workers.grader_actors import model_scorer
+    from workers.job.grader_actors import model_scorer
 
     path = model_dir(tmp_path / "rm", "reward_model", zero_norm=True)
     spec = TaskSpec.model_validate({"dataset": "rows.jsonl", "grader": {"type": "model", "model": path}})

@@ -21,8 +21,8 @@ from tests.helpers import SMOLLM2_EXAMPLE, run_smollm2_example
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import sequence_logprobs
 from workers.engines.protocols import Rollouts
+from workers.models.tokenizer import HfTokenizer, build_tokenizer
 from workers.tasks import Problem, Task
-from workers.tokenizer import HfTokenizer, build_tokenizer
 
 # above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(960)]

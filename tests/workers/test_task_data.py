@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from rljob import parse_spec
-from tests.workers.test_tokenizer import chat_tokenizer_dir
+from tests.workers.models.test_tokenizer import chat_tokenizer_dir
+from workers.models.tokenizer import build_tokenizer
 from workers.tasks import Task
 from workers.tasks.data import DataError, read_rows
-from workers.tokenizer import build_tokenizer
 
 ROWS: list[dict[str, Any]] = [
     {"question": "a", "answer": "7", "level": 1, "tags": ["x"]},

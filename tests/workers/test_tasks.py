@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from rljob import SpecError, parse_spec
-from tests.workers.test_tokenizer import CHAT_TEMPLATE, chat_tokenizer_dir
+from tests.workers.models.test_tokenizer import CHAT_TEMPLATE, chat_tokenizer_dir
+from workers.models.tokenizer import build_tokenizer
 from workers.tasks import Grade, Problem, Task, extract_answer
-from workers.tokenizer import build_tokenizer
 
 ADDITION = {
     "reasoning_gym": "basic_arithmetic",
@@ -378,7 +378,7 @@ def chat_spec(tmp_path: Path, template: str | None = CHAT_TEMPLATE, **task: obje
 
 
 def test_a_chat_prompt_is_the_user_message_of_the_chat_template(tmp_path: Path) -> None:
-    """The template (tests/workers/test_tokenizer.py): "<|role|> content <|end|> " per message, then
+    """The template (tests/workers/models/test_tokenizer.py): "<|role|> content <|end|> " per message, then
     "<|assistant|> "; it writes the BOS itself."""
     spec = parse_spec(chat_spec(tmp_path))
     tok = build_tokenizer(spec)

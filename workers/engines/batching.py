@@ -15,7 +15,7 @@ StopIds = int | Sequence[int]
 
 def stop_ids(eos: StopIds) -> tuple[int, ...]:
     """Every id that ends a response, from one id or several (a chat model's end of turn and its
-    generation config's EOS ids: :attr:`workers.tokenizer.Tokenizer.eos_ids`)."""
+    generation config's EOS ids: :attr:`workers.models.tokenizer.Tokenizer.eos_ids`)."""
     ids = (eos,) if isinstance(eos, int) else tuple(int(i) for i in eos)
     if not ids:
         raise ValueError("at least one end-of-sequence id is needed: generation could never stop")

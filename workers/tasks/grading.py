@@ -86,7 +86,7 @@ class Scorer(Protocol):
 
 class SandboxPool(Protocol):
     """Where the sandboxed kinds run: a :class:`~workers.tasks.sandbox.GraderPool` of this
-    process's, or a job's pool of Ray actors (:mod:`workers.grader_actors`), each holding one.
+    process's, or a job's pool of Ray actors (:mod:`workers.job.grader_actors`), each holding one.
     ``restarts``: processes (or actors) replaced after they died or stopped answering."""
 
     restarts: int

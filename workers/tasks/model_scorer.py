@@ -7,8 +7,8 @@
   [score_min, score_max] to [0, 1] (clipped), None when the answer holds no number.
 
 Where it runs is the caller's choice: in the driver's process (tests, ``fp8rl grade``), or on a
-Ray actor of its own in a job (``workers.ray_workers.ModelGraderWorker``, started by
-``workers.grader_actors.model_scorer``), so that the model's memory and CPU time are not the
+Ray actor of its own in a job (``workers.job.ray_workers.ModelGraderWorker``, started by
+``workers.job.grader_actors.model_scorer``), so that the model's memory and CPU time are not the
 driver's.
 """
 

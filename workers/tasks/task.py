@@ -42,10 +42,10 @@ from typing import Any
 from rljob import task_params
 from rljob.graders import AnswerGrader
 from rljob.spec import AnswerFormat, JobSpec, TaskSpec
+from workers.models.tokenizer import Tokenizer
 from workers.tasks.answers import first_line, resolve_format, same_answer
 from workers.tasks.data import DataError, Located, read_rows, row_prompt
 from workers.tasks.grading import Grade, GraderReport, Graders
-from workers.tokenizer import Tokenizer
 
 # How far past the training set the held-out search looks: at least this many items, or this many
 # per held-out problem asked (generation is cheap: ~20 us an item for basic_arithmetic).

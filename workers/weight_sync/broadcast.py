@@ -4,7 +4,7 @@
 calls ``sync_weights`` once per version). :class:`BroadcastWeightSync` runs it over the job's
 torch.distributed group (gloo on CPU, NCCL on GPU) for native engines;
 :class:`~workers.weight_sync.channel.WeightChannel` over an NCCL group of its own for vLLM and
-Megatron. Which one a job uses is the actors' business (:mod:`workers.ray_workers`), never the step's.
+Megatron. Which one a job uses is the actors' business (:mod:`workers.job.ray_workers`), never the step's.
 
 Wire format of one sync, from the trainer (rank 0 of the sync group) to every generator:
 1. a manifest (``broadcast_object_list``): version and, per parameter, its kind (``fp8``: data +

@@ -11,7 +11,7 @@ engines (:func:`uses_weight_channel`), and set up here for each actor.
   generator open after their setup: trainer 0 as its sender (:func:`open_sender`), each generator
   inside its engine (one rank per vLLM tensor-parallel worker: :func:`weight_receivers`).
 
-The actors (:mod:`workers.ray_workers`) and their group (:mod:`workers.actor_group`) call these
+The actors (:mod:`workers.job.ray_workers`) and their group (:mod:`workers.job.actor_group`) call these
 functions; none of them decides the transport itself.
 """
 

@@ -22,7 +22,6 @@ import torch
 from rljob import JobSpec, SpecError, parse_spec
 from rljob.metrics import MetricsLog
 from tests.helpers import ONE_DIGIT_SUMS, TINY_MODEL
-from workers.driver import RunOptions, run
 from workers.engines import exact
 from workers.engines.batching import concat_rollouts, left_pad
 from workers.engines.factory import native_pair
@@ -37,7 +36,8 @@ from workers.engines.models import compute_params
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
-from workers.tokenizer import ByteTokenizer
+from workers.job.driver import RunOptions, run
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 # prompts of different lengths: every batch below pads them to another width
@@ -284,7 +284,7 @@ class _Generator:
 def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: None) -> None:
     """Two trainer actors: the first reports the difference is elsewhere (row -1), the second
     finds its row 1 differing; ``JobActors``' gathering raises our error, not Ray's wrapper."""
-    from workers.actor_group import raise_exact_mismatch
+    from workers.job.actor_group import raise_exact_mismatch
 
     remote: Any = ray.remote
     trainers = [remote(_Trainer).remote(-1), remote(_Trainer).remote(1)]
@@ -323,7 +323,7 @@ class _MismatchActors:
 def test_the_step_names_the_token_and_the_first_differing_module() -> None:
     """The batch's row 3 (trainer 1's row 1) is traced on trainer 1 with its unpadded prompt; the
     generator's trace agrees on ``embed`` and first differs on ``norm``. No Ray."""
-    from workers.rl_step import train
+    from workers.rl.step import train
 
     actors: Any = _MismatchActors()
     ids, mask = left_pad([[5, 6], [7], [8, 9, 10], [11]], TOK.pad_id)

@@ -18,7 +18,7 @@ from workers.engines.factory import (
 )
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 TINY = {"tiny": TINY_MODEL}
@@ -93,8 +93,8 @@ def test_adapters_are_not_imported_with_workers() -> None:
     import sys
 
     code = (
-        "import sys, workers.driver, workers.actor_group, workers.step_protocol, workers.rl_step, "
-        "workers.ray_workers, workers.engines.factory; "
+        "import sys, workers.job.driver, workers.job.actor_group, workers.rl.protocol, workers.rl.step, "
+        "workers.job.ray_workers, workers.engines.factory; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'transformer_engine') "
         "or m in ('workers.engines.vllm.generator', 'workers.engines.megatron.trainer', "
         "'workers.engines.megatron.model', 'workers.engines.megatron.schedule', "
@@ -110,7 +110,7 @@ def test_share_gpu_needs_one_gpu_per_actor() -> None:
 
 
 def test_share_gpu_splits_the_gpu_and_uses_gloo() -> None:
-    from workers.ray_cluster import actor_options, collective_backend
+    from workers.job.ray_cluster import actor_options, collective_backend
 
     shared = parse_spec(
         {"resources": {"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1, "trainers": 3}}

@@ -19,7 +19,7 @@ from workers.fp8 import linear as linear_mod
 from workers.fp8 import linear_gemm
 from workers.fp8.fused import fuse_projections
 from workers.fp8.linear import Fp8Linear
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.payload import export_weights, fp8_weight_names
 
 TOK = ByteTokenizer()

@@ -24,7 +24,7 @@ from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.quant import quantize
 from workers.fp8.weights import WeightBatch
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.payload import fp8_weight_names
 
 TOK = ByteTokenizer()

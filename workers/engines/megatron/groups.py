@@ -76,7 +76,7 @@ def init_groups(spec: JobSpec, rank: int, device: torch.device) -> Groups:
         if rank != 0:
             raise RuntimeError(
                 f"MegatronTrainer rank {rank}: torch.distributed is not initialized; the trainer actor "
-                "must join the trainers' process group first (workers.ray_workers)"
+                "must join the trainers' process group first (workers.job.ray_workers)"
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)

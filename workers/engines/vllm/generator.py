@@ -196,7 +196,7 @@ class VllmGenerator:
             self.llm = LLM(**kwargs)
 
     def kill_engine_core(self) -> None:
-        """Kill vLLM's engine-core processes (a fault drill, :mod:`workers.faults`): vLLM finds
+        """Kill vLLM's engine-core processes (a fault drill, :mod:`workers.rl.faults`): vLLM finds
         them gone and raises ``EngineDeadError`` at the next request, as after a crash of its own."""
         client = self.llm.llm_engine.engine_core
         manager = getattr(getattr(client, "resources", None), "engine_manager", None)

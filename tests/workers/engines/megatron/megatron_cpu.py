@@ -16,7 +16,7 @@ import torch.distributed as dist
 from rljob import JobSpec, parse_spec
 from workers.engines.models import model_config
 from workers.engines.protocols import Rollouts
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 VOCAB = TOK.vocab_size

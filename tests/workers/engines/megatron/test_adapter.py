@@ -276,7 +276,7 @@ def test_adapter_trains_like_the_native_trainer(
     from workers.engines.megatron.trainer import MegatronTrainer
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
-    from workers.tokenizer import ByteTokenizer
+    from workers.models.tokenizer import ByteTokenizer
     from workers.weight_sync.payload import fp8_weight_names
 
     tok = ByteTokenizer()
@@ -335,7 +335,7 @@ def test_adapter_kv_scales_match_the_native_calibration(
     from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
     from workers.engines.native.trainer import NativeTrainer
     from workers.fp8.kv_cache import KvScaleCalibrator
-    from workers.tokenizer import ByteTokenizer
+    from workers.models.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
     data: dict[str, Any] = {

@@ -385,7 +385,7 @@ def test_the_trainer_actor_runs_one_megatron_trainer(no_group: Any, tmp_path: An
     import torch.distributed as dist
 
     from tests.workers.engines.megatron.megatron_cpu import free_port
-    from workers.ray_workers import TrainerWorker
+    from workers.job.ray_workers import TrainerWorker
 
     threads = torch.get_num_threads()  # the actor shares the cores out between its actors
     try:

@@ -36,7 +36,7 @@ from workers.engines.native.trainer import NativeTrainer  # noqa: E402
 from workers.engines.protocols import Rollouts  # noqa: E402
 from workers.fp8.kv_cache import kv_scale_name  # noqa: E402
 from workers.fp8.quant import Fp8Tensor  # noqa: E402
-from workers.tokenizer import ByteTokenizer  # noqa: E402
+from workers.models.tokenizer import ByteTokenizer  # noqa: E402
 from workers.weight_sync.payload import fp8_weight_names  # noqa: E402
 
 pytestmark = pytest.mark.gpu

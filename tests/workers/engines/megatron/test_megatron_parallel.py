@@ -196,7 +196,7 @@ def _logits_rank(rank: int, world: int, port: int, out: Path, ids: torch.Tensor)
 
 def _actor_rank(rank: int, world: int, port: int, out: Path, resources: dict[str, Any]) -> None:
     def work() -> dict[str, Any]:
-        from workers.ray_workers import TrainerWorker
+        from workers.job.ray_workers import TrainerWorker
 
         spec = cpu_spec("llama", resources=resources)
         worker = TrainerWorker(spec.model_dump_json(), rank, world + 1, VOCAB)  # + one generator

@@ -30,8 +30,8 @@ import torch
 from rljob.spec import JobSpec, load_spec
 from tests.workers.engines.megatron.megatron_cpu import megatron_logits, one_rank_group
 from workers.engines.megatron.trainer import MegatronTrainer
+from workers.models.tokenizer import build_tokenizer
 from workers.tasks import Task
-from workers.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.slow
 

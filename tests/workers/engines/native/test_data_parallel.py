@@ -28,7 +28,7 @@ from tests.helpers import TWO_LAYER_MODEL
 from workers.engines.batching import left_pad, split_rows
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 KEYS = (

@@ -19,7 +19,7 @@ from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
 from workers.fp8.kv_cache import kv_scale_name
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

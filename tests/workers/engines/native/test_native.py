@@ -29,7 +29,7 @@ from workers.engines.native.sampling import sample_top_p
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.fp8 import Fp8Linear
 from workers.fp8.kv_cache import Fp8KvCache, KvScaleCalibrator, quantize_kv
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.payload import fp8_weight_names
 
 TOK = ByteTokenizer()

@@ -20,7 +20,7 @@ from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
 from workers.fp8 import simulate
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

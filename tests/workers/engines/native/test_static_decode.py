@@ -22,7 +22,7 @@ from workers.engines.native.sampling import log_softmax
 from workers.engines.native.static_decode import PROMPT_MULTIPLE, StaticDecoder
 from workers.fp8 import simulate
 from workers.fp8.linear import Fp8Linear
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 PROMPTS = [TOK.encode(f"Calculate {a} + {3 * a + 1}. ") for a in range(6)]  # lengths 17..19

@@ -15,7 +15,7 @@ import torch
 from rljob import JobSpec, parse_spec
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.vllm.generator import VllmGenerator
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.channel import WeightChannel
 from workers.weight_sync.data import Payload, SyncResult
 

@@ -314,7 +314,7 @@ def test_a_request_lost_to_a_dead_engine_core_is_an_engine_failure(dead: bool) -
     from vllm.v1.engine.exceptions import EngineDeadError
 
     from workers.engines.vllm.generator import VllmGenerator
-    from workers.faults import is_engine_failure
+    from workers.rl.faults import is_engine_failure
 
     class SocketClosed(Exception):  # stands in for zmq.error.ZMQError: Socket operation on non-socket
         pass

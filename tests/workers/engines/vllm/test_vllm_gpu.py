@@ -21,7 +21,7 @@ from workers.algo.mismatch import mismatch_metrics
 from workers.fp8.formats import E4M3
 from workers.fp8.kv_cache import KvScales
 from workers.fp8.quant import Fp8Tensor
-from workers.tokenizer import ByteTokenizer
+from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.contract import compare, sent_report
 
 pytestmark = pytest.mark.gpu

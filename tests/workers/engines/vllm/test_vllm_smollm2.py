@@ -42,8 +42,8 @@ from workers.algo.mismatch import mismatch_metrics
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import Rollouts
 from workers.engines.vllm.generator import VllmGenerator
+from workers.models.tokenizer import HfTokenizer, build_tokenizer
 from workers.tasks import Task
-from workers.tokenizer import HfTokenizer, build_tokenizer
 
 pytestmark = pytest.mark.slow
 
