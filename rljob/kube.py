@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -67,6 +69,93 @@ def api_client(kubeconfig: str | None = None) -> Any:
     return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
 
 
+class PhaseWatch:
+    """Every RLJob's (namespace, name) -> phase, kept by a watch: one cluster-wide LIST when it
+    starts (and again only when the API server has compacted past the watch's version: 410 Gone),
+    then WATCH events, in a daemon thread. ``counts`` reads memory, so a scrape costs the API
+    server nothing."""
+
+    WATCH_S = 240  # each WATCH call's server-side bound; the next resumes from the last version
+    RETRY_S = 2.0  # after a failed call
+
+    def __init__(self, objects: Any) -> None:
+        self._objects = objects
+        self._phases: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._watch: Any = None
+        self._thread = threading.Thread(target=self._run, name="rljob-phase-watch", daemon=True)
+        self._thread.start()
+
+    def counts(self, timeout: float = 30.0) -> dict[tuple[str, str], int]:
+        """(namespace, phase) -> RLJobs; waits for the first LIST (at most ``timeout`` s)."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the RLJob watch has not listed the jobs yet; the API server may be down")
+        out: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for (namespace, _), phase in self._phases.items():
+                out[namespace, phase] = out.get((namespace, phase), 0) + 1
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+
+    @staticmethod
+    def _key_phase(obj: dict[str, Any]) -> tuple[tuple[str, str], str]:
+        meta = obj.get("metadata") or {}
+        return (meta.get("namespace", ""), meta.get("name", "")), rl.status_of(obj).phase.value
+
+    def _list(self) -> str:
+        out = self._objects.list_cluster_custom_object(rl.GROUP, rl.VERSION, rl.PLURAL)
+        phases = dict(self._key_phase(obj) for obj in out.get("items") or [])
+        with self._lock:
+            self._phases = phases
+        self._ready.set()
+        return str((out.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        version = ""
+        while not self._stop.is_set():
+            try:
+                if not version:
+                    version = self._list()
+                self._watch = watch.Watch()  # type: ignore[no-untyped-call]
+                for event in self._watch.stream(
+                    self._objects.list_cluster_custom_object, rl.GROUP, rl.VERSION, rl.PLURAL,
+                    resource_version=version, timeout_seconds=self.WATCH_S, allow_watch_bookmarks=True,
+                ):  # fmt: skip
+                    obj, kind = event["object"], event["type"]
+                    if kind == "ERROR":
+                        version = ""  # 410 Gone: the version is compacted away; list again
+                        break
+                    version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                    if kind == "BOOKMARK":
+                        continue
+                    key, phase = self._key_phase(obj)
+                    with self._lock:
+                        if kind == "DELETED":
+                            self._phases.pop(key, None)
+                        else:
+                            self._phases[key] = phase
+            except ApiException as err:
+                if err.status == 410:
+                    version = ""
+                else:
+                    log.warning("RLJob watch: %s; retrying in %.0f s", err.reason, self.RETRY_S)
+                    time.sleep(self.RETRY_S)
+            except Exception as err:  # the connection dropped: watch again from the last version
+                if self._stop.is_set():
+                    return
+                log.warning("RLJob watch: %s; retrying in %.0f s", err, self.RETRY_S)
+                time.sleep(self.RETRY_S)
+
+
 class KubernetesJobStore:
     """The ``JobStore`` protocol over RLJob objects."""
 
@@ -75,6 +164,8 @@ class KubernetesJobStore:
 
         self._api = api if api is not None else api_client()
         self._objects = client.CustomObjectsApi(self._api)
+        self._phase_watch: PhaseWatch | None = None  # started by the first count_by_phase
+        self._watch_lock = threading.Lock()
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -253,9 +344,18 @@ class KubernetesJobStore:
         active = [j for j in self._valid(items) if j.status.phase in ACTIVE]
         return len(active), sum(gpus_of(j.spec) for j in active)
 
+    def count_by_phase(self) -> dict[tuple[str, str], int]:
+        """From a watch on every RLJob (:class:`PhaseWatch`), started at the first call."""
+        with self._watch_lock:
+            if self._phase_watch is None:
+                self._phase_watch = PhaseWatch(self._objects)
+        return self._phase_watch.counts()
+
     def ping(self) -> None:
         """One cheap API call for ``/readyz``."""
         self._objects.list_cluster_custom_object(rl.GROUP, rl.VERSION, rl.PLURAL, limit=1)
 
     def close(self) -> None:
+        if self._phase_watch is not None:
+            self._phase_watch.stop()
         self._api.close()

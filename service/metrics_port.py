@@ -1,8 +1,10 @@
 """The control plane's Prometheus series, served on a port of their own (``--metrics-port``).
 
 ``fp8rl_jobs{namespace, phase}``: jobs per tenant and phase, every tenant and phase present from
-the start (a dashboard shows 0, not "no data"). The series name every tenant, and a scrape lists
-every job of every tenant, so they are not on the API port, which answers callers without a token
+the start (a dashboard shows 0, not "no data"). A scrape counts without listing the jobs
+(``JobStore.count_by_phase``: a GROUP BY in SQL; with ``--store kubernetes``, the counts a watch
+on RLJobs keeps, one cluster-wide LIST when it starts). The series name every tenant, so they are
+not on the API port, which answers callers without a token
 (``/healthz``, ``/readyz``, ``/docs``): the metrics port is a second listener that only the
 chart's ServiceMonitor scrapes. The chart gives it a Service of its own, which the Ingress does not
 route to, and a NetworkPolicy rule that admits only Prometheus (docs/deploy.md, "Security model").
@@ -31,10 +33,7 @@ class JobsCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("fp8rl_jobs", "Jobs by tenant and phase", labels=("namespace", "phase"))
         counts = {(t, p.value): 0 for t in self.tenants() for p in Phase}
-        jobs, _ = self.store.query(None, None, limit=1_000_000)
-        for job in jobs:
-            key = (job.tenant, job.status.phase.value)
-            counts[key] = counts.get(key, 0) + 1
+        counts |= self.store.count_by_phase()
         for (tenant, phase), n in sorted(counts.items()):
             family.add_metric((tenant, phase), n)
         yield family

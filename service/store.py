@@ -386,6 +386,14 @@ class SqlJobStore:
         if self._write(delete) == 0:
             raise JobNotFound(name)
 
+    def count_by_phase(self) -> dict[tuple[str, str], int]:
+        """One GROUP BY over the (tenant, phase, gpus) index: no row is read or parsed."""
+        with self._reader() as db:
+            rows = db.execute(
+                f"SELECT tenant, phase, COUNT(*) FROM jobs WHERE {_READABLE} GROUP BY tenant, phase"
+            ).fetchall()
+        return {(tenant, phase): int(n) for tenant, phase, n in rows}
+
     def usage(self, tenant: str) -> tuple[int, int]:
         """(active jobs, GPUs they request) of a tenant, for its limits (from the index alone)."""
         with self._reader() as db:

@@ -1,11 +1,22 @@
-"""Shared test fixtures: fresh random inputs each run, with the seed printed for reproduction."""
+"""Shared test fixtures (fresh random inputs each run, with the seed printed for reproduction; the
+real model and its 2-layer copy) and the suite's tiers (docs/development.md#tests):
+
+- ``slow``: end-to-end runs (drivers, Ray, servers); ``model``: the real pretrained weights;
+  ``engines``: vLLM or Megatron-Core; ``kube``: the real Kubernetes of tests/kube; ``gpu``: CUDA.
+- ``model``, ``engines`` and ``kube`` are given here, from the fixtures a test uses and where it
+  lies; ``slow`` and ``gpu`` are written on the test.
+- A test whose call takes over ``FP8RL_TIER_LIMIT_S`` (10 s) with none of these fails, naming
+  its time: mark it, or make it faster.
+"""
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+import shutil
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,14 +24,56 @@ import torch
 # the real Kubernetes of the suite (tests/kube/README.md): kube, chart, operator, podnet, tenant, ...
 pytest_plugins = ["tests.kube.fixtures"]
 
+TIERS = ("slow", "model", "engines", "kube", "gpu")
+TIER_LIMIT_S = float(os.environ.get("FP8RL_TIER_LIMIT_S", "10"))
+TESTS = Path(__file__).resolve().parent
+ENGINE_DIRS = (TESTS / "workers" / "engines" / "vllm", TESTS / "workers" / "engines" / "megatron")
+MODEL_FIXTURES = {"smollm2_dir"}  # a test of the 2-layer copy (smollm2_small_dir) loads no real weights
+KUBE_FIXTURES = {"kube", "podnet"}  # the others (chart, operator, tenant) need kube
+
+
+def tiers_of(path: Path, fixtures: set[str]) -> list[str]:
+    """The tiers a test gets from where it lies and the fixtures it uses."""
+    tiers = []
+    if fixtures & MODEL_FIXTURES and "smollm2_small_dir" not in fixtures:
+        tiers.append("model")
+    if any(path.is_relative_to(d) for d in ENGINE_DIRS):
+        tiers.append("engines")
+    if fixtures & KUBE_FIXTURES or path.is_relative_to(TESTS / "kube"):
+        tiers.append("kube")
+    return tiers
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
+    gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
-        if "gpu" in item.keywords:
+        for tier in tiers_of(Path(str(item.path)), set(getattr(item, "fixturenames", ()))):
+            item.add_marker(tier)
+        if "gpu" in item.keywords and not gpu:
             item.add_marker(skip)
+
+
+def over_the_limit(seconds: float, markers: set[str], limit: float = TIER_LIMIT_S) -> str | None:
+    """Why a test's call of ``seconds`` breaks the tier rule, or None."""
+    if seconds <= limit or markers & set(TIERS):
+        return None
+    return (
+        f"the test took {seconds:.1f} s (over {limit:g} s) and has no tier marker ({', '.join(TIERS)}): "
+        "mark it `slow` (docs/development.md#tests), or make it faster"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.passed:
+        return
+    why = over_the_limit(call.duration, {m.name for m in item.iter_markers()})
+    if why:
+        report.outcome = "failed"
+        report.longrepr = why
 
 
 @pytest.fixture
@@ -44,3 +97,26 @@ def smollm2_dir() -> Path:
         return fetch("smollm2-135m-instruct")
     except ModelStoreError as err:
         pytest.fail(f"fetching smollm2-135m-instruct: {err}", pytrace=False)
+
+
+SMALL_LAYERS = 2
+
+
+@pytest.fixture(scope="session")
+def smollm2_small_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer, chat template, generation config and
+    vocabulary: the real model's path (HF tokenizer, chat prompts, stop ids, the example's task)
+    in seconds, for tests of the plumbing rather than of the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("smollm2-small") / "smollm2-small"
+    out.mkdir()
+    for f in smollm2_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    config = AutoConfig.from_pretrained(smollm2_dir)
+    config.update({"num_hidden_layers": SMALL_LAYERS, "hidden_size": 64, "intermediate_size": 128,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out

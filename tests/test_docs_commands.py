@@ -26,15 +26,19 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
 import typer.main
+from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from fp8rl.cli import app
+from rljob.spec import JobSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_LANGS = {"bash", "sh", "shell", "console", "zsh"}
@@ -186,6 +190,43 @@ def help_options(path: tuple[str, ...]) -> frozenset[str]:
     return frozenset(names)
 
 
+def set_key_problem(key: str) -> str | None:
+    """Why ``--set KEY=...`` names no field of the job spec (read from its pydantic models), or
+    None. A placeholder key is not checked; below a mapping field (``task.params``) any key goes."""
+    if not key or PLACEHOLDER.search(key) or key.startswith("$"):
+        return None
+    model: Any = JobSpec
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            known = ", ".join(sorted(fields))
+            return f"{key}: the spec has no field {'.'.join(parts[: depth + 1])} (there: {known})"
+        nested = _models_in(fields[part].annotation)
+        if depth == len(parts) - 1:
+            return None
+        if _is_mapping(fields[part].annotation):
+            return None
+        if not nested:
+            return f"{key}: {'.'.join(parts[: depth + 1])} is a value, with no fields below it"
+        model = nested[0]
+    return None
+
+
+def _models_in(annotation: Any) -> list[Any]:
+    """The pydantic models an annotation names (through Optional, unions, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _is_mapping(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (dict, Mapping) or annotation is dict:
+        return True
+    return any(_is_mapping(arg) for arg in typing.get_args(annotation))
+
+
 def _named(path: tuple[str, ...], name: str | None = None) -> str:
     return "`" + " ".join(["fp8rl", *path, *([name] if name else [])]) + "`"
 
@@ -210,8 +251,18 @@ def problems(usage: Usage) -> list[str]:
         if name not in group:
             return [f"{usage.file}:{word.line}: unknown command {_named(path, name)} in {where}"]
         group, path = group[name], (*path, name)
-    for word in words:
+    for i, word in enumerate(words):
         text = _clean(word.text)
+        if text.startswith("--set") and "--set" in help_options(path):
+            value = (
+                text.split("=", 1)[1]
+                if "=" in text
+                else _clean(words[i + 1].text)
+                if i + 1 < len(words)
+                else ""
+            )
+            if why := set_key_problem(value.split("=", 1)[0]):
+                found.append(f"{usage.file}:{word.line}: --set {why} in {where}")
         for part in text.split("|"):
             option = part.split("=", 1)[0]
             if not re.fullmatch(r"--?[A-Za-z][\w-]*", option):
@@ -228,10 +279,53 @@ def doc_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def test_every_command_the_docs_show_exists_with_its_options() -> None:
+# how scripts and the Makefile spell the command: `$(VENV)/bin/fp8rl`, `$py -m fp8rl.cli`
+SCRIPT_SPELLINGS = re.compile(r"\$\(VENV\)/bin/fp8rl\b|(?:\$\(PY\)|\$\{?py\}?|python3?) -m fp8rl(?:\.cli)?\b")
+
+
+def script_commands(text: str, file: str) -> list[Usage]:
+    """The ``fp8rl`` commands of a shell script or a Makefile: every line is shell (Make's ``$$``
+    is the shell's ``$``), ``\\`` continues a line and ``#`` starts a comment."""
+    lines = [
+        (n, SCRIPT_SPELLINGS.sub("fp8rl", line.replace("$$", "$")))
+        for n, line in enumerate(text.splitlines(), 1)
+    ]
+    return list(_shell_commands(lines, file))
+
+
+def comment_commands(text: str, file: str) -> list[Usage]:
+    """The ``fp8rl`` commands in a YAML file's comments: a comment indented past ``#`` (``#   fp8rl
+    run ...``) is a shell line; the others are prose, whose code spans are read."""
+    shell: list[tuple[int, str]] = []
+    paragraphs: list[list[tuple[int, str]]] = [[]]  # prose: runs of consecutive comment lines
+    for number, line in enumerate(text.splitlines(), 1):
+        comment = re.match(r"\s*#(.*)$", line)
+        body = comment.group(1) if comment else ""
+        if comment and re.match(r"\s{2,}\S", body):
+            shell.append((number, body))
+        if not comment or re.match(r"\s{2,}\S", body):
+            paragraphs.append([])
+        else:
+            paragraphs[-1].append((number, body))
+    return [*_shell_commands(shell, file), *(u for p in paragraphs for u in _inline_commands(p, file))]
+
+
+def all_usages() -> list[Usage]:
+    """Every command the docs, the examples' comments, the Makefile and the GPU session show."""
     usages = [u for p in doc_files() for u in doc_commands(p.read_text(), str(p.relative_to(ROOT)))]
+    for path in (ROOT / "Makefile", ROOT / "bench" / "gpu_session.sh"):
+        usages += script_commands(path.read_text(), str(path.relative_to(ROOT)))
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        usages += comment_commands(path.read_text(), str(path.relative_to(ROOT)))
+    return usages
+
+
+def test_every_command_the_docs_show_exists_with_its_options() -> None:
+    usages = all_usages()
     # the scan sees the docs' commands at all (the README alone shows a dozen)
     assert len(usages) > 50, f"only {len(usages)} fp8rl commands found: is the scanner blind?"
+    files = {u.file for u in usages}
+    assert {"Makefile", "bench/gpu_session.sh", "examples/smollm2-addition.yaml"} <= files, files
     found = [line for usage in usages for line in problems(usage)]
     assert not found, "commands or options the docs show that fp8rl lacks:\n" + "\n".join(found)
 
@@ -305,4 +399,45 @@ def test_the_readme_table_line_of_issue_42_would_fail() -> None:
     assert [line for u in doc_commands(row, "README.md") for line in problems(u)] == [
         "README.md:1: `fp8rl bench step` has no option --quick (not in its --help)"
         " in `fp8rl bench step --quick`"
+    ]
+
+
+def test_scripts_makefiles_and_example_comments_are_read_and_set_keys_checked() -> None:
+    makefile = (
+        "run: $(STAMP)\n"
+        "\t$(VENV)/bin/fp8rl run x.yaml --recipe $(RECIPE) --set precision.fp8_kv_cache=true \\\n"
+        "\t  --set precision.kv_cache=true --nope  # fp8rl bench gone\n"
+        "\tout=$$($(VENV)/bin/fp8rl model fetch smollm2)\n"
+    )
+    script = 'py=python\n$py -m fp8rl.cli bench step --steps 1 --set-nothing >"$dir/x.txt"\n'
+    example = (
+        "# Run it:\n"
+        "#   fp8rl run examples/x.yaml --set rollout.group_size=4 --set rollout.size=2\n"
+        "# or pass `fp8rl run x.yaml --set task.params.min_value=1 --set steps.total=3` and the\n"
+        "# fp8rl service runs it too.\n"
+        "model: {name: x}  # fp8rl run --not-a-comment-command\n"
+    )
+    usages = [
+        *script_commands(makefile, "Makefile"),
+        *script_commands(script, "gpu.sh"),
+        *comment_commands(example, "ex.yaml"),
+    ]
+    assert [(u.file, u.line, u.shown()) for u in usages] == [
+        ("Makefile", 2, "fp8rl run x.yaml --recipe $(RECIPE) --set precision.fp8_kv_cache=true "
+                        "--set precision.kv_cache=true --nope"),
+        ("Makefile", 4, "fp8rl model fetch smollm2)"),
+        ("gpu.sh", 2, 'fp8rl bench step --steps 1 --set-nothing >"$dir/x.txt"'),
+        ("ex.yaml", 2, "fp8rl run examples/x.yaml --set rollout.group_size=4 --set rollout.size=2"),
+        ("ex.yaml", 3, "fp8rl run x.yaml --set task.params.min_value=1 --set steps.total=3"),
+    ]  # fmt: skip
+    found = [line for u in usages for line in problems(u)]
+    assert [line.split(" in `")[0] for line in found] == [
+        "Makefile:3: --set precision.kv_cache: the spec has no field precision.kv_cache"
+        " (there: exact, fp8_format, fp8_kv_cache, fp8_kv_cache_in_training, keep_bf16_layers,"
+        " master_dtype, mismatch_slo, power_of_two_scales, recipe)",
+        "Makefile:3: `fp8rl run` has no option --nope (not in its --help)",
+        "gpu.sh:2: `fp8rl bench step` has no option --set-nothing (not in its --help)",
+        f"ex.yaml:2: --set rollout.size: the spec has no field rollout.size (there: "
+        f"{', '.join(sorted(_models_in(JobSpec.model_fields['rollout'].annotation)[0].model_fields))})",
+        "ex.yaml:3: --set steps.total: steps is a value, with no fields below it",
     ]

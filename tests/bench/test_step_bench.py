@@ -4,8 +4,6 @@ asserted (this machine is shared); what the rows are, is."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -73,29 +71,10 @@ def test_hf_train_pass_counts_the_response_tokens_and_leaves_no_gradient() -> No
     assert 2 <= n <= 6
 
 
-@pytest.fixture(scope="module")
-def small_real_model(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer and chat template: the real-model path of
-    the benchmarks (HF tokenizer, chat prompts, the example's task) in seconds."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("small-real")
-    for f in smollm2_dir.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    config = AutoConfig.from_pretrained(smollm2_dir)
-    config.update({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    assert json.loads((out / "config.json").read_text())["vocab_size"] == 49152
-    return out
-
-
 @pytest.mark.slow
-def test_a_real_model_directory_runs_the_examples_batch_with_the_baseline(small_real_model: Path) -> None:
+def test_a_real_model_directory_runs_the_examples_batch_with_the_baseline(smollm2_small_dir: Path) -> None:
     runner = CliRunner()
-    args = ["bench", "step", "--model", str(small_real_model), "--device", "cpu", *TINY]
+    args = ["bench", "step", "--model", str(smollm2_small_dir), "--device", "cpu", *TINY]
     out = runner.invoke(app, args)
     assert out.exit_code == 0, out.output
     table = out.output[out.output.index("device:") :]  # transformers' loading bars come first
@@ -103,7 +82,7 @@ def test_a_real_model_directory_runs_the_examples_batch_with_the_baseline(small_
     assert labels[:4] == ["device:", "recipe", "bf16", "fp8-e2e"]  # no exact rows for a real model
     for row in ("train: bf16 vs float32", "generation: bf16 vs generate()", "train seconds: fp8-e2e / bf16"):
         assert row in out.output
-    sync = runner.invoke(app, ["bench", "sync", "--model", str(small_real_model), "--repeat", "1"])
+    sync = runner.invoke(app, ["bench", "sync", "--model", str(smollm2_small_dir), "--repeat", "1"])
     assert sync.exit_code == 0, sync.output
     assert "end-to-end s" in sync.output and sync.output.count("\nfp8 ") == 2
 

@@ -151,6 +151,45 @@ def test_a_run_that_fails_on_its_way_is_not_a_bad_spec(
     assert "the run failed: model.layers.0.mlp.down_proj: input: 3 non-finite values" in result.output
 
 
+@pytest.mark.parametrize("where", ["actor", "driver"])
+def test_a_value_error_is_a_bad_spec_only_when_the_driver_raised_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A ValueError raised inside an actor (Ray re-raises it as a RayTaskError that is also a
+    ValueError) is a failure of the run, exit 1, with the actor's traceback; one the driver raises
+    before the run (a spec it refuses) stays a bad spec, exit 2."""
+    from ray.exceptions import RayTaskError
+
+    from workers.job import driver
+
+    cause = ValueError("shapes (4, 7) and (8, 3) cannot be multiplied")
+    try:
+        raise cause
+    except ValueError:
+        traceback = 'Traceback (most recent call last):\n  File "trainer.py", line 9, in train_step'
+    raised: Exception = (
+        RayTaskError("TrainerWorker.train", traceback, cause).as_instanceof_cause()
+        if where == "actor"
+        else cause
+    )
+    assert isinstance(raised, ValueError)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise raised
+
+    monkeypatch.setattr(driver, "run", fail)
+    spec = tmp_path / "ok.yaml"
+    spec.write_text(yaml.safe_dump(tiny_spec(steps=5)))
+    result = runner.invoke(app, ["run", str(spec), "--no-progress"])
+    if where == "actor":
+        assert result.exit_code == 1, result.output
+        assert "the run failed in an actor" in result.output
+        assert 'File "trainer.py", line 9, in train_step' in result.output
+    else:
+        assert result.exit_code == 2, result.output
+        assert "error: shapes (4, 7) and (8, 3) cannot be multiplied" in result.output
+
+
 @pytest.mark.slow
 def test_run_end_to_end_with_overrides(tmp_path: Path) -> None:
     spec = tmp_path / "tiny.yaml"

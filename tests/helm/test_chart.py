@@ -131,7 +131,10 @@ def test_gpu_cluster_values_render_valid_objects_that_the_code_accepts(
         "fp8rl-api-list",
         "fp8rl-operator-discovery",
     ]
-    assert rules(named(objects, "ClusterRole", "fp8rl-api-list")) == {("fp8rl.io", "rljobs", "list")}
+    assert rules(named(objects, "ClusterRole", "fp8rl-api-list")) == {
+        ("fp8rl.io", "rljobs", "list"),
+        ("fp8rl.io", "rljobs", "watch"),
+    }
 
     [ingress] = kinds["Ingress"]
     assert ingress["spec"]["tls"] == [{"hosts": ["fp8rl.example.com"], "secretName": "fp8rl-tls"}]

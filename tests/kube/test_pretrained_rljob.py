@@ -8,9 +8,10 @@ allows it because its ``model_roots`` (the chart's ``jobDefaults.modelRoots``, s
 install) name ``/runs/models``. The claim is bound to a volume an admin made, so the pods schedule.
 The operator builds the RayJob and KubeRay its pods; the test plays the driver (the one simulated
 part, tests/kube/README.md): it reads the spec the operator put in the ConfigMap, finds the model
-where the volume is on this machine (the models cache of ``fp8rl model fetch``), runs ONE real step
-of the real model in this process (:class:`~tests.workers.inprocess_actors.InProcessActors` and
-``rl_step``, as the driver's actors run it, minus Ray) and serves its metrics row on a real
+where the volume is on this machine (here SmolLM2's tokenizer on 2 random layers: the plumbing is
+under test, tests/workers/test_smollm2.py runs the real weights), runs ONE real step in this
+process (:class:`~tests.workers.inprocess_actors.InProcessActors` and ``workers.rl.step``, as the
+driver's actors run it, minus Ray) and serves its metrics row on a real
 ``PromExporter`` behind the head pod. The operator mirrors the row into the RLJob's status, and
 Prometheus, discovering the head pod through the API server, holds the row's values under their
 ``fp8rl_*`` names.
@@ -140,7 +141,7 @@ def one_real_step(spec: JobSpec) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
-    kube: KubeCluster, operator: install.Process, podnet: PodNetwork, smollm2_dir: Path, tmp_path: Path
+    kube: KubeCluster, operator: install.Process, podnet: PodNetwork, smollm2_small_dir: Path, tmp_path: Path
 ) -> None:
     jobs = Jobs(kube, NS, tenant_kubeconfig(kube, NS, tmp_path))
     volume(kube)
@@ -187,16 +188,15 @@ def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
             mt["name"] == claim["name"] and mt["mountPath"] == RUNS_DIR for mt in container["volumeMounts"]
         )
 
-    # the driver: the shipped spec, its volume's models directory being the fetched cache here
+    # the driver: the shipped spec, the model on its volume being the 2-layer copy here
     driver = podnet.run_driver(NS, JOB, RECIPE)
-    here = smollm2_dir.parent / POD_MODEL.relative_to(POD_MODELS)
-    local = shipped.model_copy(update={"model": shipped.model.model_copy(update={"name": str(here)})})
+    small = shipped.model.model_copy(update={"name": str(smollm2_small_dir)})
+    local = shipped.model_copy(update={"model": small})
     started = time.monotonic()
     row = one_real_step(local)
     print(f"one real step of {JOB} ({RECIPE}): {time.monotonic() - started:.0f} s; {row}")
     driver.exporter.observe(row)
-    assert row["step"] == 1 and 0.0 <= row[m.REWARD_MEAN] <= 1.0
-    assert 0.0 <= row[m.RESPONSE_TRUNCATED_FRACTION] <= 1.0
+    assert row["step"] == 1
 
     # the operator mirrors it into the RLJob's status
     got = wait_for(
@@ -227,7 +227,7 @@ def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
 
     # the same RLJob naming the model where it lies on this machine, or climbing out of the root,
     # is refused by the operator: no RayJob, Failed with the field
-    for name, model in (("host-path", str(smollm2_dir)), ("climbs", f"{POD_MODELS}/../../etc/smollm2")):
+    for name, model in (("host-path", str(smollm2_small_dir)), ("climbs", f"{POD_MODELS}/../../etc/smollm2")):
         kube.kubectl(
             "apply", "-n", NS, "-f", "-", kubeconfig=jobs.tenant, input=json.dumps(rljob(name, model))
         )

@@ -22,7 +22,9 @@ from rljob.status import JobStatus, Phase
 from service.main import create_app
 from service.operator_handoff import OperatorHandoff
 from service.settings import Settings
+from tests.helpers import wait_for
 from tests.kube.cluster import KubeCluster
+from tests.kube.install import CONTROL_PLANE_SA
 
 pytestmark = pytest.mark.slow
 ALICE, BOB, CAROL = "alice-token-0123456789", "bob-token-0123456789ab", "carol-token-0123456789"
@@ -122,6 +124,39 @@ def test_status_update_retries_on_a_conflicting_writer(
     other.close()
 
 
+def test_jobs_are_counted_by_a_watch_not_a_list_per_scrape(
+    store: KubernetesJobStore, tenants: dict[str, str], kube: KubeCluster
+) -> None:
+    """``count_by_phase`` (the metrics port's fp8rl_jobs) follows creates, status changes and deletes
+    through one cluster-wide watch: however many scrapes, the API server's audit log shows one LIST
+    of RLJobs by the control plane, and a WATCH, all under the chart's RBAC (no 403)."""
+    a, b = tenants[ALICE], tenants[BOB]
+    user = CONTROL_PLANE_SA
+
+    def cluster_lists() -> list[Any]:
+        return [
+            e for e in kube.audit(user) if e.resource == "rljobs" and not e.namespace and e.verb == "list"
+        ]
+
+    before = len(cluster_lists())
+    store.create(a, "w1", JobSpec())
+    assert store.count_by_phase() == {(a, "Pending"): 1}  # the first call lists (and waits for it)
+    store.create(a, "w2", JobSpec())
+    store.create(b, "w3", JobSpec())
+    store.update(a, "w1", lambda t: t.moved(Phase.STARTING, "RayJobCreated"))
+    want = {(a, "Pending"): 1, (a, "Starting"): 1, (b, "Pending"): 1}
+    wait_for(store.count_by_phase, "the watch to see 3 jobs", lambda c: c == want, timeout=30)
+    store.delete(a, "w2")
+    want = {(a, "Starting"): 1, (b, "Pending"): 1}
+    wait_for(store.count_by_phase, "the watch to see the delete", lambda c: c == want, timeout=30)
+    for _ in range(20):  # scrapes
+        assert store.count_by_phase() == want
+    assert len(cluster_lists()) - before == 1
+    calls = kube.audit(user)
+    assert any(e.resource == "rljobs" and e.verb == "watch" and e.code == 200 for e in calls)
+    assert not [e for e in calls if e.code == 403], [e for e in calls if e.code == 403]
+
+
 def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeCluster, tenants: dict[str, str]) -> None:
     a = tenants[ALICE]
     r = api.post("/v1/jobs", json={"name": "j1", "spec": {"steps": 7}}, headers=auth(ALICE))
@@ -154,8 +189,13 @@ def test_api_on_the_kubernetes_store(api: TestClient, kube: KubeCluster, tenants
     r = api.post("/v1/jobs", json={"name": "j1"}, headers=auth(CAROL))
     assert r.status_code == 403 and f"namespace '{tenants[CAROL]}'" in r.json()["detail"]
     assert api.get("/readyz").status_code == 200
-    series = generate_latest(api.app.state.metrics).decode()  # type: ignore[attr-defined]
-    assert f'fp8rl_jobs{{namespace="{a}",phase="Pending"}} 1.0' in series  # the metrics port's text
+    # the metrics port's text (its counts follow a watch: the resume may take a moment to show)
+    wait_for(
+        lambda: generate_latest(api.app.state.metrics).decode(),  # type: ignore[attr-defined]
+        "fp8rl_jobs to count the resumed job",
+        lambda series: f'fp8rl_jobs{{namespace="{a}",phase="Pending"}} 1.0' in series,
+        timeout=30,
+    )
     assert api.delete("/v1/jobs/j1", headers=auth(ALICE)).status_code == 204
     assert rljobs(kube, a) == []
 

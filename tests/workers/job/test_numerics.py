@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 import torch
+import transformers
 
 from workers.fp8.cpu_bf16 import detect_cpu_bf16_gemm
-from workers.job.numerics import KERNEL_SWITCHES, numerics_record
+from workers.job.numerics import KERNEL_SWITCHES, installed_version, numerics_record
 
 
 def test_the_record_names_the_cpu_gemm_and_every_switch_as_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -20,6 +23,8 @@ def test_the_record_names_the_cpu_gemm_and_every_switch_as_set(monkeypatch: pyte
     finally:
         detect_cpu_bf16_gemm.cache_clear()
     assert record["torch"] == torch.__version__
+    assert record["versions"]["transformers"] == transformers.__version__  # the module's own word
+    assert record["versions"]["megatron-core"] is None or "." in record["versions"]["megatron-core"]
     assert record["cpu_bf16_gemm"] == "float32"  # forced, so the record can tell two runs apart
     assert record["switches"] == {
         "FP8RL_CUBLAS_BLOCKWISE": None,
@@ -29,3 +34,8 @@ def test_the_record_names_the_cpu_gemm_and_every_switch_as_set(monkeypatch: pyte
         "FP8RL_KV_WRITE": None,
         "FP8RL_CPU_BF16_GEMM": "float32",
     }
+
+
+def test_a_missing_distribution_is_null_and_the_first_installed_name_counts() -> None:
+    assert installed_version(("no-such-distribution-fp8rl",)) is None
+    assert installed_version(("no-such-distribution-fp8rl", "torch")) == metadata.version("torch")
