@@ -396,6 +396,27 @@ GRADER_PROMETHEUS: dict[str, tuple[str, str, str]] = {
     "seconds": ("fp8rl_grader_seconds", "gauge", "Seconds a grader took in the last step"),
 }
 
+# Per-layer attribution of the mismatch (precision.mismatch_slo.attribution_interval): decoder layer
+# i's share, ``mismatch/layer/<i>`` in the line of a step that measured it; Prometheus: one gauge
+# with a ``layer`` label (MISMATCH_LAYER_PROMETHEUS).
+MISMATCH_LAYER_PROMETHEUS = (
+    "fp8rl_mismatch_layer",
+    "A decoder layer's contribution to the train/generation mismatch at the last attribution: "
+    "how much it grows the relative divergence of the two engines' hidden states",
+)
+
+
+def mismatch_layer_key(layer: int) -> str:
+    """``mismatch/layer/<layer>``."""
+    return f"mismatch/layer/{layer}"
+
+
+def layer_of_key(key: str) -> int | None:
+    """The decoder layer of a ``mismatch/layer/<i>`` key; None for any other key."""
+    kind, _, rest = key.rpartition("/")
+    return int(rest) if kind == "mismatch/layer" and rest.isdigit() else None
+
+
 # fp8rl_step_duration_seconds{phase}; validation only on the steps that validate (0 on the others,
 # once a step has validated)
 PHASES = ("generation", "reward", "train", "weight_sync", "validation")

@@ -71,6 +71,17 @@ class MismatchSloSpec(StrictModel):
         0.1, ge=0.0, le=1.0, description="Steps of the window allowed above tail_bound, as a fraction."
     )
     window: int = Field(10, ge=1, le=10_000, description="RL steps the SLO looks back over.")
+    attribution_interval: int = Field(
+        10,
+        ge=0,
+        le=10_000,
+        description="Every this many RL steps, and at once when the SLO is breached, each decoder "
+        "layer's contribution to the mismatch is measured on a few of the step's sequences "
+        "(native engines; 0: never).",
+    )
+    attribution_sequences: int = Field(
+        2, ge=1, le=16, description="Sequences of the step traced for the per-layer attribution."
+    )
     action: Literal["alert-only"] = Field(
         "alert-only", description="What a breach does: alert-only (a metric, an alert, a condition)."
     )

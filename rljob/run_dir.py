@@ -38,6 +38,7 @@ QUANTIZATION_AUDIT = "quantization_audit.json"
 NUMERICS = "numerics.json"
 WARMUP = "warmup.jsonl"
 FAULTS = "faults.jsonl"
+MISMATCH_LAYERS = "mismatch_layers.jsonl"
 CHECKPOINTS = "checkpoints"
 JOB_SPEC = "job.json"
 DRIVER_LOG = "driver.log"
@@ -64,6 +65,10 @@ class RunDir:
     @property
     def faults(self) -> Path:
         return self.root / FAULTS
+
+    @property
+    def mismatch_layers(self) -> Path:
+        return self.root / MISMATCH_LAYERS
 
     @property
     def quantization_audit(self) -> Path:

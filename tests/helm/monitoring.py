@@ -53,7 +53,8 @@ RUN_SPEC: dict[str, Any] = {
     "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": MAX_NEW_TOKENS},
     "warmup": {"sft_steps": 1, "batch_size": 4},
     "validation": {"interval": 1, "size": 4, "pass_k": 2},
-    "precision": {"recipe": RECIPE, "fp8_kv_cache": True},
+    # the per-layer attribution every step, so that its series is there for the dashboard
+    "precision": {"recipe": RECIPE, "fp8_kv_cache": True, "mismatch_slo": {"attribution_interval": 1}},
     "steps": 100_000,  # never reached: the run is stopped once Prometheus has what it needs
     "checkpoint_interval": 100_000,
 }

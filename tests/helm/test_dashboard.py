@@ -14,7 +14,15 @@ from typing import Any
 
 import pytest
 
-from rljob.metrics import ACTOR_RESTARTS, DRIVER_ATTEMPT, GRADER_PROMETHEUS, PHASES, PROMETHEUS, RUN_COMPLETE
+from rljob.metrics import (
+    ACTOR_RESTARTS,
+    DRIVER_ATTEMPT,
+    GRADER_PROMETHEUS,
+    MISMATCH_LAYER_PROMETHEUS,
+    PHASES,
+    PROMETHEUS,
+    RUN_COMPLETE,
+)
 from rljob.status import Phase
 from tests.helm.grafana import (
     LABEL_VALUES,
@@ -35,6 +43,7 @@ from tests.helm.monitoring import (
     Sample,
     metric_names,
 )
+from tests.helpers import TINY_MODEL
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fp8rl" / "dashboards" / "fp8rl.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -83,7 +92,7 @@ def test_panels_have_ids_titles_descriptions_and_targets() -> None:
     titles = [p["title"] for p in ps]
     assert all(titles) and len(titles) == len(set(titles)), titles
     graphs = [p for p in ps if p["type"] != "row"]
-    assert {p["type"] for p in graphs} <= {"timeseries", "stat"}
+    assert {p["type"] for p in graphs} <= {"timeseries", "stat", "heatmap"}
     assert len(graphs) >= 15
     for p in graphs:
         assert len(p.get("description", "")) >= 40, f"{p['title']}: tell the user how to read it"
@@ -208,6 +217,7 @@ def test_dashboard_shows_every_exported_metric(prom: Prometheus) -> None:
     wanted = {name for name in exported if not name.endswith("_created")}
     assert wanted == {m.name for m in PROMETHEUS} | {n for n, _, _ in GRADER_PROMETHEUS.values()} | {
         "fp8rl_step_duration_seconds",
+        MISMATCH_LAYER_PROMETHEUS[0],
         "fp8rl_jobs",
         ACTOR_RESTARTS.name,
         RUN_COMPLETE,
@@ -247,6 +257,9 @@ def test_panels_show_what_the_run_and_the_control_plane_did(prom: Prometheus) ->
     assert 1.0 <= length.value <= MAX_NEW_TOKENS
     [by_phase] = ask(prom, "Step time by phase")
     assert sorted(s.labels["phase"] for s in by_phase) == sorted(PHASES)
+    # the per-layer attribution of the run (every step: RUN_SPEC), one row per decoder layer
+    [layers] = ask(prom, "Mismatch by decoder layer")
+    assert sorted(s.labels["layer"] for s in layers) == [str(i) for i in range(TINY_MODEL["num_layers"])]
     [[kv_cache], [weights]] = ask(prom, "Generator memory: KV cache and weights")
     assert kv_cache.value > 0 and weights.value > 0
 

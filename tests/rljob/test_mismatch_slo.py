@@ -82,7 +82,17 @@ def test_gen_kl_needs_its_bounds_and_bad_values_are_refused() -> None:
     kl = MismatchSloSpec(metric="gen_kl_error", median=0.01, tail_bound=0.05)
     state = evaluate([0.001, 0.2, 0.004], kl, "fp8-gen")  # median 0.004; one above 0.05
     assert state is not None and state.met and state.tail_steps == 1
-    for bad in ({"window": 0}, {"tail_fraction": 1.5}, {"median": -1}, {"action": "panic"}):
+    bads = (
+        {"window": 0},
+        {"tail_fraction": 1.5},
+        {"median": -1},
+        {"action": "panic"},
+        {"attribution_interval": -1},
+        {"attribution_interval": 10_001},
+        {"attribution_sequences": 0},
+        {"attribution_sequences": 17},
+    )
+    for bad in bads:
         with pytest.raises(ValidationError):
             MismatchSloSpec.model_validate(bad)
 

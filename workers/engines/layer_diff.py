@@ -20,6 +20,7 @@ depend on its batch, in the default mode they may, by rounding.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -177,6 +178,45 @@ def compare_traces(generator: Trace, trainer: Trace) -> list[LayerDiff]:
             out.append(LayerDiff(name, float("inf"), False))
             continue
         out.append(LayerDiff(name, float((a - b).abs().max()), torch.equal(a, b)))
+    return out
+
+
+_DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")  # a Hugging Face decoder layer's module name
+_EMBEDDING = re.compile(r"(?:^|\.)embed_tokens$")
+
+
+def relative_divergence(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` (L2, float64): how far the generator's hidden state ``a`` is from the
+    trainer's ``b``; 0 when both are zero."""
+    a64, b64 = a.double(), b.double()
+    norm = float(b64.norm())
+    diff = float((a64 - b64).norm())
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def layer_contributions(generator: Trace, trainer: Trace) -> list[float]:
+    """Each decoder layer's contribution to the divergence of the two engines' hidden states at the
+    traced token: ``r_i - r_(i-1)``, where ``r_i`` is the relative divergence
+    (:func:`relative_divergence`) of decoder layer ``i``'s output (the residual stream after it)
+    and ``r_(-1)`` that of the embeddings. The contributions add up to the last layer's divergence
+    less the embeddings'; a layer that brings the two closer has a negative one. Index ``i`` is the
+    layer; layers either trace lacks are left out of the count (an empty list: no decoder layer)."""
+    layers: dict[int, float] = {}
+    start = 0.0
+    for name, a in generator.items():
+        b = trainer.get(name)
+        if b is None or a.shape != b.shape:
+            continue
+        if found := _DECODER_LAYER.search(name):
+            layers[int(found.group(1))] = relative_divergence(a, b)
+        elif _EMBEDDING.search(name):
+            start = relative_divergence(a, b)
+    out, before = [], start
+    for i in range(len(layers)):
+        if i not in layers:
+            break
+        out.append(layers[i] - before)
+        before = layers[i]
     return out
 
 

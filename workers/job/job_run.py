@@ -32,12 +32,12 @@ from rljob.metrics import (
     StepMetrics,
     ValidatedStepMetrics,
 )
-from rljob.mismatch_slo import evaluate
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers.fp8.kv_cache import calibrates_kv
 from workers.job.actor_group import JobActors
 from workers.job.grader_actors import RayGraderPool, grader_actors, model_scorer
+from workers.job.mismatch_watch import MismatchWatch
 from workers.job.prom_exporter import PromExporter
 from workers.models import checkpoint
 from workers.models.tokenizer import Tokenizer
@@ -158,7 +158,7 @@ class JobRun:
         actors = grader_actors()  # graders' code: the job's Ray actors (workers.job.grader_actors)
         task.graders.use_pool(lambda memory_mb: RayGraderPool(actors, memory_mb))
         self.warned: set[str] = set()  # the fractions the log has warned about (response_warnings)
-        self.slo_met: bool | None = None  # the mismatch SLO at the last step (None: not yet evaluated)
+        self.mismatch = MismatchWatch(spec, out, opts.log)  # the SLO and the per-layer attribution
 
     # -- the steps ---------------------------------------------------------------------------------
     def begin(self, first_step: int, ckpt: Path | None) -> int:
@@ -193,7 +193,9 @@ class JobRun:
             self.drills.remove(drill)  # once per driver: fresh actors are not armed again
             self.actors.arm(drill.role, drill.index, drill.kind)
             self.opts.log(f"fault drill: {drill.role} {drill.index} will {drill.kind} in step {step}")
-        return self.loop.step(step)
+        outcome = self.loop.step(step)
+        self.mismatch.probes = outcome.probes
+        return outcome
 
     def finish(self, step: int, row: AsyncStepMetrics) -> None:
         """Validate (when due), checkpoint (when due, before the line: a line never refers to
@@ -202,7 +204,8 @@ class JobRun:
         if validation_due(self.spec, step):  # after the step's weight sync: the updated policy
             val = validate(self.ctx, step)
             row = cast(ValidatedStepMetrics, {**row, **val})
-        line = cast(AsyncStepMetrics, {**row, **self.counts, **self._slo(step, row)})
+        line = cast(AsyncStepMetrics, {**row, **self.counts, **self.mismatch.observe(step, row, self.rows)})
+        line = cast(AsyncStepMetrics, {**line, **self.mismatch.attribution(step, self.actors)})
         due = step % self.spec.checkpoint_interval == 0 or step == self.spec.steps
         if due:
             save(self.actors, self.out, step, line)
@@ -217,27 +220,6 @@ class JobRun:
             if not due:
                 save(self.actors, self.out, step, line)
             self.opts.log(f"stopped after step {step}; continue with --resume")
-
-    def _slo(self, step: int, row: Mapping[str, Any]) -> dict[str, float]:
-        """The mismatch SLO over the window ending at this step (``rljob.mismatch_slo``), as the
-        line's ``mismatch_slo/*`` keys; a change between met and breached is logged once."""
-        slo = self.spec.precision.mismatch_slo
-        key = f"mismatch/{slo.metric}"
-        values = [float(row[key])] if key in row else []
-        for earlier in reversed(self.rows):  # the window's earlier steps (a resumed job's too)
-            if len(values) >= slo.window:
-                break
-            if key in earlier:
-                values.append(float(earlier[key]))
-        state = evaluate(values[::-1], slo, self.spec.precision.recipe)
-        if state is None:
-            return {}
-        if state.met != self.slo_met:
-            what = "met again" if state.met else "breached"
-            if not (state.met and self.slo_met is None):  # a job that starts within it says nothing
-                self.opts.log(f"step {step}: mismatch SLO {what}: {state.message(slo.metric)}")
-            self.slo_met = state.met
-        return state.as_row()
 
     def _warn(self, row: Mapping[str, Any]) -> None:
         for warning in response_warnings(self.spec, row, self.warned):

@@ -13,11 +13,13 @@ from rljob.metrics import (
     DRIVER_ATTEMPT,
     GRADER_PROMETHEUS,
     LABELS,
+    MISMATCH_LAYER_PROMETHEUS,
     PHASES,
     PROMETHEUS,
     RESTART_ROLES,
     RUN_COMPLETE,
     grader_of_key,
+    layer_of_key,
 )
 
 
@@ -65,6 +67,8 @@ class PromExporter:
             )
             for what, (name, kind, text) in GRADER_PROMETHEUS.items()
         }  # fmt: skip
+        name, text = MISMATCH_LAYER_PROMETHEUS
+        self._layers = Gauge(name, text, (*LABELS, "layer"), registry=self.registry)
         self.port: int | None = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -100,6 +104,9 @@ class PromExporter:
                 else:
                     metric.set(float(row[m.key]))
         for key, value in row.items():
+            layer = layer_of_key(key)
+            if layer is not None and value is not None:
+                self._layers.labels(**self.labels, layer=str(layer)).set(float(value))
             found = grader_of_key(key)
             if found is None or value is None:
                 continue

@@ -48,6 +48,7 @@ import torch
 from rljob import metrics as m
 from rljob.metrics import AsyncStepMetrics
 from workers.algo.mismatch import mismatch_metrics
+from workers.rl.attribution import Probe, probes_of, traceable
 from workers.rl.faults import ActorFault
 from workers.rl.protocol import Generated, StepContext
 from workers.rl.step import Batch, start_batch, train_and_sync
@@ -79,6 +80,7 @@ class StepOutcome(NamedTuple):
     step: int
     row: AsyncStepMetrics | None
     fault: ActorFault | None = None
+    probes: tuple[Probe, ...] = ()  # the step's tokens to trace for the per-layer attribution
 
 
 class RlLoop:
@@ -136,8 +138,11 @@ class RlLoop:
             return StepOutcome(step, cast(AsyncStepMetrics, done.row), done.fault)
         self.version = step  # the sync above sent v_step; the batches asked for so far are done
         self.dropped += dropped
+        slo = self.ctx.spec.precision.mismatch_slo
+        traced = slo.attribution_interval > 0 and traceable(self.ctx.spec)
+        probes = probes_of(done.batch, done.logp_old, slo.attribution_sequences) if traced else ()
         if self.k == 0:
-            return StepOutcome(step, cast(AsyncStepMetrics, done.row))
+            return StepOutcome(step, cast(AsyncStepMetrics, done.row), probes=probes)
         try:
             overlap = sum(busy_overlap(done.train_wall, b.pending.result()) for b in new if b is not batch)
         except ActorFault as fault:  # a generator lost on a later batch: this step is trained
@@ -157,4 +162,4 @@ class RlLoop:
             rows = done.batch.response_mask * fresh[:, None]  # [B, L] the lag-0 sequences' tokens
             lag0 = mismatch_metrics(done.logp_old, done.batch.logprobs, rows, isc.low, isc.high, isc.mode)
             row.update({m.lag0_key(k): v for k, v in lag0.items()})
-        return StepOutcome(step, cast(AsyncStepMetrics, row))
+        return StepOutcome(step, cast(AsyncStepMetrics, row), probes=probes)

@@ -140,6 +140,30 @@ def test_the_mismatch_slo_follows_its_window_across_a_resume(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+def test_the_per_layer_attribution_runs_on_its_interval_and_at_the_breach(tmp_path: Path) -> None:
+    """fp8-gen breaks an SLO of median 1.0 at step 1: the attribution runs then (the breach) and at
+    step 2 (its interval), not at step 3; each time it writes a line to mismatch_layers.jsonl, the
+    step's ``mismatch/layer/<i>`` keys (one per decoder layer of the tiny model) and the labelled
+    gauge, and the breach names the layers in the log once."""
+    slo = {"median": 1.0, "tail_bound": 1.0, "tail_fraction": 0.0, "window": 3, "attribution_interval": 2}
+    spec = tiny_spec("fp8-gen", steps=3, precision={"recipe": "fp8-gen", "mismatch_slo": slo})
+    said: list[str] = []
+    result = run(spec, tmp_path, RunOptions(log=said.append))
+    rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
+    lines = [json.loads(x) for x in (tmp_path / "mismatch_layers.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["breached"]) for x in lines] == [(1, True), (2, False)]
+    layers = spec.model.tiny.num_layers if spec.model.tiny else 0
+    for line in lines:
+        row = rows[line["step"] - 1]
+        assert [row[f"mismatch/layer/{i}"] for i in range(layers)] == line["layers"]
+        assert len(line["tokens_logprob_diff"]) == spec.precision.mismatch_slo.attribution_sequences
+    assert not any(k.startswith("mismatch/layer/") for k in rows[2])
+    named = [x for x in said if "add most to the mismatch" in x]
+    assert len(named) == 1 and named[0].startswith("step 1:"), said
+    assert result.last_step == 3
+
+
+@pytest.mark.slow
 def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     """BF16 sends 2 B per parameter; FP8 layers send 1 B per weight + 4 B per 128x128 block, and an
     FP8 KV cache's scales 4 B per layer for K and for V."""

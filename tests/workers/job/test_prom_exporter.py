@@ -91,3 +91,18 @@ def test_each_graders_series_carries_its_name() -> None:
     assert got[("fp8rl_grader_errors_total", "m.valid")] == 4.0
     assert got[("fp8rl_grader_timeouts_total", "m.valid")] == 2.0
     assert got[("fp8rl_grader_seconds", "m.valid")] == 0.5
+
+
+def test_each_layers_share_of_the_mismatch_carries_its_layer() -> None:
+    """``mismatch/layer/<i>`` keys become fp8rl_mismatch_layer{layer="<i>"}; a step without them
+    leaves the last attribution's values (they are measured every attribution_interval steps)."""
+    exp = PromExporter(**LABELS)
+    exp.observe({"step": 10, "mismatch/layer/0": 0.125, "mismatch/layer/1": -0.5, "mismatch/layerx": 9.0})
+    exp.observe({"step": 11})
+    found = {
+        s.labels["layer"]: s.value
+        for family in text_string_to_metric_families(generate_latest(exp.registry).decode())
+        for s in family.samples
+        if s.name == "fp8rl_mismatch_layer" and {k: s.labels.get(k) for k in LABELS} == LABELS
+    }
+    assert found == {"0": 0.125, "1": -0.5}

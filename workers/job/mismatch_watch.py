@@ -1,0 +1,77 @@
+"""The job's watch over its train/generation mismatch (``precision.mismatch_slo``): the SLO over
+the window ending at each step (:mod:`rljob.mismatch_slo`), and the per-layer attribution
+(:mod:`workers.rl.attribution`) every ``attribution_interval`` steps and in the step where the SLO
+is breached."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rljob.metrics import mismatch_layer_key
+from rljob.mismatch_slo import evaluate
+from rljob.run_dir import RunDir
+from rljob.spec import JobSpec
+from workers.rl.attribution import Probe, attribute, worst_layers
+from workers.rl.protocol import StepActors
+
+
+class MismatchWatch:
+    """What one driver knows of the job's mismatch between steps."""
+
+    def __init__(self, spec: JobSpec, out: Path, log: Callable[[str], None]) -> None:
+        self.spec, self.out, self.log = spec, out, log
+        self.met: bool | None = None  # the SLO at the last step (None: not yet evaluated)
+        self.breached_now = False  # the last step is the one where the SLO broke
+        self.probes: tuple[Probe, ...] = ()  # the last trained step's tokens to trace
+
+    def observe(
+        self, step: int, row: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]
+    ) -> dict[str, float]:
+        """The SLO over the window ending at ``step`` (``row``, after the ``earlier`` lines of the
+        job, a resumed one's too), as the line's ``mismatch_slo/*`` keys; a change between met and
+        breached is logged once."""
+        slo = self.spec.precision.mismatch_slo
+        key = f"mismatch/{slo.metric}"
+        values = [float(row[key])] if key in row else []
+        for line in reversed(earlier):
+            if len(values) >= slo.window:
+                break
+            if key in line:
+                values.append(float(line[key]))
+        state = evaluate(values[::-1], slo, self.spec.precision.recipe)
+        self.breached_now = False
+        if state is None:
+            return {}
+        if state.met != self.met:
+            what = "met again" if state.met else "breached"
+            if not (state.met and self.met is None):  # a job that starts within it says nothing
+                self.log(f"step {step}: mismatch SLO {what}: {state.message(slo.metric)}")
+            self.breached_now = not state.met
+            self.met = state.met
+        return state.as_row()
+
+    def attribution(self, step: int, actors: StepActors | None) -> dict[str, float]:
+        """Each decoder layer's contribution to the mismatch, when due (every
+        ``attribution_interval`` steps, and in the step the SLO broke): appended to
+        ``mismatch_layers.jsonl`` and returned as the line's ``mismatch/layer/<i>`` keys."""
+        interval = self.spec.precision.mismatch_slo.attribution_interval
+        if actors is None or not self.probes or not (self.breached_now or step % max(interval, 1) == 0):
+            return {}
+        contributions = attribute(actors, self.probes)
+        worst = worst_layers(contributions, 3)
+        record = {
+            "step": step,
+            "breached": self.breached_now,
+            "layers": contributions,
+            "worst": worst,
+            "tokens_logprob_diff": [p.logprob_diff for p in self.probes],
+        }
+        with RunDir(self.out).mismatch_layers.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.breached_now and contributions:
+            shares = ", ".join(f"{i} ({contributions[i]:+.3g})" for i in worst)
+            self.log(f"step {step}: the decoder layers that add most to the mismatch: {shares}")
+        return {mismatch_layer_key(i): c for i, c in enumerate(contributions)}
