@@ -110,6 +110,7 @@ def test_sessions_memory_counts_what_a_process_holds(tmp_path: Path) -> None:
     assert 300 << 20 <= used < 400 << 20, used / 2**20
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_drivers_beyond_the_machine_wide_cap_wait_pending(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

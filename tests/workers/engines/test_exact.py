@@ -137,6 +137,7 @@ def test_attention_decode_row_equals_prefill_and_full_forward_rows_with_any_padd
 # -- the engines -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 @pytest.mark.parametrize(("recipe", "arch"), [("bf16", "llama"), ("fp8-e2e", "llama"), ("bf16", "qwen2")])
 def test_generator_logprobs_equal_trainer_logprobs_for_batches_of_1_3_and_8(recipe: str, arch: str) -> None:
     """Three generate calls (batch 1, 3, 8, each padded to its own longest prompt) re-padded into
@@ -235,6 +236,7 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-e2e"])
 def test_rl_steps_with_exact_show_no_mismatch_on_every_step(
     recipe: str, tmp_path: Path, ray_cluster: None
@@ -281,6 +283,7 @@ class _Generator:
         return {"embed": prompt[None].float(), "norm": torch.full((1, 3), 2.0), "head": torch.zeros(1, 3)}
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_ray_hands_back_the_trainers_exact_mismatch_with_its_index(ray_cluster: None) -> None:
     """Two trainer actors: the first reports the difference is elsewhere (row -1), the second
     finds its row 1 differing; ``JobActors``' gathering raises our error, not Ray's wrapper."""

@@ -88,6 +88,7 @@ def test_megatron_on_the_cpu_needs_megatron_core_only(monkeypatch: pytest.Monkey
     assert "megatron-core" in str(info.value) and "transformer-engine" not in str(info.value)
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_adapters_are_not_imported_with_workers() -> None:
     import subprocess
     import sys

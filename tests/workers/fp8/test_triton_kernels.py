@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(660)
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_kernels_under_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "FP8RL_SMALL_M_GEMM": "triton", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(

@@ -167,6 +167,7 @@ def test_a_checkpoint_load_quantizes_the_loaded_weights_at_once() -> None:
     assert_own_bytes(trainer.model)
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_the_previous_copies_are_let_go_before_the_new_buffers_are_made(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -44,15 +44,8 @@ def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
     return parse_spec(helpers.tiny_spec(**{**sections, **extra}))
 
 
-# fp8-e2e, the default recipe, stays in `make test-fast`: the one full driver run there
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        pytest.param("bf16", marks=pytest.mark.slow),
-        pytest.param("fp8-gen", marks=pytest.mark.slow),
-        "fp8-e2e",
-    ],
-)
+@pytest.mark.slow  # Ray and a driver: 5 s and more on 2 idle cores (tests/conftest.py: tiers)
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-gen", "fp8-e2e"])
 def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
     scraped: list[str] = []
     port: list[int] = []

@@ -86,6 +86,7 @@ def _member(rank: int, init_file: str, seed: int, out_dir: str) -> None:
         sync.shutdown()
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_broadcast_between_two_processes_delivers_identical_tensors(seed: int, tmp_path: Path) -> None:
     init_file = tmp_path / "rendezvous"
     start_processes(

@@ -36,6 +36,7 @@ def run_checks(name: str) -> None:
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
 
 
+@pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_kernel_arithmetic_under_the_interpreter() -> None:
     run_checks("arithmetic")
 
