@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rljob.spec import JobSpec
 from workers.engines.factory import native_pair
-from workers.engines.layer_diff import compare_traces, describe
+from workers.engines.layer_diff import compare_traces, describe, layer_contributions
 from workers.models.checkpoint import load_master_weights
 from workers.models.tokenizer import build_tokenizer
 from workers.tasks import Task
@@ -35,12 +35,17 @@ def report(spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed
     row, pos = divmod(int(diff.argmax()), diff.shape[1])
     prompt = batch.prompt_ids[row][batch.prompt_mask[row] != 0]
     response = batch.response_ids[row, : pos + 1]
-    diffs = compare_traces(gen.trace_token(prompt, response), trainer.trace_token(prompt, response))
+    gen_trace, train_trace = gen.trace_token(prompt, response), trainer.trace_token(prompt, response)
+    diffs = compare_traces(gen_trace, train_trace)
+    shares = layer_contributions(gen_trace, train_trace)
+    worst = sorted(range(len(shares)), key=lambda i: (-shares[i], i))[:3]
     lines = [
         f"recipe {spec.precision.recipe}, exact {str(spec.precision.exact).lower()}: "
         f"{differing} of {valid} sampled tokens have differing log-probs",
         f"largest: row {row}, response position {pos}, |trainer - generator| = {float(diff.max()):.3g}",
         describe(diffs) if differing else f"no sampled token differs; traced: row {row}, position {pos}",
+        "decoder layers that add most to the divergence (as the job's per-layer attribution "
+        "measures it): " + (", ".join(f"{i} ({shares[i]:+.3g})" for i in worst) if shares else "none"),
         f"{'module':<48} {'max |diff|':>11}  equal",
     ]
     lines += [f"{d.name:<48} {d.max_abs_diff:>11.3g}  {'yes' if d.equal else 'NO'}" for d in diffs]

@@ -27,10 +27,26 @@ def test_layer_diff_under_exact_finds_nothing_that_differs(tmp_path: Path) -> No
         lines = result.output.splitlines()
         assert lines[0].startswith(f"recipe {recipe}, exact true: 0 of ")
         assert "no sampled token differs" in lines[2]
-        modules = [line.split() for line in lines[4:]]
+        # both decoder layers add exactly nothing: the engines agree bit for bit
+        assert lines[3].endswith("the job's per-layer attribution measures it): 0 (+0), 1 (+0)"), lines[3]
+        modules = [line.split() for line in lines[5:]]
         names = [m[0] for m in modules]
         assert "model.embed_tokens" in names and "lm_head" in names and len(names) > 20
         assert all(m[-1] == "yes" for m in modules)
+
+
+def test_layer_diff_names_the_layers_of_an_fp8_gen_job(tmp_path: Path) -> None:
+    """fp8-gen: FP8 weights in the generator against a BF16 trainer, so the traced token's hidden
+    states part: the line names both decoder layers, whose contributions add up to a positive
+    divergence."""
+    spec = tmp_path / "gen.yaml"
+    spec.write_text(SPEC.replace("exact: true", "exact: false") % "fp8-gen")
+    result = runner.invoke(app, ["layer-diff", str(spec), "--prompts", "3"])
+    assert result.exit_code == 0, result.output
+    line = result.output.splitlines()[3]
+    named = line.split("measures it): ")[1].split(", ")
+    shares = {int(x.split(" ")[0]): float(x.split("(")[1].rstrip(")")) for x in named}
+    assert set(shares) == {0, 1} and sum(shares.values()) > 0, line
 
 
 def test_layer_diff_refuses_a_bad_spec(tmp_path: Path) -> None:
@@ -59,4 +75,4 @@ def test_layer_diff_loads_a_checkpoint(tmp_path: Path) -> None:
         app, ["layer-diff", str(spec_path), "--checkpoint", str(tmp_path), "--prompts", "2"]
     )
     assert result.exit_code == 0, result.output
-    assert all(line.split()[-1] == "yes" for line in result.output.splitlines()[4:])
+    assert all(line.split()[-1] == "yes" for line in result.output.splitlines()[5:])

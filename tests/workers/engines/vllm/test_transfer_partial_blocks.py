@@ -10,6 +10,11 @@ block kernels read it (each scale over its 128x128 block, the last one partial),
 master weights within the E4M3 bound of ``tests/workers/fp8/reference.py``.
 
 Needs vllm (``make engines``); without it the module fails to import, as the other vLLM tests.
+It also needs Intel AMX, and skips without it (below). What it checks of our side holds on every
+CPU elsewhere: the ceil scale grids of partial blocks and their dequantization within the FP8
+bound (tests/workers/fp8/test_hf_checkpoint.py::test_partial_blocks_export_with_ceil_scale_grids_and
+_dequantize_within_fp8_error), and the product's refusal of a job that needs these layers on a
+CPU without AMX (test_config.py).
 """
 
 from __future__ import annotations
