@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -76,7 +75,7 @@ class PhaseWatch:
     server nothing."""
 
     WATCH_S = 240  # each WATCH call's server-side bound; the next resumes from the last version
-    RETRY_S = 2.0  # after a failed call
+    RETRY_S = (2.0, 60.0)  # after a failed call: the first wait, doubled up to the second
 
     def __init__(self, objects: Any) -> None:
         self._objects = objects
@@ -120,7 +119,7 @@ class PhaseWatch:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
-        version = ""
+        version, wait = "", self.RETRY_S[0]
         while not self._stop.is_set():
             try:
                 if not version:
@@ -143,17 +142,20 @@ class PhaseWatch:
                             self._phases.pop(key, None)
                         else:
                             self._phases[key] = phase
+                wait = self.RETRY_S[0]  # a call that ended well
             except ApiException as err:
                 if err.status == 410:
                     version = ""
-                else:
-                    log.warning("RLJob watch: %s; retrying in %.0f s", err.reason, self.RETRY_S)
-                    time.sleep(self.RETRY_S)
+                    continue
+                log.warning("RLJob watch: %s %s; retrying in %.0f s", err.status, err.reason, wait)
+                self._stop.wait(wait)
+                wait = min(2 * wait, self.RETRY_S[1])
             except Exception as err:  # the connection dropped: watch again from the last version
                 if self._stop.is_set():
                     return
-                log.warning("RLJob watch: %s; retrying in %.0f s", err, self.RETRY_S)
-                time.sleep(self.RETRY_S)
+                log.warning("RLJob watch: %s; retrying in %.0f s", err, wait)
+                self._stop.wait(wait)
+                wait = min(2 * wait, self.RETRY_S[1])
 
 
 class KubernetesJobStore:
