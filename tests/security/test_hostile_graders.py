@@ -136,6 +136,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # sandboxed processes, timeouts, a real service and job (tests/conftest.py: tiers)
 def test_each_attack_is_stopped_and_the_pool_goes_on(
     targets: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,6 +208,7 @@ def grade(sample, item):
 )
 
 
+@pytest.mark.slow  # sandboxed processes, timeouts, a real service and job (tests/conftest.py: tiers)
 def test_a_real_service_never_runs_grader_code_and_a_hostile_job_succeeds(
     tmp_path: Path, targets: dict[str, Any]
 ) -> None:

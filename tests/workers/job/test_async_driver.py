@@ -25,7 +25,7 @@ from workers.models import checkpoint
 # above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
 pytestmark = pytest.mark.timeout(460)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STEPS = 8
 
 

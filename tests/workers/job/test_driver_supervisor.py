@@ -110,6 +110,7 @@ def test_the_supervisor_gives_up_with_the_drivers_code(tmp_path: Path) -> None:
     assert code == EXIT_OUT_OF_MEMORY and len(runs(oom)) == 1
 
 
+@pytest.mark.slow  # a fresh interpreter that imports the driver: ~13 s (tests/conftest.py: tiers)
 def test_the_real_driver_supervises_itself_and_passes_its_arguments_on(tmp_path: Path) -> None:
     """``python -m workers.job.driver ... --in-place-retries 2``: the flag is the supervisor's; the
     driver it starts gets the rest. A missing spec is the job's own fault: not retried, exit 2.
@@ -117,7 +118,7 @@ def test_the_real_driver_supervises_itself_and_passes_its_arguments_on(tmp_path:
     missing = tmp_path / "nope.yaml"
     done = subprocess.run(
         [sys.executable, "-m", "workers.job.driver", str(missing), "--in-place-retries", "2", "--job", "j"],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3],
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"error: {missing}" in done.stdout or "nope.yaml" in done.stdout

@@ -243,7 +243,7 @@ row = RlLoop(ctx, 1).step(1).row
 validate(ctx, 1)
 print(row["step"], "ray" in sys.modules)
 """
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["1", "False"]
