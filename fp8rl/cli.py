@@ -91,14 +91,23 @@ def layer_diff_cmd(
     checkpoint: Annotated[
         Path | None, typer.Option(help="A run's checkpoints/step_N directory (default: initial weights).")
     ] = None,
-    prompts: Annotated[int, typer.Option(help="Prompts sampled (one response each).")] = 8,
+    prompts: Annotated[int, typer.Option(min=1, max=1024, help="Prompts sampled (one response each).")] = 8,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    tokens: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Tokens the per-layer attribution averages over: the responses' most-differing "
+            "tokens, one per response (the module table traces the first).",
+        ),
+    ] = 1,
 ) -> None:
     """Where the native generator and trainer first differ, module by module, on the token whose
-    log-probs differ most (none under precision.exact)."""
+    log-probs differ most (none under precision.exact), and the decoder layers that add most."""
     from fp8rl.layer_diff import report
 
-    typer.echo(report(load_spec_or_exit(spec_path), checkpoint, prompts, seed))
+    typer.echo(report(load_spec_or_exit(spec_path), checkpoint, prompts, seed, tokens))
 
 
 @app.command("audit")

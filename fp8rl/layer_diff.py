@@ -12,16 +12,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from rljob.spec import JobSpec
 from workers.engines.factory import native_pair
 from workers.engines.layer_diff import compare_traces, describe, layer_contributions
 from workers.models.checkpoint import load_master_weights
 from workers.models.tokenizer import build_tokenizer
+from workers.rl.attribution import probes_of
 from workers.tasks import Task
 
 
-def report(spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed: int = 0) -> str:
-    """The comparison as text: the batch's differing tokens, then one line per module."""
+def report(
+    spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed: int = 0, tokens: int = 1
+) -> str:
+    """The comparison as text: the batch's differing tokens, the decoder layers that add most to
+    the divergence (averaged over the ``tokens`` most-differing tokens, one per response, as the
+    job's online attribution does), then one line per module of the most-differing token."""
     tok, r = build_tokenizer(spec), spec.rollout
     task = Task.for_job(spec, tok)
     state = None if checkpoint is None else load_master_weights(checkpoint)
@@ -37,15 +44,27 @@ def report(spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed
     response = batch.response_ids[row, : pos + 1]
     gen_trace, train_trace = gen.trace_token(prompt, response), trainer.trace_token(prompt, response)
     diffs = compare_traces(gen_trace, train_trace)
-    shares = layer_contributions(gen_trace, train_trace)
+    per_token = [layer_contributions(gen_trace, train_trace)]
+    others = [
+        p for p in probes_of(batch, logp, tokens)
+        if not (torch.equal(p.prompt, prompt) and torch.equal(p.response, response))
+    ]  # fmt: skip
+    for probe in others[: tokens - 1]:  # the most-differing token is traced above
+        per_token.append(
+            layer_contributions(gen.trace_token(probe.prompt, probe.response),
+                                trainer.trace_token(probe.prompt, probe.response))
+        )  # fmt: skip
+    count = min(len(c) for c in per_token)
+    shares = [sum(c[i] for c in per_token) / len(per_token) for i in range(count)]
     worst = sorted(range(len(shares)), key=lambda i: (-shares[i], i))[:3]
     lines = [
         f"recipe {spec.precision.recipe}, exact {str(spec.precision.exact).lower()}: "
         f"{differing} of {valid} sampled tokens have differing log-probs",
         f"largest: row {row}, response position {pos}, |trainer - generator| = {float(diff.max()):.3g}",
         describe(diffs) if differing else f"no sampled token differs; traced: row {row}, position {pos}",
-        "decoder layers that add most to the divergence (as the job's per-layer attribution "
-        "measures it): " + (", ".join(f"{i} ({shares[i]:+.3g})" for i in worst) if shares else "none"),
+        f"decoder layers that add most to the divergence, over {len(per_token)} token(s) (as the job's "
+        "per-layer attribution measures it): "
+        + (", ".join(f"{i} ({shares[i]:+.3g})" for i in worst) if shares else "none"),
         f"{'module':<48} {'max |diff|':>11}  equal",
     ]
     lines += [f"{d.name:<48} {d.max_abs_diff:>11.3g}  {'yes' if d.equal else 'NO'}" for d in diffs]

@@ -47,6 +47,13 @@ def test_layer_diff_names_the_layers_of_an_fp8_gen_job(tmp_path: Path) -> None:
     named = line.split("measures it): ")[1].split(", ")
     shares = {int(x.split(" ")[0]): float(x.split("(")[1].rstrip(")")) for x in named}
     assert set(shares) == {0, 1} and sum(shares.values()) > 0, line
+    assert "over 1 token(s)" in line
+    more = runner.invoke(app, ["layer-diff", str(spec), "--prompts", "3", "--tokens", "3"])
+    assert more.exit_code == 0 and "over 3 token(s)" in more.output.splitlines()[3], more.output
+    # the module table is the most-differing token's either way
+    assert more.output.splitlines()[5:] == result.output.splitlines()[5:]
+    bad = runner.invoke(app, ["layer-diff", str(spec), "--tokens", "0"])
+    assert bad.exit_code == 2 and "--tokens" in bad.output
 
 
 def test_layer_diff_refuses_a_bad_spec(tmp_path: Path) -> None:
