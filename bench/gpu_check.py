@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench import gpu_sections as sections
+from workers.job.numerics import installed_version
 
 SECTIONS = (
     "machine",
@@ -74,7 +75,9 @@ def machine() -> str:
         ("transformer-engine", TRANSFORMER_ENGINE_VERSION),
     )
     for dist, target in targets:
-        lines.append(f"| {dist} | {_installed_version(dist)} (adapters target {target}) |")
+        lines.append(
+            f"| {dist} | {installed_version((dist,)) or 'not installed'} (adapters target {target}) |"
+        )
     return "\n".join(lines)
 
 
@@ -91,15 +94,6 @@ def commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown (no git here; set FP8RL_GIT_COMMIT)"
     return out.stdout.strip() if out.returncode == 0 else "unknown (no git here; set FP8RL_GIT_COMMIT)"
-
-
-def _installed_version(dist: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

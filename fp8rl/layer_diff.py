@@ -19,7 +19,7 @@ from workers.engines.factory import native_pair
 from workers.engines.layer_diff import compare_traces, describe, layer_contributions
 from workers.models.checkpoint import load_master_weights
 from workers.models.tokenizer import build_tokenizer
-from workers.rl.attribution import probes_of
+from workers.rl.attribution import mean_contributions, probes_of, worst_layers
 from workers.tasks import Task
 
 
@@ -54,9 +54,8 @@ def report(
             layer_contributions(gen.trace_token(probe.prompt, probe.response),
                                 trainer.trace_token(probe.prompt, probe.response))
         )  # fmt: skip
-    count = min(len(c) for c in per_token)
-    shares = [sum(c[i] for c in per_token) / len(per_token) for i in range(count)]
-    worst = sorted(range(len(shares)), key=lambda i: (-shares[i], i))[:3]
+    shares = mean_contributions(per_token)
+    worst = worst_layers(shares, 3)
     lines = [
         f"recipe {spec.precision.recipe}, exact {str(spec.precision.exact).lower()}: "
         f"{differing} of {valid} sampled tokens have differing log-probs",

@@ -64,12 +64,19 @@ def probes_of(batch: Rollouts, logp_train: torch.Tensor, count: int) -> tuple[Pr
 def attribute(actors: StepActors, probes: tuple[Probe, ...]) -> list[float]:
     """Each decoder layer's contribution to the mismatch, the mean over ``probes`` (trainer 0 and
     generator 0; an empty list without probes)."""
-    per_probe = [layer_contributions(*actors.trace_token(0, p.prompt, p.response)) for p in probes]
-    per_probe = [c for c in per_probe if c]
-    if not per_probe:
+    return mean_contributions(
+        [layer_contributions(*actors.trace_token(0, p.prompt, p.response)) for p in probes]
+    )
+
+
+def mean_contributions(per_token: list[list[float]]) -> list[float]:
+    """Each layer's contribution averaged over the traced tokens (those whose trace held no
+    decoder layer left out; the layers all of them hold); an empty list without any."""
+    per_token = [c for c in per_token if c]
+    if not per_token:
         return []
-    layers = min(len(c) for c in per_probe)
-    return [sum(c[i] for c in per_probe) / len(per_probe) for i in range(layers)]
+    layers = min(len(c) for c in per_token)
+    return [sum(c[i] for c in per_token) / len(per_token) for i in range(layers)]
 
 
 def worst_layers(contributions: list[float], count: int) -> list[int]:
