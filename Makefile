@@ -69,9 +69,11 @@ kube: $(STAMP)
 model: $(WORKER_STAMP)
 	$(VENV)/bin/fp8rl model fetch smollm2-135m-instruct
 
-# every tier; the 25 slowest tests are printed at the end (docs/development.md#tests)
+# every tier on TEST_WORKERS pytest workers (the tests on the test cluster stay on one of them);
+# the 25 slowest tests are printed at the end (docs/development.md#tests)
+TEST_WORKERS ?= 2
 test: $(ENGINES_STAMP) tools kube model
-	$(PY) -m pytest --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: $(ENGINES_STAMP) tools kube
 	$(PY) -m pytest -m "not slow and not model and not engines and not kube" -x -q

@@ -44,12 +44,15 @@ def tiers_of(path: Path, fixtures: set[str]) -> list[str]:
     return tiers
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
         for tier in tiers_of(Path(str(item.path)), set(getattr(item, "fixturenames", ()))):
             item.add_marker(tier)
+            if tier == "kube":  # one cluster per run: `pytest -n 2 --dist loadgroup` keeps them on one worker
+                item.add_marker(pytest.mark.xdist_group("kube"))
         if "gpu" in item.keywords and not gpu:
             item.add_marker(skip)
 

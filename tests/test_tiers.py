@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TESTS, over_the_limit, tiers_of
 
 ROOT = TESTS.parent
@@ -48,3 +50,32 @@ def test_a_real_run_fails_the_untiered_sleeper_only(tmp_path: Path) -> None:
     assert proc.returncode == 1, out
     assert "1 failed, 2 passed" in out, out
     assert "FAILED" in out and "test_untiered" in out and "no tier marker" in out, out
+
+
+@pytest.mark.slow  # two workers that each import torch: ~14 s
+def test_the_tests_on_the_cluster_share_one_worker(tmp_path: Path) -> None:
+    """`make test` runs two workers; the tests on the test cluster (here, those that take a
+    `kube` fixture, a local stand-in for the session's cluster) must all run on one of them, or
+    each worker would start a cluster of its own. (pytest 9.2 broke pytest-xdist's groups,
+    pytest-xdist#1386: this test fails there.)"""
+    log = tmp_path / "workers.log"
+    (tmp_path / "test_probe.py").write_text(
+        "import os, time\nimport pytest\n\n"
+        "@pytest.fixture\ndef kube():\n    return None\n\n"
+        f"def record(what):\n    time.sleep(0.2)\n    with open({str(log)!r}, 'a') as f:\n"
+        "        f.write(what + ' ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_on_cluster(kube, i):\n    record('kube')\n\n"
+        "@pytest.mark.parametrize('i', range(6))\ndef test_elsewhere(i):\n    record('other')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-q",
+         "-n", "2", "--dist", "loadgroup",
+         "--rootdir", str(tmp_path), "-c", str(ROOT / "pyproject.toml"), str(tmp_path / "test_probe.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "12 passed" in out, out
+    seen = [line.split() for line in log.read_text().splitlines()]
+    assert len([w for what, w in seen if what == "kube"]) == 6
+    assert len({w for what, w in seen if what == "kube"}) == 1, seen
+    assert len({w for _, w in seen}) == 2, seen  # and the other worker did work too

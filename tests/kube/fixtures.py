@@ -19,8 +19,9 @@ _names = itertools.count()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests on the test cluster run last, in their order: the cluster starts with the first of
-    them and stays up only while they run, not beside the CPU-heavy tests of the rest of the suite."""
+    """The tests on the test cluster run together, in their order, so the cluster is up only while
+    they run: last in a run on one process; on one worker, beside the others, under `make test`'s
+    two workers (tests/conftest.py puts them in one xdist group)."""
     on_cluster = [item for item in items if "kube" in getattr(item, "fixturenames", ())]
     if on_cluster:
         others = [item for item in items if "kube" not in getattr(item, "fixturenames", ())]
