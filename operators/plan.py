@@ -74,6 +74,7 @@ from operators.status import (
     run_complete,
     target_of,
     with_faults,
+    with_precision,
     with_slo,
 )
 from rljob import resource as rl
@@ -232,8 +233,11 @@ def plan(
         new = _with_progress(new, progress_of(metrics, spec.job.steps), now)
         new, recovered = with_faults(new, restarts_of(metrics))
         after.extend(recovered)
-        new, slo_events = with_slo(new, gauges_of(metrics), spec.job.precision.mismatch_slo)
+        gauges, slo = gauges_of(metrics), spec.job.precision.mismatch_slo
+        new, slo_events = with_slo(new, gauges, slo)
         after.extend(slo_events)
+        new, precision_events = with_precision(new, gauges, slo)
+        after.extend(precision_events)
     new = _stamped(status, new, now)
     if new != status:
         actions.append(WriteStatus(new))

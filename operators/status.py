@@ -13,7 +13,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from operators.actions import Event
 from rljob.metrics import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
 from rljob.mismatch_slo import MismatchSloSpec, condition_of
-from rljob.status import ALLOWED, FAULTS_RECOVERED, MISMATCH_SLO, TERMINAL, JobStatus, Phase, Progress, Reason
+from rljob.precision_actions import condition_of as precision_condition_of
+from rljob.status import (
+    ALLOWED,
+    FAULTS_RECOVERED,
+    MISMATCH_SLO,
+    PRECISION_ACTIONS,
+    TERMINAL,
+    JobStatus,
+    Phase,
+    Progress,
+    Reason,
+)
 
 Target = tuple[Phase, str, str]  # phase, reason, message
 
@@ -163,6 +174,21 @@ def with_slo(
     new = status.with_condition(MISMATCH_SLO, met, reason, message)
     breached_now = not met and (old is None or old.status)
     return new, [Event("Warning", reason, message)] if breached_now else []
+
+
+def with_precision(
+    status: JobStatus, gauges: dict[str, float], slo: MismatchSloSpec
+) -> tuple[JobStatus, list[Event]]:
+    """``status`` with condition ``PrecisionActions`` from the driver's ``fp8rl_precision_actions``
+    gauge (``action: respond``), and a Warning event each time the count of actions changes."""
+    found = precision_condition_of(gauges, slo)
+    if found is None:
+        return status, []
+    on, reason, message = found
+    old = next((c for c in status.conditions if c.type == PRECISION_ACTIONS), None)
+    new = status.with_condition(PRECISION_ACTIONS, on, reason, message)
+    changed = (old.message != message) if old is not None else on
+    return new, [Event("Warning" if on else "Normal", reason, message)] if changed else []
 
 
 def _counts(message: str) -> int:

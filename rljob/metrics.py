@@ -94,6 +94,8 @@ SLO_MEDIAN_BOUND: Final = "mismatch_slo/median_bound"
 SLO_TAIL_STEPS: Final = "mismatch_slo/tail_steps"
 SLO_TAIL_BOUND: Final = "mismatch_slo/tail_bound"
 SLO_BREACHED: Final = "mismatch_slo/breached"
+# precision.mismatch_slo.action respond (rljob.precision_actions): the actions in effect after the step
+PRECISION_ACTIONS: Final = "precision/actions"
 # validation (every ``validation.interval`` steps)
 VAL_ACCURACY: Final = "val/accuracy"
 VAL_REWARD_MEAN: Final = "val/reward_mean"
@@ -177,6 +179,7 @@ SloMetrics = TypedDict(
         "mismatch_slo/tail_steps": float,
         "mismatch_slo/tail_bound": float,
         "mismatch_slo/breached": float,
+        "precision/actions": float,
     },
     total=False,  # the driver's rows have them; a step computed alone (workers.rl.step) has not
 )
@@ -288,6 +291,8 @@ PROMETHEUS: tuple[PromMetric, ...] = (
     PromMetric(SLO_TAIL_BOUND, "fp8rl_mismatch_slo_tail_bound", "gauge", "The SLO's tail bound"),
     PromMetric(SLO_BREACHED, "fp8rl_mismatch_slo_breached", "gauge",
                "1 while the job's mismatch breaks its SLO (median or tail), else 0"),
+    PromMetric(PRECISION_ACTIONS, "fp8rl_precision_actions", "gauge",
+               "Precision actions the mismatch SLO has in effect (precision.mismatch_slo.action respond)"),
     PromMetric(IS_WEIGHT_MAX, "fp8rl_is_weight_max", "gauge", "Largest applied IS weight"),
     PromMetric(GENERATION_TOKENS_PER_S, "fp8rl_generation_tokens_per_second", "gauge",
                "Generated tokens per second in the last step"),

@@ -77,13 +77,27 @@ class MismatchSloSpec(StrictModel):
         le=10_000,
         description="Every this many RL steps, and at once when the SLO is breached, each decoder "
         "layer's contribution to the mismatch is measured on a few of the step's sequences "
-        "(native engines; 0: never).",
+        "(native engines; 0: only at a breach with action respond, else never).",
     )
     attribution_sequences: int = Field(
         2, ge=1, le=16, description="Sequences of the step traced for the per-layer attribution."
     )
-    action: Literal["alert-only"] = Field(
-        "alert-only", description="What a breach does: alert-only (a metric, an alert, a condition)."
+    action: Literal["alert-only", "respond"] = Field(
+        "alert-only",
+        description="What a breach does: alert-only (a metric, an alert, a condition); respond: that, and "
+        "the next precision action in order: tighten the IS truncation, the worst decoder layers to "
+        "BF16, the KV cache to BF16, generation to BF16 (docs/precision.md: the response).",
+    )
+    relax: bool = Field(
+        False,
+        description="With action respond: undo the last action once the SLO has held for a whole window "
+        "since it was taken.",
+    )
+    action_layers: int = Field(
+        3,
+        ge=1,
+        le=64,
+        description="Decoder layers the bf16-layers action moves to BF16: the worst by the attribution.",
     )
 
     @property

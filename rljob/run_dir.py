@@ -39,6 +39,7 @@ NUMERICS = "numerics.json"
 WARMUP = "warmup.jsonl"
 FAULTS = "faults.jsonl"
 MISMATCH_LAYERS = "mismatch_layers.jsonl"
+PRECISION_ACTIONS = "precision_actions.jsonl"
 CHECKPOINTS = "checkpoints"
 JOB_SPEC = "job.json"
 DRIVER_LOG = "driver.log"
@@ -69,6 +70,10 @@ class RunDir:
     @property
     def mismatch_layers(self) -> Path:
         return self.root / MISMATCH_LAYERS
+
+    @property
+    def precision_actions(self) -> Path:
+        return self.root / PRECISION_ACTIONS
 
     @property
     def quantization_audit(self) -> Path:

@@ -41,6 +41,7 @@ def expand_home(path: str | None) -> str | None:
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an AdamW beta: a decay rate
 LayerCount = Annotated[int, Field(ge=0, le=128)]  # decoder layers (TinyModel.num_layers' range)
+LayerIndex = Annotated[int, Field(ge=0, le=127)]  # a decoder layer, counted from 0
 
 
 class TinyModel(StrictModel):
@@ -268,6 +269,12 @@ class PrecisionSpec(StrictModel):
     keep_bf16_layers: tuple[LayerCount, LayerCount] = Field(
         (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
     )
+    bf16_layers: tuple[LayerIndex, ...] = Field(
+        (),
+        max_length=128,
+        description="Decoder layers kept in BF16 by index, beside keep_bf16_layers' ends (native "
+        "engines and vLLM; the mismatch SLO's bf16-layers action adds to it).",
+    )
     power_of_two_scales: bool = Field(False, description="Round FP8 scales to powers of two.")
     master_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Trainer's master weights and optimizer state."
@@ -346,6 +353,16 @@ class JobSpec(StrictModel):
                     f"model.tiny.num_heads ({tiny.num_heads}) and num_kv_heads ({tiny.num_kv_heads}) must be "
                     f"multiples of resources.trainer_tensor_parallel_size ({tp}): each rank holds whole heads"
                 )
+        p = self.precision
+        if len(set(p.bf16_layers)) != len(p.bf16_layers):
+            raise ValueError(
+                f"precision.bf16_layers {list(p.bf16_layers)} names a layer twice; name each once"
+            )
+        if p.bf16_layers and res.trainer_engine == "megatron" and p.recipe == "fp8-e2e":
+            raise ValueError(
+                "precision.bf16_layers: Megatron keeps only the first and last layers in BF16; use "
+                "precision.keep_bf16_layers, or resources.trainer_engine native"
+            )
         if self.precision.exact:
             _check_exact(self)
         return self

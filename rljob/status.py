@@ -87,6 +87,9 @@ class Reason(StrEnum):
     # the driver's verdict on the mismatch SLO (condition MISMATCH_SLO)
     MISMATCH_WITHIN_SLO = "MismatchWithinSLO"
     MISMATCH_SLO_BREACHED = "MismatchSLOBreached"
+    # the SLO's response (condition PRECISION_ACTIONS, precision.mismatch_slo.action respond)
+    PRECISION_AS_SPECIFIED = "PrecisionAsSpecified"
+    PRECISION_RAISED = "PrecisionRaised"
     UNKNOWN = "Unknown"
 
     @classmethod
@@ -154,6 +157,9 @@ FAULTS_RECOVERED = "FaultsRecovered"
 # the job's mismatch against its precision.mismatch_slo: True within it (MismatchWithinSLO), False
 # breached (MismatchSLOBreached), with the numbers (rljob.mismatch_slo.condition_of)
 MISMATCH_SLO = "MismatchSLO"
+# with precision.mismatch_slo.action respond: True while the SLO's precision actions are in effect
+# (PrecisionRaised), False while the job runs as its spec says (rljob.precision_actions.condition_of)
+PRECISION_ACTIONS = "PrecisionActions"
 
 
 # how many attempts a status keeps (the newest): a job retried without end must not grow its record

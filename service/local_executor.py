@@ -48,12 +48,14 @@ from rljob.jobs import InvalidRecord, Job, JobNotFound, JobStore
 from rljob.metrics import MetricsLog
 from rljob.mismatch_slo import condition_of
 from rljob.paths import path_problems, shown_home, tenant_home
+from rljob.precision_actions import condition_of as precision_condition_of
 from rljob.run_dir import RunDir, driver_argv
 from rljob.status import (
     EXIT_OUT_OF_MEMORY,
     EXIT_TOO_MANY_FAULTS,
     FAULTS_RECOVERED,
     MISMATCH_SLO,
+    PRECISION_ACTIONS,
     TERMINAL,
     IllegalTransition,
     JobStatus,
@@ -446,6 +448,13 @@ class LocalExecutor:
             self.store.update(
                 r.job.tenant, r.job.name, lambda s: s.with_condition(MISMATCH_SLO, met, reason, message)
             )
+        acted = precision_condition_of(row, r.job.spec.precision.mismatch_slo)
+        if acted is not None:
+            on, why, what = acted
+            with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
+                self.store.update(
+                    r.job.tenant, r.job.name, lambda s: s.with_condition(PRECISION_ACTIONS, on, why, what)
+                )
 
     def _note_faults(self, r: _Running) -> None:
         """The job's ``FaultsRecovered`` condition, when ``faults.jsonl`` has grown."""

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from operators.status import advance, path, progress_of, target_of
+from operators.status import advance, gauges_of, path, progress_of, target_of, with_precision
+from rljob.mismatch_slo import MismatchSloSpec
 from rljob.status import JobStatus, Phase
 from workers.job.prom_exporter import PromExporter
 
@@ -81,3 +82,31 @@ def test_progress_from_the_drivers_exposition() -> None:
     assert (progress.step, progress.total_steps, progress.reward) == (7, 20, 0.25)
     assert progress.generation_tokens_per_s == 1234.5 and progress.token_mult_prob_error == 1.0021
     assert progress_of("", 20) is None
+
+
+def test_the_precision_actions_condition_follows_the_driver_s_gauge() -> None:
+    """``fp8rl_precision_actions`` from a real exposition: 2 actions in effect make condition
+    PrecisionActions True with a Warning event; the same count again says nothing; all undone
+    (relax) makes it False with a Normal event; a job with ``action: alert-only`` gets none."""
+    from prometheus_client import generate_latest
+
+    respond = MismatchSloSpec(action="respond")
+    exporter = PromExporter(job="j1", namespace="team-a", recipe="fp8-gen")
+
+    def gauges(count: float) -> dict[str, float]:
+        exporter.observe({"step": 3, "precision/actions": count})
+        return gauges_of(generate_latest(exporter.registry).decode())
+
+    status = JobStatus()
+    status, events = with_precision(status, gauges(2), respond)
+    (cond,) = [c for c in status.conditions if c.type == "PrecisionActions"]
+    assert (cond.status, cond.reason) == (True, "PrecisionRaised")
+    assert "2 precision action(s) in effect" in cond.message
+    assert [(e.type, e.reason) for e in events] == [("Warning", "PrecisionRaised")]
+    assert with_precision(status, gauges(2), respond)[1] == []
+    status, events = with_precision(status, gauges(0), respond)
+    (cond,) = [c for c in status.conditions if c.type == "PrecisionActions"]
+    assert (cond.status, cond.reason) == (False, "PrecisionAsSpecified")
+    assert [(e.type, e.reason) for e in events] == [("Normal", "PrecisionAsSpecified")]
+    assert with_precision(JobStatus(), gauges(2), MismatchSloSpec()) == (JobStatus(), [])
+    assert with_precision(JobStatus(), {}, respond) == (JobStatus(), [])

@@ -32,7 +32,8 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 # Long enough that the driver is still mid-run when the test suspends it after step 2: it sees the
 # step some poll intervals late, and the driver finishes the step it is in before it stops
 STEPS = 60
-TINY = tiny_spec(steps=STEPS, checkpoint_interval=100)
+# fp8-e2e (the default recipe), held to its SLO with the precision response on
+TINY = tiny_spec(steps=STEPS, checkpoint_interval=100, precision={"mismatch_slo": {"action": "respond"}})
 RUN_TIMEOUT = 240  # seconds for a whole tiny job on a busy 2-core machine
 
 
@@ -101,6 +102,8 @@ def test_submit_progress_suspend_resume_succeed(tmp_path: Path) -> None:
             "median token_mult_prob_error 1.0000 (bound 1.1); 0 of the last 10 steps above 1.1 "
             "(at most 1): within the SLO"
         )
+        [acted] = [c for c in done["status"]["conditions"] if c["type"] == "PrecisionActions"]
+        assert (acted["status"], acted["reason"]) == (False, "PrecisionAsSpecified")  # nothing to respond to
         history = api.get("/v1/jobs/life/metrics", headers=HEADERS).json()
         assert [r["step"] for r in history] == list(range(1, STEPS + 1))  # nothing lost, nothing twice
         since = api.get(f"/v1/jobs/life/metrics?since={STEPS - 2}", headers=HEADERS).json()

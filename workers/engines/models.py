@@ -256,6 +256,7 @@ def apply_recipe(model: nn.Module, precision: PrecisionSpec, role: str) -> Fp8Au
         keep_bf16=tuple(precision.keep_bf16_layers),  # type: ignore[arg-type]
         config=fp8_config(precision),
         gemms=("fprop", "dgrad", "wgrad") if role == "trainer" else ("fprop",),
+        bf16_layers=precision.bf16_layers,
     )
     # label the audit with the job's recipe, and say why a whole engine stays high precision
     audit.recipe = precision.recipe

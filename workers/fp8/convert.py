@@ -248,7 +248,12 @@ def _keep_range(keep_bf16: int | tuple[int, int]) -> tuple[int, int]:
 
 
 def _fp8_decision(
-    name: str, layer: nn.Linear, n_layers: int, keep: tuple[int, int], skip: Iterable[str]
+    name: str,
+    layer: nn.Linear,
+    n_layers: int,
+    keep: tuple[int, int],
+    skip: Iterable[str],
+    named: frozenset[int] = frozenset(),
 ) -> str | None:
     """None if the layer goes FP8, else the reason it stays in high precision."""
     for pattern in skip:
@@ -261,6 +266,8 @@ def _fp8_decision(
             return f"decoder layer {idx} is among the first {keep[0]} kept in BF16"
         if idx >= n_layers - keep[1]:
             return f"decoder layer {idx} is among the last {keep[1]} kept in BF16"
+        if idx in named:
+            return f"decoder layer {idx} is named in bf16_layers"
     out_f, in_f = layer.weight.shape
     if in_f % 16 or out_f % 16:
         return f"shape {out_f}x{in_f} not a multiple of 16 (FP8 GEMMs need it)"
@@ -275,6 +282,7 @@ def convert_model(
     config: Fp8LinearConfig | None = None,
     verbose: bool = False,
     gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad"),
+    bf16_layers: Iterable[int] = (),
 ) -> Fp8Audit:
     """Swap the decoder's ``nn.Linear`` layers for :class:`Fp8Linear` in place; return the audit.
 
@@ -288,6 +296,8 @@ def convert_model(
         config: quantization settings for the new layers.
         verbose: print the audit table.
         gemms: which GEMMs' kernels the audit shows (a generator only runs ``fprop``).
+        bf16_layers: decoder layers kept in BF16 by index (``precision.bf16_layers``); each must
+            be a layer of the model.
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} is not one of {RECIPES}")
@@ -295,6 +305,13 @@ def convert_model(
     keep = _keep_range(keep_bf16)
     skip = tuple(skip)
     n_layers = _num_layers(model)
+    named = frozenset(bf16_layers)
+    beyond = sorted(i for i in named if not 0 <= i < n_layers)
+    if beyond:
+        raise ValueError(
+            f"precision.bf16_layers {beyond}: the model has decoder layers 0-{n_layers - 1}; "
+            "name layers in that range"
+        )
     heads = _lm_head_names(model)
     audit = Fp8Audit(recipe=recipe)
     seen: set[int] = set()
@@ -323,7 +340,7 @@ def convert_model(
         elif recipe == "bf16":
             reason = "recipe bf16"
         else:
-            reason = _fp8_decision(name, module, n_layers, keep, skip)
+            reason = _fp8_decision(name, module, n_layers, keep, skip, named)
         if reason is None and isinstance(module, nn.Linear):
             layer = Fp8Linear.from_linear(module, cfg, name=name)
             _replace(model, name, layer)

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 from rljob import metrics as m
 from rljob.metrics import (
+    PRECISION_ACTIONS,
     RESTART_ROLES,
     AsyncStepMetrics,
     InitialValidation,
@@ -32,6 +33,7 @@ from rljob.metrics import (
     StepMetrics,
     ValidatedStepMetrics,
 )
+from rljob.precision_actions import Actions, effective
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers.fp8.kv_cache import calibrates_kv
@@ -144,6 +146,8 @@ class JobRun:
         opts: RunOptions,
     ) -> None:
         self.spec, self.task, self.tok, self.out, self.log = spec, task, tok, out, log
+        self.own_spec = spec  # the job's; self.spec: what its precision actions make of it
+        self.rebuild = False  # the precision actions changed: fresh actors before the next step
         self.rows, self.prom, self.opts = rows, prom, opts
         self.actors: JobActors | None = None
         self.loop: RlLoop | None = None
@@ -168,6 +172,7 @@ class JobRun:
         t0, handled = time.monotonic(), list[ActorFault]()
         while True:
             try:
+                self._adopt(ckpt)
                 self._start_actors(audit=not handled)
                 first = self._from(first_step, ckpt)
                 for fault in handled:
@@ -188,6 +193,8 @@ class JobRun:
     def train(self, step: int) -> StepOutcome:
         """Generate, train and sync step ``step`` (asynchronous: train it while the next generate);
         an actor fault in it is in the outcome, for :meth:`recover`."""
+        if self.rebuild:
+            self._rebuild(step)
         assert self.actors is not None and self.loop is not None
         for drill in [d for d in self.drills if d.step == step]:
             self.drills.remove(drill)  # once per driver: fresh actors are not armed again
@@ -206,9 +213,11 @@ class JobRun:
             row = cast(ValidatedStepMetrics, {**row, **val})
         line = cast(AsyncStepMetrics, {**row, **self.counts, **self.mismatch.observe(step, row, self.rows)})
         line = cast(AsyncStepMetrics, {**line, **self.mismatch.attribution(step, self.actors)})
+        self._respond(step)
+        line[PRECISION_ACTIONS] = float(len(self.mismatch.actions.taken))
         due = step % self.spec.checkpoint_interval == 0 or step == self.spec.steps
         if due:
-            save(self.actors, self.out, step, line)
+            self._save(step, line)
         self.log.append(line)
         self.rows.append(line)
         self.counts = dict.fromkeys(m.FAULT_KEYS, 0.0)
@@ -218,8 +227,62 @@ class JobRun:
             self.opts.on_step(line)
         if self.opts.stop.is_set():  # (the progress display may have set it)
             if not due:
-                save(self.actors, self.out, step, line)
+                self._save(step, line)
             self.opts.log(f"stopped after step {step}; continue with --resume")
+
+    def _save(self, step: int, line: Mapping[str, Any]) -> None:
+        """The checkpoint of ``step``: the trainers, the line, and the precision actions in effect."""
+        assert self.actors is not None
+        save(self.actors, self.out, step, line, {PRECISION_STATE: self.mismatch.actions.to_json()})
+
+    # -- the mismatch SLO's precision actions (rljob.precision_actions) --------------------------------
+    def _respond(self, step: int) -> None:
+        """The SLO's response after ``step``, if any: said in the log once, a line of
+        ``precision_actions.jsonl``, and fresh actors before the next step."""
+        decided = self.mismatch.respond(step)
+        if decided is None:
+            return
+        actions, what = decided
+        self.mismatch.actions, self.rebuild = actions, True
+        self.opts.log(f"step {step}: mismatch SLO response: {what} (from step {step + 1})")
+        entry = {"time": time.time(), "step": step, "what": what, **actions.to_json()}
+        with RunDir(self.out).precision_actions.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def _adopt(self, ckpt: Path | None) -> None:
+        """The precision actions ``ckpt`` kept (none without one), and the spec they make; the
+        actions ``precision_actions.jsonl`` holds from after it go, as the lines do (those steps
+        run again)."""
+        state = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else {}
+        actions = Actions.from_json(state.get(PRECISION_STATE))
+        path = RunDir(self.out).precision_actions
+        if path.exists():
+            kept = [x for x in path.read_text().splitlines() if json.loads(x)["step"] <= state.get("step", 0)]
+            path.write_text("".join(x + "\n" for x in kept))
+        if actions.taken:
+            self.opts.log(f"precision actions in effect from {ckpt}: {', '.join(actions.taken)}")
+        self.mismatch.actions, self.rebuild = actions, False
+        self.spec = effective(self.own_spec, actions)
+
+    def _rebuild(self, step: int) -> None:
+        """Fresh actors built from the spec the precision actions make (both engines, through the
+        path that builds them from a spec), with the trainers' current state, then the weight
+        sync; the loop starts again at ``step``, batches generated before are generated again."""
+        assert self.actors is not None
+        self.rebuild = False
+        self.spec = effective(self.own_spec, self.mismatch.actions)  # first: a fault's recovery builds it
+        directory = RunDir(self.out).root / RECOVERY_DIR
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        self.actors.save(directory)
+        self._start_actors()
+        assert self.actors is not None
+        self.actors.load(directory)
+        if calibrates_kv(self.spec):
+            calibrate_kv(self.ctx, step)
+        sync_weights(self.actors)
+        shutil.rmtree(directory, ignore_errors=True)
+        self._restart_loop(step)
 
     def _warn(self, row: Mapping[str, Any]) -> None:
         for warning in response_warnings(self.spec, row, self.warned):
@@ -285,8 +348,9 @@ class JobRun:
         """Fresh actors from the newest checkpoint (or from the start); the lines after it go,
         their fault counts carried into the next line. Returns the step to go on with and what
         was done."""
-        self._start_actors()
         last = checkpoint.latest(self.out)
+        self._adopt(last[1] if last else None)
+        self._start_actors()
         resume = last[0] if last else 0
         dropped = [r for r in self.rows if int(r[m.STEP]) > resume]
         for r in dropped:
@@ -381,4 +445,5 @@ class JobRun:
         self.loop = RlLoop(self.ctx, first_step)
 
 
-RECOVERY_DIR = ".recovery"  # the trainers' state while a generator fault's fresh actors start
+RECOVERY_DIR = ".recovery"  # the trainers' state while fresh actors start (a generator fault, an action)
+PRECISION_STATE = "precision_actions"  # the state.json key of the precision actions in effect

@@ -1,7 +1,8 @@
 """The job's watch over its train/generation mismatch (``precision.mismatch_slo``): the SLO over
-the window ending at each step (:mod:`rljob.mismatch_slo`), and the per-layer attribution
+the window ending at each step (:mod:`rljob.mismatch_slo`), the per-layer attribution
 (:mod:`workers.rl.attribution`) every ``attribution_interval`` steps and in the step where the SLO
-is breached."""
+is breached, and with ``action: respond`` the precision actions (:mod:`rljob.precision_actions`)
+a breach takes and a window within the SLO undoes."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rljob import metrics as m
 from rljob.metrics import mismatch_layer_key
 from rljob.mismatch_slo import evaluate
+from rljob.precision_actions import Actions, take, undo
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers.rl.attribution import Probe, attribute, worst_layers
@@ -26,6 +29,10 @@ class MismatchWatch:
         self.met: bool | None = None  # the SLO at the last step (None: not yet evaluated)
         self.breached_now = False  # the last step is the one where the SLO broke
         self.probes: tuple[Probe, ...] = ()  # the last trained step's tokens to trace
+        self.actions = Actions()  # the precision actions in effect (the checkpoint's, on a resume)
+        self.worst: list[int] = []  # the newest attribution's layers, worst first
+        self.spent = False  # the ladder had nothing left at a breach (said once)
+        self.judged = False  # the last step was judged on steps after the last action
 
     def observe(
         self, step: int, row: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]
@@ -37,12 +44,13 @@ class MismatchWatch:
         key = f"mismatch/{slo.metric}"
         values = [float(row[key])] if key in row else []
         for line in reversed(earlier):
-            if len(values) >= slo.window:
-                break
+            if len(values) >= slo.window or int(line.get(m.STEP, 0)) <= self.actions.since:
+                break  # the window starts again after a precision action
             if key in line:
                 values.append(float(line[key]))
         state = evaluate(values[::-1], slo, self.spec.precision.recipe)
         self.breached_now = False
+        self.judged = state is not None and step > self.actions.since
         if state is None:
             return {}
         if state.met != self.met:
@@ -58,10 +66,13 @@ class MismatchWatch:
         ``attribution_interval`` steps, and in the step the SLO broke): appended to
         ``mismatch_layers.jsonl`` and returned as the line's ``mismatch/layer/<i>`` keys."""
         interval = self.spec.precision.mismatch_slo.attribution_interval
-        if actors is None or not self.probes or not (self.breached_now or step % max(interval, 1) == 0):
+        due = self.breached_now or (interval > 0 and step % interval == 0)
+        if actors is None or not self.probes or not due:
             return {}
         contributions = attribute(actors, self.probes)
-        worst = worst_layers(contributions, 3)
+        worst = worst_layers(contributions, len(contributions))
+        self.worst = worst
+        worst = worst[:3]
         record = {
             "step": step,
             "breached": self.breached_now,
@@ -75,3 +86,21 @@ class MismatchWatch:
             shares = ", ".join(f"{i} ({contributions[i]:+.3g})" for i in worst)
             self.log(f"step {step}: the decoder layers that add most to the mismatch: {shares}")
         return {mismatch_layer_key(i): c for i, c in enumerate(contributions)}
+
+    def respond(self, step: int) -> tuple[Actions, str] | None:
+        """With ``action: respond``, after step ``step``'s :meth:`observe` and :meth:`attribution`:
+        the next precision action when the SLO is breached over the steps since the last one, or
+        (``relax``) the last one undone when the SLO has held for a whole window since; the new
+        actions and what they do. None: nothing to change."""
+        slo = self.spec.precision.mismatch_slo
+        if slo.action != "respond" or self.met is None or not self.judged:
+            return None
+        if not self.met:
+            taken = take(self.spec, self.actions, step, self.worst)
+            if taken is None and not self.spent:
+                self.spent = True
+                self.log(f"step {step}: mismatch SLO breached and every precision action is taken")
+            return taken
+        if slo.relax and self.actions.taken and step - self.actions.since >= slo.window:
+            return undo(self.spec, self.actions, step)
+        return None

@@ -139,7 +139,8 @@ class RlLoop:
         self.version = step  # the sync above sent v_step; the batches asked for so far are done
         self.dropped += dropped
         slo = self.ctx.spec.precision.mismatch_slo
-        traced = slo.attribution_interval > 0 and traceable(self.ctx.spec)
+        wanted = slo.attribution_interval > 0 or slo.action == "respond"  # bf16-layers needs it
+        traced = wanted and traceable(self.ctx.spec)
         probes = probes_of(done.batch, done.logp_old, slo.attribution_sequences) if traced else ()
         if self.k == 0:
             return StepOutcome(step, cast(AsyncStepMetrics, done.row), probes=probes)

@@ -137,13 +137,20 @@ def sync_weights(actors: StepActors) -> SyncMetrics:
     }
 
 
-def save(actors: StepActors, out: Path, step: int, row: Mapping[str, Any] | None = None) -> None:
+def save(
+    actors: StepActors,
+    out: Path,
+    step: int,
+    row: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+) -> None:
     """The trainers' state as the atomic checkpoint of ``step`` (:mod:`workers.models.checkpoint`), with
     the step's metrics line (``row``) in its ``state.json``: a kill between the checkpoint and the
-    line's append loses no line, since a resume restores it from there (the driver)."""
+    line's append loses no line, since a resume restores it from there (the driver). ``state``:
+    more of the job's state for ``state.json`` (the precision actions in effect)."""
     tmp = checkpoint.begin(out, step)
     actors.save(tmp)
-    checkpoint.commit(out, tmp, step, {} if row is None else {METRICS_ROW: dict(row)})
+    checkpoint.commit(out, tmp, step, {**(state or {}), **({} if row is None else {METRICS_ROW: dict(row)})})
 
 
 METRICS_ROW = "metrics_row"  # the state.json key of the checkpointed step's metrics line

@@ -156,6 +156,86 @@ def test_the_per_layer_attribution_runs_on_its_interval_and_at_the_breach(tmp_pa
     assert result.last_step == 3
 
 
+# one decoder layer of the tiny model (test_weight_sync_bytes_follow_the_recipe): its linears q, k,
+# v, o, gate, up, down hold 9216 weights in 7 blocks of 128x128; FP8 sends 1 B a weight and a 4 B
+# scale a block, BF16 2 B a weight
+LAYER_WEIGHTS = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 64 * 32
+LAYER_TO_BF16_BYTES = 2 * LAYER_WEIGHTS - (LAYER_WEIGHTS + 4 * 7)
+KV_SCALE_BYTES = 2 * 2 * 4  # K and V, 4 B each, for each of 2 layers
+
+
+def responding_spec(steps: int, staleness: int = 0) -> JobSpec:
+    """fp8-gen with the FP8 KV cache on a 2-layer tiny model, held to an SLO it breaks at every
+    step (median 1.0: any mismatch), with ``action: respond``: the ladder climbs one rung a step."""
+    slo = {"median": 1.0, "tail_bound": 1.0, "tail_fraction": 0.0, "window": 2, "attribution_interval": 0,
+           "action": "respond", "action_layers": 1}  # fmt: skip
+    return tiny_spec(
+        "fp8-gen", steps=steps,
+        model={"tiny": {**helpers.TINY_MODEL, "num_layers": 2}},
+        precision={"recipe": "fp8-gen", "fp8_kv_cache": True, "mismatch_slo": slo},
+        rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3, "max_staleness": staleness},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_slo_response_climbs_its_ladder_in_both_engines(tmp_path: Path) -> None:
+    """Each breach takes the next action, seen in the log (once each), precision_actions.jsonl,
+    the line's ``precision/actions``, and in what the engines then are: the weight sync's bytes
+    (hand-worked: the layer the attribution named worst goes BF16, then the KV cache's scales go,
+    then the other layer), with the weight contract met at every step."""
+    said: list[str] = []
+    result = run(responding_spec(5), tmp_path, RunOptions(log=said.append))
+    rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
+    events = [json.loads(x) for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["taken"][-1]) for e in events] == [
+        (1, "tighten-is"), (2, "bf16-layers"), (3, "bf16-kv-cache"), (4, "bf16-generation")
+    ]  # fmt: skip
+    assert [r["precision/actions"] for r in rows] == [1, 2, 3, 4, 4]
+    attribution = [json.loads(x) for x in (tmp_path / "mismatch_layers.jsonl").read_text().splitlines()]
+    assert attribution[0]["step"] == 1 and events[1]["layers"] == attribution[0]["worst"][:1]
+    sent = [r["weight_sync/bytes"] for r in rows]
+    assert sent[1] == sent[0]  # tighten-is leaves the engines as they are
+    assert sent[2] - sent[1] == LAYER_TO_BF16_BYTES
+    assert sent[3] - sent[2] == -KV_SCALE_BYTES
+    assert sent[4] - sent[3] == LAYER_TO_BF16_BYTES  # recipe bf16: the other layer too
+    assert all(r["sync/layers_mismatched"] == 0 for r in rows)
+    responses = [x for x in said if "mismatch SLO response" in x]
+    assert [x.split(":")[0] for x in responses] == ["step 1", "step 2", "step 3", "step 4"]
+    assert "importance sampling tis [0.5, 2] -> tis [0.75, 1.5]" in responses[0]
+    assert result.last_step == 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "asynchronous"])
+def test_a_crash_and_resume_keep_the_actions_of_the_checkpoint(tmp_path: Path, staleness: int) -> None:
+    """Crash after step 3 (checkpoint at 2, taken after bf16-layers): the resumed job starts with
+    tighten-is and bf16-layers, computes step 3 again as the first run did (the same prompts,
+    seeds per step; the same bytes), drops the step-3 action of the lost run, takes it again,
+    and has every step once."""
+    seen: list[Mapping[str, Any]] = []
+
+    def crash(row: Mapping[str, Any]) -> None:
+        seen.append(row)
+        if row["step"] == 3:
+            raise RuntimeError("simulated worker crash")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(responding_spec(4, staleness), tmp_path, RunOptions(on_step=crash))
+    said: list[str] = []
+    run(responding_spec(4, staleness), tmp_path, RunOptions(resume=True, log=said.append))
+    rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert any("precision actions in effect from" in x and "tighten-is, bf16-layers" in x for x in said), said
+    assert rows[2]["weight_sync/bytes"] == seen[2]["weight_sync/bytes"]
+    assert rows[2]["weight_sync/bytes"] - rows[1]["weight_sync/bytes"] == LAYER_TO_BF16_BYTES
+    assert rows[2]["reward/mean"] == seen[2]["reward/mean"]
+    events = [json.loads(x) for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["taken"][-1]) for e in events] == [
+        (1, "tighten-is"), (2, "bf16-layers"), (3, "bf16-kv-cache"), (4, "bf16-generation")
+    ]  # fmt: skip
+    assert [r["precision/actions"] for r in rows] == [1, 2, 3, 4]
+
+
 @pytest.mark.slow
 def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     """BF16 sends 2 B per parameter; FP8 layers send 1 B per weight + 4 B per 128x128 block, and an

@@ -8,6 +8,7 @@ expected values below are worked out by hand from the bytes, or by a plain Pytho
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import pytest
 import torch
@@ -179,10 +180,15 @@ def test_incomplete_kv_scales_are_refused() -> None:
         kv_scales_of(payload)
 
 
+@pytest.mark.parametrize(
+    "kept", [{"keep_bf16_layers": [1, 0]}, {"bf16_layers": [0]}], ids=["first", "by-index"]
+)
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-gen", "fp8-e2e"])
-def test_the_native_generator_reports_what_it_loaded(recipe: str) -> None:
+def test_the_native_generator_reports_what_it_loaded(recipe: str, kept: dict[str, Any]) -> None:
     """A real native trainer/generator pair: the generator's report after loading the trainer's
-    payload passes the contract, and its FP8 layers say ``fp8`` (the audit's FP8 rows)."""
+    payload passes the contract, and its FP8 layers say ``fp8`` (the audit's FP8 rows); layer 0
+    kept in BF16 as the first layer or by index (``precision.bf16_layers``, the path of the
+    mismatch SLO's bf16-layers action) is BF16 in both engines."""
     from rljob.spec import JobSpec
     from tests.helpers import TWO_LAYER_MODEL, tiny_spec
     from workers.engines.factory import native_trainer
@@ -190,7 +196,7 @@ def test_the_native_generator_reports_what_it_loaded(recipe: str) -> None:
     from workers.weight_sync.payload import fp8_weight_names
 
     spec = JobSpec.model_validate(
-        tiny_spec(model={"tiny": TWO_LAYER_MODEL}, precision={"recipe": recipe, "keep_bf16_layers": [1, 0]})
+        tiny_spec(model={"tiny": TWO_LAYER_MODEL}, precision={"recipe": recipe, **kept})
     )
     trainer = native_trainer(spec, 64)
     gen = NativeGenerator(spec, 64, 1, 0)
@@ -203,6 +209,10 @@ def test_the_native_generator_reports_what_it_loaded(recipe: str) -> None:
     fp8_rows = {f"{r.name}.weight" for r in gen.audit.rows if r.precision == "fp8"}
     assert {n for n, w in held["weights"].items() if w["holds"] == "fp8"} == fp8_rows
     assert len(fp8_rows) == (0 if recipe == "bf16" else 7)  # layer 1's seven linears
+    assert all(".layers.1." in n for n in fp8_rows)
+    if recipe == "fp8-e2e":  # the trainer holds the same layers in FP8
+        trained = {f"{r.name}.weight" for r in trainer.audit.rows if r.precision == "fp8"}
+        assert {n.removeprefix("model.") for n in trained} == {n.removeprefix("model.") for n in fp8_rows}
 
 
 def _report(kv_dtype: str) -> WeightReport:

@@ -70,10 +70,16 @@ def generator_layout(hf_config: Any, precision: PrecisionSpec) -> tuple[list[str
 
     The same rule as the native generator (:func:`workers.engines.models.apply_recipe`): every
     decoder linear in FP8 under ``fp8-gen`` and ``fp8-e2e``, except the first/last
-    ``keep_bf16_layers``; lm_head always BF16.
+    ``keep_bf16_layers`` and the ``bf16_layers``; lm_head always BF16.
     """
     layers = int(hf_config.num_hidden_layers)
     first, last = precision.keep_bf16_layers
+    beyond = sorted(i for i in precision.bf16_layers if i >= layers)
+    if beyond:
+        raise ValueError(
+            f"precision.bf16_layers {beyond}: the model has decoder layers 0-{layers - 1}; "
+            "name layers in that range"
+        )
     fp8: list[str] = []
     bf16: dict[str, str] = {"lm_head": "lm_head stays BF16"}
     for i, module, _ in decoder_linears(hf_config):
@@ -81,6 +87,8 @@ def generator_layout(hf_config: Any, precision: PrecisionSpec) -> tuple[list[str
             bf16[module] = "recipe bf16: the generator runs BF16"
         elif i < first or i >= layers - last:
             bf16[module] = f"keep_bf16_layers {list(precision.keep_bf16_layers)}"
+        elif i in precision.bf16_layers:
+            bf16[module] = f"decoder layer {i} is named in bf16_layers"
         else:
             fp8.append(f"{module}.weight")
     return fp8, bf16

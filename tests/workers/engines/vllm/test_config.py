@@ -40,8 +40,11 @@ def spec(**precision: Any) -> Any:
     )
 
 
-def test_layout_is_the_native_rule_with_layers_kept_in_bf16() -> None:
-    fp8, bf16 = vg.generator_layout(config(), spec(keep_bf16_layers=[1, 0]).precision)
+@pytest.mark.parametrize(
+    "kept", [{"keep_bf16_layers": [1, 0]}, {"bf16_layers": [0]}], ids=["first", "by-index"]
+)
+def test_layout_is_the_native_rule_with_layers_kept_in_bf16(kept: dict[str, Any]) -> None:
+    fp8, bf16 = vg.generator_layout(config(), spec(**kept).precision)
     # layer 0 kept: its 7 linears are BF16 (vLLM's ignored_layers); layer 1 is FP8
     assert fp8 == [
         "model.layers.1.self_attn.q_proj.weight",
@@ -59,6 +62,11 @@ def test_layout_is_the_native_rule_with_layers_kept_in_bf16() -> None:
     )
     none, everything = vg.generator_layout(config(), spec(recipe="bf16").precision)
     assert none == [] and len(everything) == 15
+
+
+def test_a_layer_index_beyond_the_model_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"precision.bf16_layers \[2, 5\]: the model has decoder layers 0-1"):
+        vg.generator_layout(config(), spec(bf16_layers=[5, 0, 2]).precision)
 
 
 def test_shapes_of_the_decoder_linears() -> None:

@@ -1,0 +1,155 @@
+"""The job's response to a breached mismatch SLO (``precision.mismatch_slo.action: respond``).
+
+Each breach takes the next action of a fixed ladder that applies to the job, cheapest first:
+
+1. ``tighten-is``: the importance-sampling truncation halves its distance to 1 (``high`` 2 -> 1.5,
+   ``low`` 0.5 -> 0.75); a job without IS (``mode: none``) gets truncated IS (``tis``) at its
+   ``high``.
+2. ``bf16-layers``: the ``action_layers`` decoder layers that add most to the mismatch (the
+   per-layer attribution of the breach) join ``precision.bf16_layers`` in both engines, through the
+   path that builds the engines from the spec, so the precision contract still holds. It needs the
+   attribution (native engines) and an FP8 recipe; else it is passed over.
+3. ``bf16-kv-cache``: ``precision.fp8_kv_cache`` off (only when it is on).
+4. ``bf16-generation``: recipe ``bf16`` (for ``fp8-gen`` the generator; ``fp8-e2e`` has no recipe
+   with a BF16 generator beside an FP8 trainer, so both engines go to BF16).
+
+A breach judges the steps since the last action only (the window starts again there), so one bad
+window does not climb the whole ladder. With ``relax``, the last action is undone once the SLO has
+held for a whole window since it was taken. :class:`Actions` is what the checkpoint keeps and a
+resumed job continues with; :func:`effective` is the spec the engines are built from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rljob import metrics as m
+from rljob.mismatch_slo import MismatchSloSpec
+from rljob.spec import JobSpec
+from rljob.status import Reason
+
+LADDER = ("tighten-is", "bf16-layers", "bf16-kv-cache", "bf16-generation")
+
+
+@dataclass(frozen=True)
+class Actions:
+    """The actions in effect, in the order taken; ``layers``: those ``bf16-layers`` chose;
+    ``since``: the step the last one (or its undoing) was taken after (0: none yet)."""
+
+    taken: tuple[str, ...] = ()
+    layers: tuple[int, ...] = ()
+    since: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"taken": list(self.taken), "layers": list(self.layers), "since": self.since}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> Actions:
+        """What :meth:`to_json` wrote (a checkpoint's); refuses what no ladder could have made."""
+        if not data:
+            return cls()
+        taken = tuple(str(a) for a in data.get("taken", ()))
+        if any(a not in LADDER for a in taken) or len(set(taken)) != len(taken):
+            raise ValueError(f"precision actions {taken}: not a subset of {LADDER}, each once")
+        layers = tuple(int(i) for i in data.get("layers", ()))
+        return cls(taken, layers if "bf16-layers" in taken else (), int(data.get("since", 0)))
+
+
+def _applies(action: str, spec: JobSpec, layers: Sequence[int]) -> bool:
+    p = spec.precision
+    if action == "tighten-is":
+        return True
+    if action == "bf16-layers":
+        return p.recipe != "bf16" and bool(layers)
+    if action == "bf16-kv-cache":
+        return p.fp8_kv_cache
+    return p.recipe != "bf16"
+
+
+def next_action(spec: JobSpec, actions: Actions, worst: Sequence[int]) -> str | None:
+    """The first action of :data:`LADDER` not taken that applies to ``spec`` (the job's own spec,
+    with the actions taken applied); ``worst``: the attribution's layers, worst first (empty when
+    there is none). None: the ladder is spent."""
+    now = effective(spec, actions)
+    for action in LADDER:
+        if action not in actions.taken and _applies(action, now, worst):
+            return action
+    return None
+
+
+def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tuple[Actions, str] | None:
+    """``actions`` with the next action taken after ``step``, and what it does, in one line; None
+    when the ladder is spent."""
+    action = next_action(spec, actions, worst)
+    if action is None:
+        return None
+    slo = spec.precision.mismatch_slo
+    layers = tuple(worst[: slo.action_layers]) if action == "bf16-layers" else actions.layers
+    after = Actions((*actions.taken, action), layers, step)
+    return after, describe(spec, actions, after, action)
+
+
+def undo(spec: JobSpec, actions: Actions, step: int) -> tuple[Actions, str] | None:
+    """``actions`` without the last one (after ``step``), and what that does; None when none."""
+    if not actions.taken:
+        return None
+    last = actions.taken[-1]
+    after = Actions(actions.taken[:-1], () if last == "bf16-layers" else actions.layers, step)
+    return after, f"undone: {describe(spec, after, actions, last)}"
+
+
+def describe(spec: JobSpec, before: Actions, after: Actions, action: str) -> str:
+    """What ``action`` changes, from ``before``'s settings to ``after``'s."""
+    old, new = effective(spec, before), effective(spec, after)
+    if action == "tighten-is":
+        a, b = old.algorithm.importance_sampling, new.algorithm.importance_sampling
+        was, now = f"{a.mode} [{a.low:g}, {a.high:g}]", f"{b.mode} [{b.low:g}, {b.high:g}]"
+        return f"tighten-is: importance sampling {was} -> {now}"
+    if action == "bf16-layers":
+        return f"bf16-layers: decoder layers {sorted(after.layers or before.layers)} to BF16 in both engines"
+    if action == "bf16-kv-cache":
+        return "bf16-kv-cache: the generators' KV cache from FP8 (E4M3) to BF16"
+    return f"bf16-generation: recipe {old.precision.recipe} -> {new.precision.recipe}"
+
+
+def effective(spec: JobSpec, actions: Actions) -> JobSpec:
+    """``spec`` with ``actions`` applied: what the engines are built from."""
+    if not actions.taken:
+        return spec
+    algo, precision = spec.algorithm, spec.precision
+    isc = algo.importance_sampling
+    if "tighten-is" in actions.taken:
+        mode = "tis" if isc.mode == "none" else isc.mode
+        high = isc.high if isc.mode == "none" else 1 + (isc.high - 1) / 2
+        low = 1 - (1 - isc.low) / 2 if isc.low < 1 else isc.low
+        isc = isc.model_copy(update={"mode": mode, "high": max(high, low), "low": min(low, high)})
+    changes: dict[str, Any] = {}
+    if "bf16-layers" in actions.taken:
+        changes["bf16_layers"] = tuple(sorted(set(precision.bf16_layers) | set(actions.layers)))
+    if "bf16-kv-cache" in actions.taken:
+        changes["fp8_kv_cache"] = False
+    if "bf16-generation" in actions.taken:
+        changes.update(recipe="bf16", fp8_kv_cache=False)
+    return spec.model_copy(
+        update={
+            "algorithm": algo.model_copy(update={"importance_sampling": isc}),
+            "precision": precision.model_copy(update=changes),
+        }
+    )
+
+
+def condition_of(row: Mapping[str, float], slo: MismatchSloSpec) -> tuple[bool, Reason, str] | None:
+    """The job's ``PrecisionActions`` condition from a step's line (or the driver's gauges read
+    back as one); None without ``action: respond`` or before the first line."""
+    if slo.action != "respond" or m.PRECISION_ACTIONS not in row:
+        return None
+    count = int(row[m.PRECISION_ACTIONS])
+    if count == 0:
+        return False, Reason.PRECISION_AS_SPECIFIED, "the job runs at the precision its spec asks for"
+    message = (
+        f"the mismatch SLO's response has {count} precision action(s) in effect (of {', '.join(LADDER)}, "
+        "in that order, each where it applies); the job's log and precision_actions.jsonl name them"
+    )
+    return True, Reason.PRECISION_RAISED, message

@@ -1,0 +1,112 @@
+"""The mismatch SLO's precision actions (rljob.precision_actions): the ladder's order, what each
+action makes of the spec (hand-worked numbers), what is passed over, undoing, and the state a
+checkpoint keeps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rljob import parse_spec
+from rljob.precision_actions import LADDER, Actions, effective, next_action, take, undo
+from rljob.spec import JobSpec
+from tests import helpers
+
+
+def spec_of(recipe: str = "fp8-gen", kv: bool = True, **precision: Any) -> JobSpec:
+    slo = {"action": "respond", "action_layers": 2}
+    return parse_spec(
+        helpers.tiny_spec(precision={"recipe": recipe, "fp8_kv_cache": kv, "mismatch_slo": slo, **precision})
+    )
+
+
+def climb(spec: JobSpec, worst: list[int]) -> list[str]:
+    """The actions a breach after every step takes until the ladder is spent."""
+    actions, seen = Actions(), []
+    for step in range(1, 10):
+        taken = take(spec, actions, step, worst)
+        if taken is None:
+            return seen
+        actions = taken[0]
+        seen.append(actions.taken[-1])
+        assert actions.since == step
+    raise AssertionError("the ladder never ended")
+
+
+def test_the_ladder_runs_in_its_order_and_passes_over_what_does_not_apply() -> None:
+    assert climb(spec_of(), [3, 1, 0]) == list(LADDER)
+    assert climb(spec_of(kv=False), [3, 1, 0]) == ["tighten-is", "bf16-layers", "bf16-generation"]
+    # no attribution (vLLM or Megatron engines): no layers to choose
+    assert climb(spec_of(), []) == ["tighten-is", "bf16-kv-cache", "bf16-generation"]
+    assert climb(spec_of("bf16", kv=False), [3]) == ["tighten-is"]
+
+
+def test_each_action_changes_the_spec_as_worked_by_hand() -> None:
+    spec = spec_of(keep_bf16_layers=(0, 0), bf16_layers=(5,))
+    isc = spec.algorithm.importance_sampling
+    assert (isc.mode, isc.low, isc.high) == ("tis", 0.5, 2.0)  # the defaults
+    tightened = effective(spec, Actions(("tighten-is",)))
+    isc = tightened.algorithm.importance_sampling
+    assert (isc.mode, isc.low, isc.high) == ("tis", 0.75, 1.5)  # half the distance to 1
+    assert tightened.precision == spec.precision
+
+    layers = effective(spec, Actions(("tighten-is", "bf16-layers"), (3, 1)))
+    assert layers.precision.bf16_layers == (1, 3, 5)  # the job's own layer stays
+    assert layers.precision.fp8_kv_cache and layers.precision.recipe == "fp8-gen"
+
+    kv = effective(spec, Actions(("tighten-is", "bf16-kv-cache")))
+    assert not kv.precision.fp8_kv_cache and kv.precision.recipe == "fp8-gen"
+    gen = effective(spec, Actions(("tighten-is", "bf16-kv-cache", "bf16-generation")))
+    assert gen.precision.recipe == "bf16" and not gen.precision.fp8_kv_cache
+    assert effective(spec, Actions()) is spec
+
+
+def test_tightening_gives_truncated_is_to_a_job_without_it() -> None:
+    spec = parse_spec(helpers.tiny_spec(algorithm={"importance_sampling": {"mode": "none", "high": 3.0}}))
+    isc = effective(spec, Actions(("tighten-is",))).algorithm.importance_sampling
+    assert (isc.mode, isc.high) == ("tis", 3.0)
+    icepop = {"importance_sampling": {"mode": "icepop", "low": 0.2, "high": 5.0}}
+    mask = parse_spec(helpers.tiny_spec(algorithm=icepop))
+    isc = effective(mask, Actions(("tighten-is",))).algorithm.importance_sampling
+    assert (isc.mode, isc.low, isc.high) == ("icepop", 0.6, 3.0)
+
+
+def test_the_worst_layers_are_taken_up_to_action_layers() -> None:
+    spec = spec_of()
+    after, what = take(spec, Actions(("tighten-is",), (), 4), 7, [6, 2, 9, 0]) or (None, "")
+    assert after == Actions(("tighten-is", "bf16-layers"), (6, 2), 7)
+    assert what == "bf16-layers: decoder layers [2, 6] to BF16 in both engines"
+    assert next_action(spec, after, [6, 2]) == "bf16-kv-cache"
+
+
+def test_undo_takes_back_the_last_action_only() -> None:
+    spec = spec_of()
+    actions = Actions(("tighten-is", "bf16-layers", "bf16-kv-cache"), (4,), 9)
+    back, what = undo(spec, actions, 20) or (None, "")
+    assert back == Actions(("tighten-is", "bf16-layers"), (4,), 20)
+    assert what == "undone: bf16-kv-cache: the generators' KV cache from FP8 (E4M3) to BF16"
+    assert effective(spec, back).precision.fp8_kv_cache
+    back2, what2 = undo(spec, back, 21) or (None, "")
+    assert back2 == Actions(("tighten-is",), (), 21) and "[4]" in what2
+    assert undo(spec, Actions(), 3) is None
+
+
+def test_the_checkpointed_state_reads_back_and_refuses_what_no_ladder_makes() -> None:
+    actions = Actions(("tighten-is", "bf16-layers"), (2, 0), 12)
+    assert Actions.from_json(actions.to_json()) == actions
+    assert Actions.from_json(None) == Actions()
+    with pytest.raises(ValueError, match="each once"):
+        Actions.from_json({"taken": ["tighten-is", "tighten-is"]})
+    with pytest.raises(ValueError, match="not a subset"):
+        Actions.from_json({"taken": ["fp4-everything"]})
+
+
+def test_bf16_layers_is_bounded_and_checked() -> None:
+    with pytest.raises(ValueError, match="names a layer twice"):
+        parse_spec(helpers.tiny_spec(precision={"bf16_layers": [1, 1]}))
+    with pytest.raises(ValueError, match="bf16_layers"):
+        parse_spec(helpers.tiny_spec(precision={"bf16_layers": [128]}))
+    megatron = {"trainer_engine": "megatron", "gpus_per_trainer": 1}
+    with pytest.raises(ValueError, match="Megatron keeps only the first and last"):
+        parse_spec(helpers.tiny_spec(precision={"bf16_layers": [0]}, resources=megatron))
