@@ -23,7 +23,7 @@ def spec_of(recipe: str = "fp8-gen", kv: bool = True, **precision: Any) -> JobSp
 
 def climb(spec: JobSpec, worst: list[int]) -> list[str]:
     """The actions a breach after every step takes until the ladder is spent."""
-    actions, seen = Actions(), []
+    actions, seen = Actions(), list[str]()
     for step in range(1, 10):
         taken = take(spec, actions, step, worst)
         if taken is None:
