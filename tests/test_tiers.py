@@ -33,6 +33,7 @@ def test_the_limit_applies_to_untiered_tests_only() -> None:
     assert why is not None and "12.3 s" in why and "slow" in why
 
 
+@pytest.mark.slow  # a pytest of its own that imports torch: ~7 s on 2 idle cores, 12 s on busy ones
 def test_a_real_run_fails_the_untiered_sleeper_only(tmp_path: Path) -> None:
     (tmp_path / "test_probe.py").write_text(
         "import time\nimport pytest\n\n"

@@ -20,9 +20,12 @@ def test_decode_time_leaves_the_prefill_out() -> None:
     assert math.isnan(RolloutRow("bf16", "bf16", "eager", 1.0, 64, 0, 0, 300, 1, 0.5).decode_ms)
 
 
-def test_a_cpu_run_times_a_prefill_shorter_than_the_whole_call() -> None:
+def test_a_cpu_run_times_the_prefill_apart_from_the_whole_call() -> None:
+    """Both times are measured (finite, positive) and the decode time is their difference per
+    decode step. Which is shorter is not asserted: they are two calls, timed apart, and on a busy
+    machine the one-token call can take longer (speed is the benchmark's to report)."""
     _, rows = run("tiny", "cpu", prompts=4, new_tokens=6, repeat=1, kv_caches=("bf16",))
     assert [(r.weights, r.kv_cache) for r in rows] == [("bf16", "bf16"), ("fp8", "bf16")]
     for row in rows:
-        assert row.new_tokens == 6 and 0 < row.prefill_seconds < row.seconds
-        assert row.decode_ms > 0
+        assert row.new_tokens == 6 and 0 < row.prefill_seconds < math.inf and 0 < row.seconds < math.inf
+        assert math.isclose(row.decode_ms, (row.seconds - row.prefill_seconds) / 5 * 1e3)

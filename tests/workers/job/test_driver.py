@@ -164,15 +164,18 @@ LAYER_TO_BF16_BYTES = 2 * LAYER_WEIGHTS - (LAYER_WEIGHTS + 4 * 7)
 KV_SCALE_BYTES = 2 * 2 * 4  # K and V, 4 B each, for each of 2 layers
 
 
-def responding_spec(steps: int, staleness: int = 0) -> JobSpec:
-    """fp8-gen with the FP8 KV cache on a 2-layer tiny model, held to an SLO it breaks at every
-    step (median 1.0: any mismatch), with ``action: respond``: the ladder climbs one rung a step."""
+def responding_spec(
+    steps: int, staleness: int = 0, layers: int = 2, kv: bool = True, relax: bool = False
+) -> JobSpec:
+    """fp8-gen (with the FP8 KV cache: ``kv``) on a tiny model of ``layers`` decoder layers, held to
+    an SLO it breaks at every FP8 step (median 1.0: any mismatch), with ``action: respond``: the
+    ladder climbs one rung a step."""
     slo = {"median": 1.0, "tail_bound": 1.0, "tail_fraction": 0.0, "window": 2, "attribution_interval": 0,
-           "action": "respond", "action_layers": 1}  # fmt: skip
+           "action": "respond", "action_layers": 1, "relax": relax}  # fmt: skip
     return tiny_spec(
         "fp8-gen", steps=steps,
-        model={"tiny": {**helpers.TINY_MODEL, "num_layers": 2}},
-        precision={"recipe": "fp8-gen", "fp8_kv_cache": True, "mismatch_slo": slo},
+        model={"tiny": {**helpers.TINY_MODEL, "num_layers": layers}},
+        precision={"recipe": "fp8-gen", "fp8_kv_cache": kv, "mismatch_slo": slo},
         rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3, "max_staleness": staleness},
     )  # fmt: skip
 
@@ -203,6 +206,27 @@ def test_the_slo_response_climbs_its_ladder_in_both_engines(tmp_path: Path) -> N
     assert [x.split(":")[0] for x in responses] == ["step 1", "step 2", "step 3", "step 4"]
     assert "importance sampling tis [0.5, 2] -> tis [0.75, 1.5]" in responses[0]
     assert result.last_step == 5
+
+
+@pytest.mark.slow
+def test_relax_moves_the_layer_back_to_fp8_after_a_window_within(tmp_path: Path) -> None:
+    """fp8-gen on one decoder layer, SLO median 1.0, window 2, relax: step 1 breaks it
+    (tighten-is), step 2 too (bf16-layers: the only layer, so the generator computes as the BF16
+    trainer does and the mismatch is 1.0), steps 3-4 hold it for a window, so bf16-layers is undone
+    after step 4; step 5 is FP8 again, breaks it, and takes bf16-layers again. The weight sync's
+    bytes follow each change."""
+    one_layer = responding_spec(5, layers=1, kv=False, relax=True)
+    said: list[str] = []
+    run(one_layer, tmp_path, RunOptions(log=said.append))
+    rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
+    assert [r["precision/actions"] for r in rows] == [1, 2, 2, 1, 2]
+    assert rows[2]["mismatch/token_mult_prob_error"] == rows[3]["mismatch/token_mult_prob_error"] == 1.0
+    sent = [r["weight_sync/bytes"] for r in rows]
+    assert sent[2] - sent[1] == LAYER_TO_BF16_BYTES and sent[3] == sent[2]
+    assert sent[4] - sent[3] == -LAYER_TO_BF16_BYTES  # FP8 again after the undoing
+    events = [json.loads(x)["what"] for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
+    assert [e.split(":")[0] for e in events] == ["tighten-is", "bf16-layers", "undone", "bf16-layers"]
+    assert any(x.startswith("step 4: mismatch SLO response: undone: bf16-layers") for x in said), said
 
 
 @pytest.mark.slow
