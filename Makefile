@@ -171,6 +171,24 @@ $(SMOLLM2_RUNS): runs/compare-smollm2-%: $(WORKER_STAMP)
 $(SMOLLM2_KV_RUNS): runs/compare-smollm2-fp8kv-%: $(WORKER_STAMP)
 	$(call smollm2_run,--set precision.fp8_kv_cache=true)
 
+# The mismatch SLO's response (docs/results.md): fp8-gen with the FP8 KV cache on SmolLM2, the case that
+# breaks its SLO, with precision.mismatch_slo.action alert-only and respond, on SLO_SEEDS for SLO_STEPS
+# steps; then `fp8rl report`. Resumes like `make compare`.
+SLO_SEEDS ?= 0 1 2
+SLO_STEPS ?= 10
+SLO_RUNS := $(foreach s,$(SLO_SEEDS),$(foreach a,alert-only respond,runs/compare-slo-$(a)-seed$(s)))
+.PHONY: compare-slo $(SLO_RUNS)
+compare-slo: $(SLO_RUNS)
+	$(VENV)/bin/fp8rl report $(SLO_RUNS) -o runs/compare-slo-report.png
+
+$(SLO_RUNS): runs/compare-slo-%: $(WORKER_STAMP)
+	mkdir -p runs; name=$*; action=$${name%-seed*}; \
+	model=$$($(VENV)/bin/fp8rl model fetch smollm2-135m-instruct | tail -1) && \
+	$(VENV)/bin/fp8rl run examples/smollm2-addition.yaml --recipe fp8-gen --seed $${name##*-seed} \
+		--output $@ --steps $(SLO_STEPS) --resume --no-progress --set model.name=$$model \
+		--set precision.fp8_kv_cache=true --set precision.mismatch_slo.action=$$action $(RUN_ARGS) \
+		> $@.log 2>&1 || { tail -20 $@.log; exit 1; }
+
 # The earlier comparison on the one-digit example (docs/results.md): three recipes, seeds 0-2.
 ONEDIGIT_SEEDS ?= 0 1 2
 RECIPES := bf16 fp8-gen fp8-e2e

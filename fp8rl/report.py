@@ -39,7 +39,9 @@ class Run:
     label: str
     recipe: str | None
     rows: list[dict[str, Any]]
-    variant: str | None = None  # the recipe; "-no-is": importance sampling off; "+fp8-kv": FP8 KV cache
+    variant: str | None = (
+        None  # the recipe; "-no-is": IS off; "+fp8-kv": FP8 KV cache; "+respond": SLO actions
+    )
     seed: int | None = None  # rollout.seed
 
 
@@ -58,6 +60,8 @@ def load_run(run_dir: Path) -> Run:
         variant = f"{recipe}-no-is" if recipe != "bf16" and is_mode == "none" else recipe
         if data.get("precision", {}).get("fp8_kv_cache") and variant:
             variant += "+fp8-kv"  # a regime of its own (make compare-fp8kv), not the recipe's run
+        if data.get("precision", {}).get("mismatch_slo", {}).get("action") == "respond" and variant:
+            variant += "+respond"  # precision that changes at a breach (make compare-slo)
         seed = data.get("rollout", {}).get("seed")
         if recipe and recipe not in label:
             label = f"{label} ({recipe})"

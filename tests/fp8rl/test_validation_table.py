@@ -96,6 +96,12 @@ def test_report_draws_one_curve_per_variant_over_seeds(
         ({"recipe": "fp8-gen"}, "none", "fp8-gen-no-is"),
         ({"recipe": "fp8-e2e", "fp8_kv_cache": True}, "tis", "fp8-e2e+fp8-kv"),
         ({"recipe": "fp8-gen", "fp8_kv_cache": True}, "none", "fp8-gen-no-is+fp8-kv"),
+        (
+            {"recipe": "fp8-gen", "fp8_kv_cache": True, "mismatch_slo": {"action": "respond"}},
+            "tis",
+            "fp8-gen+fp8-kv+respond",
+        ),
+        ({"recipe": "fp8-gen", "mismatch_slo": {"action": "alert-only"}}, "tis", "fp8-gen"),
     ],
 )
 def test_a_runs_variant_names_what_sets_it_apart(
