@@ -134,8 +134,9 @@ def test_helm_upgrade_from_0_1_0_runs_the_jobs_made_under_it_and_keeps_a_running
         "error: the RLJob CRD on the cluster is older than this operator: it lacks "
         "spec.job.task.validation_dataset, spec.job.task.grader, spec.job.task.graders, "
         "spec.job.task.max_grader_error_fraction, spec.job.validation.pass_k, "
-        "spec.job.validation.pass_k_temperature, spec.job.precision.mismatch_slo, "
-        "spec.cluster.inPlaceRetries, status.attempts, which the API server would drop from what the "
+        "spec.job.validation.pass_k_temperature, spec.job.precision.bf16_layers, "
+        "spec.job.precision.mismatch_slo, spec.cluster.inPlaceRetries, status.attempts, which the API "
+        "server would drop from what the "
         "operator writes. Apply this version's CRD first (helm install/upgrade does not update CRDs): "
         "kubectl apply --server-side --force-conflicts -f helm/fp8rl/crds/"
     ), last
