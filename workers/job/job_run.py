@@ -33,7 +33,7 @@ from rljob.metrics import (
     StepMetrics,
     ValidatedStepMetrics,
 )
-from rljob.precision_actions import Actions, effective
+from rljob.precision_actions import effective
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers.fp8.kv_cache import calibrates_kv
@@ -41,6 +41,7 @@ from workers.job.actor_group import JobActors
 from workers.job.grader_actors import RayGraderPool, grader_actors, model_scorer
 from workers.job.mismatch_watch import MismatchWatch
 from workers.job.prom_exporter import PromExporter
+from workers.job.response_watch import response_warnings
 from workers.models import checkpoint
 from workers.models.tokenizer import Tokenizer
 from workers.rl.faults import ActorFault, CallTimeouts, FaultDrill, RestartLimitError
@@ -77,47 +78,6 @@ def restore_line(log: MetricsLog, rows: list[Mapping[str, Any]], ckpt: Path) -> 
         return None
     log.append(row)
     return dict(row)
-
-
-RESPONSE_WARNING_FRACTION = 0.5  # a truncated or unreadable fraction above it is said in the log
-
-# the fractions the log watches: key -> (which responses, what went wrong)
-_WATCHED = {
-    m.RESPONSE_TRUNCATED_FRACTION: ("training", "truncated"),
-    m.RESPONSE_UNREADABLE_FRACTION: ("training", "unreadable"),
-    m.VAL_TRUNCATED_FRACTION: ("held-out", "truncated"),
-    m.VAL_UNREADABLE_FRACTION: ("held-out", "unreadable"),
-}
-
-
-def response_warnings(spec: JobSpec, row: Mapping[str, Any], warned: set[str]) -> list[str]:
-    """The log's warnings for a metrics line: one for each of ``_WATCHED``'s fractions above
-    :data:`RESPONSE_WARNING_FRACTION` that ``warned`` does not hold yet (its key is added, so a run
-    says each once). Such a step's reward mostly measures the length limit or the answer format."""
-    out = []
-    for key, (which, problem) in _WATCHED.items():
-        value = row.get(key)
-        if value is None or value <= RESPONSE_WARNING_FRACTION or key in warned:
-            continue
-        warned.add(key)
-        where = f"warning: step {row[m.STEP]}: {value:.0%} of the {which} responses"
-        if problem == "truncated":
-            out.append(
-                f"{where} hit rollout.max_new_tokens ({spec.rollout.max_new_tokens}) without a stop id "
-                f"({key} {value:.2f}) and are scored as cut off. Raise rollout.max_new_tokens, or check "
-                "that the model can stop: the tokenizer's stop ids (its EOS and the eos_token_id of "
-                "generation_config.json) and task.chat_template (a chat model ends its turn with a token "
-                "of its own). Said once per run."
-            )
-        else:
-            out.append(
-                f"{where} gave no answer readable as task.answer_format {spec.task.answer_format} "
-                f"({key} {value:.2f}) and score 0. Choose the task.answer_format that matches how the "
-                "model answers (last-number, first-line, answer-tag, boxed), ask for that form in "
-                "task.prompt_template or task.system_prompt, or raise rollout.max_new_tokens if the "
-                "answers are cut off. Said once per run."
-            )
-    return out
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -233,36 +193,19 @@ class JobRun:
     def _save(self, step: int, line: Mapping[str, Any]) -> None:
         """The checkpoint of ``step``: the trainers, the line, and the precision actions in effect."""
         assert self.actors is not None
-        save(self.actors, self.out, step, line, {PRECISION_STATE: self.mismatch.actions.to_json()})
+        save(self.actors, self.out, step, line, self.mismatch.checkpoint_state())
 
     # -- the mismatch SLO's precision actions (rljob.precision_actions) --------------------------------
     def _respond(self, step: int) -> None:
-        """The SLO's response after ``step``, if any: said in the log once, a line of
-        ``precision_actions.jsonl``, and fresh actors before the next step."""
-        decided = self.mismatch.respond(step)
-        if decided is None:
-            return
-        actions, what = decided
-        self.mismatch.actions, self.rebuild = actions, True
-        self.opts.log(f"step {step}: mismatch SLO response: {what} (from step {step + 1})")
-        entry = {"time": time.time(), "step": step, "what": what, **actions.to_json()}
-        with RunDir(self.out).precision_actions.open("a") as f:
-            f.write(json.dumps(entry) + "\n")
+        """The SLO's response after ``step`` (:meth:`MismatchWatch.respond`): fresh actors before
+        the next step when it changed the actions."""
+        if self.mismatch.respond(step):
+            self.rebuild = True
 
     def _adopt(self, ckpt: Path | None) -> None:
-        """The precision actions ``ckpt`` kept (none without one), and the spec they make; the
-        actions ``precision_actions.jsonl`` holds from after it go, as the lines do (those steps
-        run again)."""
-        state = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else {}
-        actions = Actions.from_json(state.get(PRECISION_STATE))
-        path = RunDir(self.out).precision_actions
-        if path.exists():
-            kept = [x for x in path.read_text().splitlines() if json.loads(x)["step"] <= state.get("step", 0)]
-            path.write_text("".join(x + "\n" for x in kept))
-        if actions.taken:
-            self.opts.log(f"precision actions in effect from {ckpt}: {', '.join(actions.taken)}")
-        self.mismatch.actions, self.rebuild = actions, False
-        self.spec = effective(self.own_spec, actions)
+        """The precision actions ``ckpt`` kept (none without one), and the spec they make."""
+        self.rebuild = False
+        self.spec = effective(self.own_spec, self.mismatch.adopt(ckpt))
 
     def _rebuild(self, step: int) -> None:
         """Fresh actors built from the spec the precision actions make (both engines, through the
@@ -446,4 +389,3 @@ class JobRun:
 
 
 RECOVERY_DIR = ".recovery"  # the trainers' state while fresh actors start (a generator fault, an action)
-PRECISION_STATE = "precision_actions"  # the state.json key of the precision actions in effect

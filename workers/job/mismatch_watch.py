@@ -7,6 +7,7 @@ a breach takes and a window within the SLO undoes."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -87,11 +88,43 @@ class MismatchWatch:
             self.log(f"step {step}: the decoder layers that add most to the mismatch: {shares}")
         return {mismatch_layer_key(i): c for i, c in enumerate(contributions)}
 
-    def respond(self, step: int) -> tuple[Actions, str] | None:
+    def respond(self, step: int) -> bool:
         """With ``action: respond``, after step ``step``'s :meth:`observe` and :meth:`attribution`:
         the next precision action when the SLO is breached over the steps since the last one, or
-        (``relax``) the last one undone when the SLO has held for a whole window since; the new
-        actions and what they do. None: nothing to change."""
+        (``relax``) the last one undone when the SLO has held for a whole window since. A change
+        is said in the log once and is a line of ``precision_actions.jsonl``; returns whether
+        the actions changed (the engines must be built again)."""
+        decided = self.decide(step)
+        if decided is None:
+            return False
+        self.actions, what = decided
+        self.log(f"step {step}: mismatch SLO response: {what} (from step {step + 1})")
+        entry = {"time": time.time(), "step": step, "what": what, **self.actions.to_json()}
+        with RunDir(self.out).precision_actions.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        return True
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint's ``state.json`` keeps of the watch: the precision actions in effect."""
+        return {PRECISION_STATE: self.actions.to_json()}
+
+    def adopt(self, ckpt: Path | None) -> Actions:
+        """The precision actions ``ckpt`` kept (none without one), now in effect; the lines of
+        ``precision_actions.jsonl`` from after it go, as the metrics lines do (those steps run
+        again)."""
+        state = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else {}
+        self.actions = Actions.from_json(state.get(PRECISION_STATE))
+        path = RunDir(self.out).precision_actions
+        if path.exists():
+            kept = [x for x in path.read_text().splitlines() if json.loads(x)["step"] <= state.get("step", 0)]
+            path.write_text("".join(x + "\n" for x in kept))
+        if self.actions.taken:
+            self.log(f"precision actions in effect from {ckpt}: {', '.join(self.actions.taken)}")
+        return self.actions
+
+    def decide(self, step: int) -> tuple[Actions, str] | None:
+        """:meth:`respond`'s decision, without acting on it: the new actions and what they do, or
+        None."""
         slo = self.spec.precision.mismatch_slo
         if slo.action != "respond" or self.met is None or not self.judged:
             return None
@@ -104,3 +137,6 @@ class MismatchWatch:
         if slo.relax and self.actions.taken and step - self.actions.since >= slo.window:
             return undo(self.spec, self.actions, step)
         return None
+
+
+PRECISION_STATE = "precision_actions"  # the state.json key of the precision actions in effect

@@ -5,6 +5,7 @@ whole window within the SLO."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,7 @@ def feed(w: MismatchWatch, values: list[float | None]) -> list[tuple[int, tuple[
         row: dict[str, Any] = {"step": step} if value is None else {"step": step, KEY: value}
         w.observe(step, row, rows)
         rows.append(row)
-        decided = w.respond(step)
-        if decided is not None:
-            w.actions = decided[0]
+        w.respond(step)
         seen.append((step, w.actions.taken))
     return seen
 
@@ -61,8 +60,8 @@ def test_a_breach_after_an_action_takes_the_next(tmp_path: Path) -> None:
     assert seen[3] == (4, ("tighten-is", "bf16-kv-cache", "bf16-generation"))
     assert seen[4][1] == ("tighten-is", "bf16-kv-cache", "bf16-generation")
     w.met, w.judged = False, True
-    assert w.respond(6) is None  # the ladder is spent: said once
-    assert w.respond(7) is None
+    assert not w.respond(6)  # the ladder is spent: said once
+    assert not w.respond(7)
     assert [x for x in said if "every precision action is taken" in x] == [
         "step 6: mismatch SLO breached and every precision action is taken"
     ]
@@ -91,3 +90,32 @@ def test_alert_only_takes_no_action(tmp_path: Path) -> None:
     w, said = watch(tmp_path, action="alert-only")
     assert all(t == () for _, t in feed(w, [2.0, 2.0, 2.0, 2.0]))
     assert any("breached" in x for x in said)
+
+
+def test_each_change_is_a_line_and_a_checkpoint_brings_back_its_own(tmp_path: Path) -> None:
+    """Each action is a line of precision_actions.jsonl; a checkpoint keeps the actions in
+    effect, and adopting it (a resume) restores them and drops the lines of later steps."""
+    w, said = watch(tmp_path)
+    feed(w, [1.3, 1.3])  # tighten-is after step 1, bf16-kv-cache after step 2
+    assert w.checkpoint_state() == {"precision_actions": w.actions.to_json()}
+    lines = [json.loads(x) for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["taken"]) for x in lines] == [
+        (1, ["tighten-is"]),
+        (2, ["tighten-is", "bf16-kv-cache"]),
+    ]
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    state = {"step": 1, "precision_actions": Actions(("tighten-is",), (), 1).to_json()}  # step 1's checkpoint
+    (ckpt / "state.json").write_text(json.dumps(state))
+    fresh, said_again = watch(tmp_path)
+    assert fresh.adopt(ckpt) == Actions(("tighten-is",), (), 1) == fresh.actions
+    lines = [json.loads(x) for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1]
+    assert said_again == [f"precision actions in effect from {ckpt}: tighten-is"]
+    assert [x for x in said if "response" in x] == [
+        "step 1: mismatch SLO response: tighten-is: importance sampling tis [0.5, 2] -> tis [0.75, 1.5] "
+        "(from step 2)",
+        "step 2: mismatch SLO response: bf16-kv-cache: the generators' KV cache from FP8 (E4M3) to BF16 "
+        "(from step 3)",
+    ]
+    assert watch(tmp_path)[0].adopt(None) == Actions()

@@ -4,7 +4,7 @@ once per run and fraction, with the step, the fraction and what to do."""
 from __future__ import annotations
 
 from rljob import parse_spec
-from workers.job.job_run import RESPONSE_WARNING_FRACTION, response_warnings
+from workers.job.response_watch import RESPONSE_WARNING_FRACTION, response_warnings
 
 SPEC = parse_spec({"rollout": {"max_new_tokens": 24}, "task": {"answer_format": "last-number"}})
 
