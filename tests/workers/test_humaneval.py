@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fp8rl.cli import app
@@ -21,6 +22,7 @@ class Row:
         self.entry, self.answer = entry, ""
 
 
+@pytest.mark.slow  # 164 programs, each in the sandbox: 10.5 s on two busy workers
 def test_every_canonical_solution_passes_and_a_bug_fails(tmp_path: Path) -> None:
     out = tmp_path / "he.jsonl"
     done = CliRunner().invoke(app, ["data", "humaneval", str(out)])
