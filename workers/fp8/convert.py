@@ -247,6 +247,17 @@ def _keep_range(keep_bf16: int | tuple[int, int]) -> tuple[int, int]:
     return first, last
 
 
+def check_bf16_layers(bf16_layers: Iterable[int], n_layers: int) -> None:
+    """Refuse ``precision.bf16_layers`` that name a layer the model does not have (every engine
+    that honours them asks this)."""
+    beyond = sorted(i for i in set(bf16_layers) if not 0 <= i < n_layers)
+    if beyond:
+        raise ValueError(
+            f"precision.bf16_layers {beyond}: the model has decoder layers 0-{n_layers - 1}; "
+            "name layers in that range"
+        )
+
+
 def _fp8_decision(
     name: str,
     layer: nn.Linear,
@@ -306,12 +317,7 @@ def convert_model(
     skip = tuple(skip)
     n_layers = _num_layers(model)
     named = frozenset(bf16_layers)
-    beyond = sorted(i for i in named if not 0 <= i < n_layers)
-    if beyond:
-        raise ValueError(
-            f"precision.bf16_layers {beyond}: the model has decoder layers 0-{n_layers - 1}; "
-            "name layers in that range"
-        )
+    check_bf16_layers(named, n_layers)
     heads = _lm_head_names(model)
     audit = Fp8Audit(recipe=recipe)
     seen: set[int] = set()

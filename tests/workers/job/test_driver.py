@@ -44,6 +44,21 @@ def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
     return parse_spec(helpers.tiny_spec(**{**sections, **extra}))
 
 
+def run_until_a_crash(spec: JobSpec, out: Path, step: int) -> list[Mapping[str, Any]]:
+    """Run ``spec`` until the line of ``step`` is written, then crash (as a worker dying there
+    would); the lines seen before the crash."""
+    seen: list[Mapping[str, Any]] = []
+
+    def crash(row: Mapping[str, Any]) -> None:
+        seen.append(row)
+        if row["step"] == step:
+            raise RuntimeError("simulated worker crash")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        run(spec, out, RunOptions(on_step=crash))
+    return seen
+
+
 @pytest.mark.slow  # Ray and a driver: 5 s and more on 2 idle cores (tests/conftest.py: tiers)
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-gen", "fp8-e2e"])
 def test_each_recipe_runs_end_to_end(recipe: str, tmp_path: Path) -> None:
@@ -236,15 +251,7 @@ def test_a_crash_and_resume_keep_the_actions_of_the_checkpoint(tmp_path: Path, s
     tighten-is and bf16-layers, computes step 3 again as the first run did (the same prompts,
     seeds per step; the same bytes), drops the step-3 action of the lost run, takes it again,
     and has every step once."""
-    seen: list[Mapping[str, Any]] = []
-
-    def crash(row: Mapping[str, Any]) -> None:
-        seen.append(row)
-        if row["step"] == 3:
-            raise RuntimeError("simulated worker crash")
-
-    with pytest.raises(RuntimeError, match="simulated"):
-        run(responding_spec(4, staleness), tmp_path, RunOptions(on_step=crash))
+    seen = run_until_a_crash(responding_spec(4, staleness), tmp_path, 3)
     said: list[str] = []
     run(responding_spec(4, staleness), tmp_path, RunOptions(resume=True, log=said.append))
     rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
@@ -295,15 +302,7 @@ def test_stop_checkpoints_and_resume_continues_at_the_next_step(tmp_path: Path) 
 def test_crash_after_a_checkpoint_resumes_without_duplicate_or_missing_steps(tmp_path: Path) -> None:
     """Crash in step 3 (checkpoint at 2, metrics line 3 written): resume drops line 3, recomputes
     step 3 from the step-2 checkpoint, and gets the same rollouts (seeds are per step)."""
-    seen: list[Mapping[str, Any]] = []
-
-    def crash(row: Mapping[str, Any]) -> None:
-        seen.append(row)
-        if row["step"] == 3:
-            raise RuntimeError("simulated worker crash")
-
-    with pytest.raises(RuntimeError, match="simulated"):
-        run(tiny_spec("bf16", steps=4), tmp_path, RunOptions(on_step=crash))
+    seen = run_until_a_crash(tiny_spec("bf16", steps=4), tmp_path, 3)
     assert [r["step"] for r in MetricsLog(tmp_path / "metrics.jsonl").rows()] == [1, 2, 3]
     run(tiny_spec("bf16", steps=4), tmp_path, RunOptions(resume=True))
     rows = MetricsLog(tmp_path / "metrics.jsonl").rows()

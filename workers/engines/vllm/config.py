@@ -23,7 +23,7 @@ import torch
 
 from rljob.spec import JobSpec, PrecisionSpec
 from workers.engines.batching import StopIds, stop_ids
-from workers.fp8.convert import AuditRow, Fp8Audit
+from workers.fp8.convert import AuditRow, Fp8Audit, check_bf16_layers
 from workers.fp8.hf_checkpoint import WEIGHT_BLOCK, check_tp_partitions, quantization_config
 
 VLLM_VERSION = "0.32.0"
@@ -74,12 +74,7 @@ def generator_layout(hf_config: Any, precision: PrecisionSpec) -> tuple[list[str
     """
     layers = int(hf_config.num_hidden_layers)
     first, last = precision.keep_bf16_layers
-    beyond = sorted(i for i in precision.bf16_layers if i >= layers)
-    if beyond:
-        raise ValueError(
-            f"precision.bf16_layers {beyond}: the model has decoder layers 0-{layers - 1}; "
-            "name layers in that range"
-        )
+    check_bf16_layers(precision.bf16_layers, layers)
     fp8: list[str] = []
     bf16: dict[str, str] = {"lm_head": "lm_head stays BF16"}
     for i, module, _ in decoder_linears(hf_config):
