@@ -4,6 +4,7 @@ one sandboxed process. Expected scores are worked by hand from the grader's sour
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,28 @@ def test_a_looping_or_raising_grader_costs_its_sample_only(ray_cluster: Any) -> 
         pool.close()
 
 
+def kill_and_wait(ray: Any, actor: Any) -> None:
+    """Kill an actor and return once it is dead: ``ray.kill`` only asks, and a call sent just after
+    it may still be answered by the living actor (it was, once, on a busy CI machine)."""
+    from ray.exceptions import RayActorError
+
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.how.remote(), timeout=10)
+        except RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answered after 30 s")
+
+
 def test_a_dead_actor_is_replaced_with_its_graders_loaded(ray_cluster: Any) -> None:
     ray = ray_cluster
     pool = RayGraderPool(1, 256)
     try:
         assert pool.load("g", SOURCE, 5.0) is None
-        ray.kill(pool._actors[0])  # its node lost, say
+        kill_and_wait(ray, pool._actors[0])  # its node lost, say
         answers = pool.run([request("ab"), request("abcd")])  # two chunks of one
         assert "the grader's actor died" in answers[0]["error"]  # the chunk sent to the dead actor
         assert answers[1] == {"score": 0.4}  # its replacement, with the grader loaded
