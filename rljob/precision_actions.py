@@ -13,6 +13,9 @@ Each breach takes the next action of a fixed ladder that applies to the job, che
 4. ``bf16-generation``: recipe ``bf16`` (for ``fp8-gen`` the generator; ``fp8-e2e`` has no recipe
    with a BF16 generator beside an FP8 trainer, so both engines go to BF16).
 
+``tighten-is`` changes no engine, so it cannot lower the mismatch the SLO judges: a breach takes it
+together with the next action (:func:`take`).
+
 A breach judges the steps since the last action only (the window starts again there), so one bad
 window does not climb the whole ladder. With ``relax``, the last action is undone once the SLO has
 held for a whole window since it was taken. :class:`Actions` is what the checkpoint keeps and a
@@ -31,6 +34,7 @@ from rljob.spec import JobSpec
 from rljob.status import Reason
 
 LADDER = ("tighten-is", "bf16-layers", "bf16-kv-cache", "bf16-generation")
+ENGINE_FREE = frozenset({"tighten-is"})  # actions that change no engine: never taken alone (:func:`take`)
 
 
 @dataclass(frozen=True)
@@ -81,14 +85,21 @@ def next_action(spec: JobSpec, actions: Actions, worst: Sequence[int]) -> str | 
 
 def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tuple[Actions, str] | None:
     """``actions`` with the next action taken after ``step``, and what it does, in one line; None
-    when the ladder is spent."""
+    when the ladder is spent. ``tighten-is`` changes no engine, so it cannot bring the metric back
+    under its bound (the SLO judges the engines' log-probabilities, not the update): it is taken
+    together with the next action that does, when one applies, in the ladder's order."""
     action = next_action(spec, actions, worst)
     if action is None:
         return None
     slo = spec.precision.mismatch_slo
     layers = tuple(worst[: slo.action_layers]) if action == "bf16-layers" else actions.layers
     after = Actions((*actions.taken, action), layers, step)
-    return after, describe(spec, actions, after, action)
+    what = describe(spec, actions, after, action)
+    if action in ENGINE_FREE:
+        more = take(spec, after, step, worst)
+        if more is not None:
+            return more[0], f"{what}; {more[1]}"
+    return after, what
 
 
 def undo(spec: JobSpec, actions: Actions, step: int) -> tuple[Actions, str] | None:

@@ -21,25 +21,38 @@ def spec_of(recipe: str = "fp8-gen", kv: bool = True, **precision: Any) -> JobSp
     )
 
 
-def climb(spec: JobSpec, worst: list[int]) -> list[str]:
-    """The actions a breach after every step takes until the ladder is spent."""
-    actions, seen = Actions(), list[str]()
+def climb(spec: JobSpec, worst: list[int]) -> list[list[str]]:
+    """The actions each breach takes (a breach after every step) until the ladder is spent."""
+    actions, seen = Actions(), list[list[str]]()
     for step in range(1, 10):
         taken = take(spec, actions, step, worst)
         if taken is None:
             return seen
+        seen.append(list(taken[0].taken[len(actions.taken) :]))
         actions = taken[0]
-        seen.append(actions.taken[-1])
         assert actions.since == step
     raise AssertionError("the ladder never ended")
 
 
 def test_the_ladder_runs_in_its_order_and_passes_over_what_does_not_apply() -> None:
-    assert climb(spec_of(), [3, 1, 0]) == list(LADDER)
-    assert climb(spec_of(kv=False), [3, 1, 0]) == ["tighten-is", "bf16-layers", "bf16-generation"]
+    # tighten-is changes no engine: the first breach takes it with the next action
+    ladder = [["tighten-is", "bf16-layers"], ["bf16-kv-cache"], ["bf16-generation"]]
+    assert climb(spec_of(), [3, 1, 0]) == ladder
+    assert climb(spec_of(kv=False), [3, 1, 0]) == [["tighten-is", "bf16-layers"], ["bf16-generation"]]
     # no attribution (vLLM or Megatron engines): no layers to choose
-    assert climb(spec_of(), []) == ["tighten-is", "bf16-kv-cache", "bf16-generation"]
-    assert climb(spec_of("bf16", kv=False), [3]) == ["tighten-is"]
+    assert climb(spec_of(), []) == [["tighten-is", "bf16-kv-cache"], ["bf16-generation"]]
+    # nothing after it applies: tightening alone
+    assert climb(spec_of("bf16", kv=False), [3]) == [["tighten-is"]]
+    assert [a for breach in climb(spec_of(), [3]) for a in breach] == list(LADDER)
+
+
+def test_the_first_breach_says_both_of_its_actions() -> None:
+    after, what = take(spec_of(), Actions(), 2, [7, 4, 1]) or (None, "")
+    assert after == Actions(("tighten-is", "bf16-layers"), (7, 4), 2)
+    assert what == (
+        "tighten-is: importance sampling tis [0.5, 2] -> tis [0.75, 1.5]; "
+        "bf16-layers: decoder layers [4, 7] to BF16 in both engines"
+    )
 
 
 def test_each_action_changes_the_spec_as_worked_by_hand() -> None:

@@ -184,7 +184,7 @@ def responding_spec(
 ) -> JobSpec:
     """fp8-gen (with the FP8 KV cache: ``kv``) on a tiny model of ``layers`` decoder layers, held to
     an SLO it breaks at every FP8 step (median 1.0: any mismatch), with ``action: respond``: the
-    ladder climbs one rung a step."""
+    ladder climbs a rung a step (the first breach takes tighten-is with bf16-layers)."""
     slo = {"median": 1.0, "tail_bound": 1.0, "tail_fraction": 0.0, "window": 2, "attribution_interval": 0,
            "action": "respond", "action_layers": 1, "relax": relax}  # fmt: skip
     return tiny_spec(
@@ -197,74 +197,82 @@ def responding_spec(
 
 @pytest.mark.slow
 def test_the_slo_response_climbs_its_ladder_in_both_engines(tmp_path: Path) -> None:
-    """Each breach takes the next action, seen in the log (once each), precision_actions.jsonl,
-    the line's ``precision/actions``, and in what the engines then are: the weight sync's bytes
-    (hand-worked: the layer the attribution named worst goes BF16, then the KV cache's scales go,
-    then the other layer), with the weight contract met at every step."""
+    """Each breach takes the next action (the first: tighten-is with bf16-layers, since tightening
+    changes no engine), seen in the log (once each), precision_actions.jsonl, the line's
+    ``precision/actions``, and in what the engines then are: the weight sync's bytes (hand-worked:
+    the layer the attribution named worst goes BF16, then the KV cache's scales go, then the other
+    layer), with the weight contract met at every step. From step 4 the job is BF16: a mismatch of
+    1.0 holds the SLO, and nothing more is taken."""
     said: list[str] = []
     result = run(responding_spec(5), tmp_path, RunOptions(log=said.append))
     rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
     events = [json.loads(x) for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
     assert [(e["step"], e["taken"][-1]) for e in events] == [
-        (1, "tighten-is"), (2, "bf16-layers"), (3, "bf16-kv-cache"), (4, "bf16-generation")
+        (1, "bf16-layers"), (2, "bf16-kv-cache"), (3, "bf16-generation")
     ]  # fmt: skip
-    assert [r["precision/actions"] for r in rows] == [1, 2, 3, 4, 4]
+    assert events[0]["taken"] == ["tighten-is", "bf16-layers"]
+    assert [r["precision/actions"] for r in rows] == [2, 3, 4, 4, 4]
     attribution = [json.loads(x) for x in (tmp_path / "mismatch_layers.jsonl").read_text().splitlines()]
-    assert attribution[0]["step"] == 1 and events[1]["layers"] == attribution[0]["worst"][:1]
+    assert attribution[0]["step"] == 1 and events[0]["layers"] == attribution[0]["worst"][:1]
     sent = [r["weight_sync/bytes"] for r in rows]
-    assert sent[1] == sent[0]  # tighten-is leaves the engines as they are
-    assert sent[2] - sent[1] == LAYER_TO_BF16_BYTES
-    assert sent[3] - sent[2] == -KV_SCALE_BYTES
-    assert sent[4] - sent[3] == LAYER_TO_BF16_BYTES  # recipe bf16: the other layer too
+    assert sent[1] - sent[0] == LAYER_TO_BF16_BYTES
+    assert sent[2] - sent[1] == -KV_SCALE_BYTES
+    assert sent[3] - sent[2] == LAYER_TO_BF16_BYTES  # recipe bf16: the other layer too
+    assert sent[4] == sent[3]
+    assert [r["mismatch/token_mult_prob_error"] for r in rows[3:]] == [1.0, 1.0]
     assert all(r["sync/layers_mismatched"] == 0 for r in rows)
     responses = [x for x in said if "mismatch SLO response" in x]
-    assert [x.split(":")[0] for x in responses] == ["step 1", "step 2", "step 3", "step 4"]
-    assert "importance sampling tis [0.5, 2] -> tis [0.75, 1.5]" in responses[0]
+    assert [x.split(":")[0] for x in responses] == ["step 1", "step 2", "step 3"]
+    assert "importance sampling tis [0.5, 2] -> tis [0.75, 1.5]; bf16-layers: decoder layers" in responses[0]
     assert result.last_step == 5
 
 
 @pytest.mark.slow
 def test_relax_moves_the_layer_back_to_fp8_after_a_window_within(tmp_path: Path) -> None:
     """fp8-gen on one decoder layer, SLO median 1.0, window 2, relax: step 1 breaks it
-    (tighten-is), step 2 too (bf16-layers: the only layer, so the generator computes as the BF16
-    trainer does and the mismatch is 1.0), steps 3-4 hold it for a window, so bf16-layers is undone
-    after step 4; step 5 is FP8 again, breaks it, and takes bf16-layers again. The weight sync's
-    bytes follow each change."""
+    (tighten-is with bf16-layers: the only layer, so the generator computes as the BF16 trainer
+    does and the mismatch is 1.0), steps 2-3 hold it for a window, so bf16-layers is undone after
+    step 3 (tighten-is stays: one action at a time); step 4 is FP8 again, breaks it, and takes
+    bf16-layers again for step 5. The weight sync's bytes follow each change."""
     one_layer = responding_spec(5, layers=1, kv=False, relax=True)
     said: list[str] = []
     run(one_layer, tmp_path, RunOptions(log=said.append))
     rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
-    assert [r["precision/actions"] for r in rows] == [1, 2, 2, 1, 2]
-    assert rows[2]["mismatch/token_mult_prob_error"] == rows[3]["mismatch/token_mult_prob_error"] == 1.0
+    assert [r["precision/actions"] for r in rows] == [2, 2, 1, 2, 2]
+    mismatch = [r["mismatch/token_mult_prob_error"] for r in rows]
+    assert mismatch[0] > 1.0 and mismatch[3] > 1.0  # FP8
+    assert mismatch[1] == mismatch[2] == mismatch[4] == 1.0  # the only layer in BF16
     sent = [r["weight_sync/bytes"] for r in rows]
-    assert sent[2] - sent[1] == LAYER_TO_BF16_BYTES and sent[3] == sent[2]
-    assert sent[4] - sent[3] == -LAYER_TO_BF16_BYTES  # FP8 again after the undoing
+    assert sent[1] - sent[0] == LAYER_TO_BF16_BYTES and sent[2] == sent[1]
+    assert sent[3] - sent[2] == -LAYER_TO_BF16_BYTES  # FP8 again after the undoing
+    assert sent[4] - sent[3] == LAYER_TO_BF16_BYTES
     events = [json.loads(x)["what"] for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
-    assert [e.split(":")[0] for e in events] == ["tighten-is", "bf16-layers", "undone", "bf16-layers"]
-    assert any(x.startswith("step 4: mismatch SLO response: undone: bf16-layers") for x in said), said
+    assert [e.split(":")[0] for e in events] == ["tighten-is", "undone", "bf16-layers"]
+    assert any(x.startswith("step 3: mismatch SLO response: undone: bf16-layers") for x in said), said
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "asynchronous"])
 def test_a_crash_and_resume_keep_the_actions_of_the_checkpoint(tmp_path: Path, staleness: int) -> None:
-    """Crash after step 3 (checkpoint at 2, taken after bf16-layers): the resumed job starts with
-    tighten-is and bf16-layers, computes step 3 again as the first run did (the same prompts,
-    seeds per step; the same bytes), drops the step-3 action of the lost run, takes it again,
-    and has every step once."""
+    """Crash after step 3 (checkpoint at 2, taken after bf16-kv-cache): the resumed job starts with
+    tighten-is, bf16-layers and bf16-kv-cache, computes step 3 again as the first run did (the same
+    prompts, seeds per step; the same bytes), drops the step-3 action of the lost run, takes it
+    again, and has every step once."""
     seen = run_until_a_crash(responding_spec(4, staleness), tmp_path, 3)
     said: list[str] = []
     run(responding_spec(4, staleness), tmp_path, RunOptions(resume=True, log=said.append))
     rows = MetricsLog(tmp_path / "metrics.jsonl").rows()
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert any("precision actions in effect from" in x and "tighten-is, bf16-layers" in x for x in said), said
+    in_effect = "tighten-is, bf16-layers, bf16-kv-cache"
+    assert any("precision actions in effect from" in x and in_effect in x for x in said), said
     assert rows[2]["weight_sync/bytes"] == seen[2]["weight_sync/bytes"]
-    assert rows[2]["weight_sync/bytes"] - rows[1]["weight_sync/bytes"] == LAYER_TO_BF16_BYTES
+    assert rows[2]["weight_sync/bytes"] - rows[1]["weight_sync/bytes"] == -KV_SCALE_BYTES
     assert rows[2]["reward/mean"] == seen[2]["reward/mean"]
     events = [json.loads(x) for x in (tmp_path / "precision_actions.jsonl").read_text().splitlines()]
     assert [(e["step"], e["taken"][-1]) for e in events] == [
-        (1, "tighten-is"), (2, "bf16-layers"), (3, "bf16-kv-cache"), (4, "bf16-generation")
+        (1, "bf16-layers"), (2, "bf16-kv-cache"), (3, "bf16-generation")
     ]  # fmt: skip
-    assert [r["precision/actions"] for r in rows] == [1, 2, 3, 4]
+    assert [r["precision/actions"] for r in rows] == [2, 3, 4, 4]
 
 
 @pytest.mark.slow
