@@ -29,6 +29,7 @@ A new value above the calibrated range (a later token's K larger than any observ
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -90,6 +91,20 @@ class KvScales:
 
     def to_dict(self) -> dict[str, list[float] | str]:
         return {"fmt": self.fmt.name, "k_scale": self.k.tolist(), "v_scale": self.v.tolist()}
+
+    def state(self) -> dict[str, Any]:
+        """What a trainer's state keeps of them (:meth:`from_state` reads it): the float32 tensors,
+        bit for bit, on the CPU."""
+        return {"fmt": self.fmt.name, "k": self.k.detach().cpu().clone(), "v": self.v.detach().cpu().clone()}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | None, device: torch.device | str) -> KvScales | None:
+        """:meth:`state`'s scales on ``device``; None for none (a state saved before the first
+        calibration, or by a version that did not keep them)."""
+        if not state:
+            return None
+        k, v = (state[w].to(device, torch.float32) for w in ("k", "v"))
+        return cls(k, v, get_format(state["fmt"]))
 
 
 class KvScaleCalibrator:

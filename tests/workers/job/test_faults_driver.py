@@ -35,14 +35,19 @@ def ray_cluster() -> Iterator[None]:
     ray.shutdown()
 
 
-def spec(staleness: int = 0, checkpoint_interval: int = 10, **resources: Any) -> JobSpec:
-    """The tiny job, 5 steps; by default no checkpoint before the last step."""
+def spec(
+    staleness: int = 0,
+    checkpoint_interval: int = 10,
+    precision: dict[str, Any] | None = None,
+    **resources: Any,
+) -> JobSpec:
+    """The tiny job, 5 steps; by default BF16, and no checkpoint before the last step."""
     return parse_spec(
         helpers.tiny_spec(
             task={"params": ONE_DIGIT_SUMS, "size": 50},
             rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3, "max_staleness": staleness},
             warmup={"sft_steps": 1, "batch_size": 4},
-            precision={"recipe": "bf16"},
+            precision=precision or {"recipe": "bf16"},
             steps=STEPS,
             checkpoint_interval=checkpoint_interval,
             resources={"hang_timeout_s": 10.0, "startup_timeout_s": 120.0, **resources},
@@ -109,6 +114,21 @@ def test_a_killed_generator_is_replaced_and_its_step_generated_again(
     (entry,) = faults(tmp_path)
     assert (entry["role"], entry["index"], entry["step"], entry["call"]) == ("generator", 0, 3, "generate")
     assert "died" in entry["what"] and entry["steps_recomputed"] == 0
+
+
+@pytest.mark.slow
+def test_a_replaced_generator_gets_the_kv_cache_scales_the_trainers_kept(tmp_path: Path) -> None:
+    """fp8-gen with the FP8 KV cache, rounded in training too: the K/V scales the trainers
+    calibrated after step 2 are part of their state, so the actors started again in step 3
+    generate and train with them, and the run logs the same numbers as without the fault. (Before,
+    the fresh trainers held none: the generator calibrated its own on the prefill and the trainers'
+    forward did not round, so step 3 and on differed.)"""
+    kv = {"recipe": "fp8-gen", "fp8_kv_cache": True, "fp8_kv_cache_in_training": True}
+    reference = drilled(spec(precision=kv), tmp_path / "reference")
+    assert all(r["mismatch/token_mult_prob_error"] != 1.0 for r in reference)  # FP8: a mismatch to see
+    rows = drilled(spec(precision=kv), tmp_path / "drilled", "generator:kill@3")
+    assert totals(rows)["faults/generator_restarts"] == 1.0
+    same_as(rows, reference)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ every other forward, as the generators' cache holds them. The trainer holds one 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from workers.engines.megatron.convert import stage_layers
 from workers.engines.megatron.schedule import MegatronSchedule
 from workers.engines.models import to_device
 from workers.engines.protocols import Rollouts
-from workers.fp8.kv_cache import KvScaleCalibrator, kv_scale_name, round_kv
+from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name, round_kv
 
 
 class MegatronKvCalibration:
@@ -114,6 +115,21 @@ class MegatronKvCalibration:
         for t in (k, v):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         self.k, self.v = (torch.where(t > 0, t, torch.ones_like(t)) for t in (k, v))
+
+    def state(self) -> dict[str, Any] | None:
+        """The last calibration's scales for a trainer's state (None before the first), as the
+        native trainer keeps them (:meth:`workers.fp8.kv_cache.KvScales.state`)."""
+        if self.k is None or self.v is None:
+            return None
+        return KvScales(self.k, self.v, self.calibrator.fmt).state()
+
+    def load(self, state: Mapping[str, Any] | None) -> None:
+        """Scales :meth:`state` kept (a trainer started again), as if just calibrated; none: as
+        before any calibration."""
+        if not state:
+            self.k = self.v = None
+            return
+        self.k, self.v = (state[w].to(self.device, torch.float32) for w in ("k", "v"))
 
     def scales(self) -> dict[str, torch.Tensor]:
         """The last calibration's per-layer K/V scales by payload name (none before the first)."""

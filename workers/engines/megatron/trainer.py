@@ -215,7 +215,8 @@ class MegatronTrainer:
     def state_dict(self) -> dict[str, Any]:
         """On trainer 0 (empty elsewhere; every trainer must call it), Hugging Face names:
         ``{"model": float32 main weights, "optimizer": {"steps": Adam's step count, "exp_avg":
-        .., "exp_avg_sq": ..} (None before the first step)}``."""
+        .., "exp_avg_sq": ..} (None before the first step), "kv_scales": the K/V-cache scales of
+        the last calibration (None without one)}``."""
         full = self.model.gather(master=True)
         adam = self.model.gather_adam()
         if dist.get_rank() != 0:
@@ -227,7 +228,8 @@ class MegatronTrainer:
             optimizer = {"steps": steps} | {
                 key: _copy(megatron_to_hf(full, self.model.shapes)) for key, full in moments.items()
             }
-        return {"model": _copy(model), "optimizer": optimizer}
+        kv = self.kv.state() if self.kv is not None else None
+        return {"model": _copy(model), "optimizer": optimizer, "kv_scales": kv}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load Hugging Face-named weights on every trainer: this trainer's checkpoint (Adam's
@@ -240,6 +242,8 @@ class MegatronTrainer:
             self.model.load_adam(int(opt["steps"]), moments)
         else:
             self.model.load_adam(0, None)
+        if self.kv is not None:
+            self.kv.load(state.get("kv_scales"))
 
 
 def _copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -328,9 +328,14 @@ class NativeTrainer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """The weights, the optimizer, and the K/V-cache scales of the last calibration (so that
+        a trainer started again from it sends the generators the scales they had)."""
+        kv = self.kv_scales.state() if self.kv_scales is not None else None
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "kv_scales": kv}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.fp8_weights.quantize()
+        if self.kv_calibrator is not None:  # none in a state saved before its first calibration
+            self.kv_scales = KvScales.from_state(state.get("kv_scales"), self.device)

@@ -241,6 +241,12 @@ def test_kv_scales_equal_the_native_calibration(group: Any) -> None:
         assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.dtype == F32
         print(f"{name}: {float(got):.8g} vs {float(scale):.8g}")
         torch.testing.assert_close(got, scale, rtol=1e-5, atol=0)
+    # the scales are part of the trainer's state: a trainer started from it (a replaced actor)
+    # sends the same ones, bit for bit, before it calibrates again
+    again = megatron(spec, state)
+    again.load_state_dict(meg.state_dict())
+    sent_again = again.export_weights(())
+    assert all(torch.equal(sent_again[name], payload[name]) for name in expected)
     # precision.fp8_kv_cache_in_training: Megatron's forward now reads K/V rounded with these
     # scales, as the native trainer's does with the same scales (to the float32 bound above),
     # and apart from the BF16-K/V forward by far more than that bound
