@@ -439,15 +439,15 @@ class LocalExecutor:
                 self._move(r.job, Phase.FAILED, Reason.WORKER_EXITED, f"driver exited {how}: {last}")
 
     def _note_slo(self, r: _Running, row: Mapping[str, Any]) -> None:
-        """The job's ``MismatchSLO`` condition from its newest line (``rljob.mismatch_slo``)."""
+        """The job's ``MismatchSLO`` and ``PrecisionActions`` conditions from its newest line
+        (``rljob.mismatch_slo``, ``rljob.precision_actions``), each when the line has its keys."""
         found = condition_of(row, r.job.spec.precision.mismatch_slo)
-        if found is None:
-            return
-        met, reason, message = found
-        with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
-            self.store.update(
-                r.job.tenant, r.job.name, lambda s: s.with_condition(MISMATCH_SLO, met, reason, message)
-            )
+        if found is not None:
+            met, reason, message = found
+            with contextlib.suppress(IllegalTransition, JobNotFound, InvalidRecord):
+                self.store.update(
+                    r.job.tenant, r.job.name, lambda s: s.with_condition(MISMATCH_SLO, met, reason, message)
+                )
         acted = precision_condition_of(row, r.job.spec.precision.mismatch_slo)
         if acted is not None:
             on, why, what = acted
