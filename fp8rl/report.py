@@ -39,9 +39,9 @@ class Run:
     label: str
     recipe: str | None
     rows: list[dict[str, Any]]
-    variant: str | None = (
-        None  # the recipe; "-no-is": IS off; "+fp8-kv": FP8 KV cache; "+respond": SLO actions
-    )
+    # the recipe; "-no-is": IS off; "+fp8-kv": FP8 KV cache; "+respond": SLO actions ("-tail0": held to
+    # tail_fraction 0)
+    variant: str | None = None
     seed: int | None = None  # rollout.seed
 
 
@@ -60,8 +60,11 @@ def load_run(run_dir: Path) -> Run:
         variant = f"{recipe}-no-is" if recipe != "bf16" and is_mode == "none" else recipe
         if data.get("precision", {}).get("fp8_kv_cache") and variant:
             variant += "+fp8-kv"  # a regime of its own (make compare-fp8kv), not the recipe's run
-        if data.get("precision", {}).get("mismatch_slo", {}).get("action") == "respond" and variant:
+        slo = data.get("precision", {}).get("mismatch_slo", {})
+        if slo.get("action") == "respond" and variant:
             variant += "+respond"  # precision that changes at a breach (make compare-slo)
+            if slo.get("tail_fraction") == 0:
+                variant += "-tail0"  # no step above the tail bound allowed (make compare-slo's respond-tail0)
         seed = data.get("rollout", {}).get("seed")
         if recipe and recipe not in label:
             label = f"{label} ({recipe})"

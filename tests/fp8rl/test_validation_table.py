@@ -101,6 +101,15 @@ def test_report_draws_one_curve_per_variant_over_seeds(
             "tis",
             "fp8-gen+fp8-kv+respond",
         ),
+        (
+            {
+                "recipe": "fp8-gen",
+                "fp8_kv_cache": True,
+                "mismatch_slo": {"action": "respond", "tail_fraction": 0},
+            },
+            "tis",
+            "fp8-gen+fp8-kv+respond-tail0",
+        ),
         ({"recipe": "fp8-gen", "mismatch_slo": {"action": "alert-only"}}, "tis", "fp8-gen"),
     ],
 )
