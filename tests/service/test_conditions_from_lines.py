@@ -41,9 +41,7 @@ def run_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, A
         status = wait_for(
             lambda: store.get("team-a", "lines").status,
             "the job to end",
-            lambda s: (
-                s.phase.value != "Running" and s.phase.value != "Starting" and s.phase.value != "Pending"
-            ),
+            lambda s: s.phase.value not in {"Pending", "Starting", "Running"},
             timeout=60,
         )
     finally:

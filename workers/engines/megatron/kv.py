@@ -126,10 +126,8 @@ class MegatronKvCalibration:
     def load(self, state: Mapping[str, Any] | None) -> None:
         """Scales :meth:`state` kept (a trainer started again), as if just calibrated; none: as
         before any calibration."""
-        if not state:
-            self.k = self.v = None
-            return
-        self.k, self.v = (state[w].to(self.device, torch.float32) for w in ("k", "v"))
+        scales = KvScales.from_state(state, self.device)
+        self.k, self.v = (scales.k, scales.v) if scales is not None else (None, None)
 
     def scales(self) -> dict[str, torch.Tensor]:
         """The last calibration's per-layer K/V scales by payload name (none before the first)."""
