@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rljob import metrics as m
 from rljob.algorithms import RECIPES
-from rljob.spec import JobSpec
+from rljob.spec import JobSpec, Recipe
 from workers.algo.mismatch import mismatch_metrics
 from workers.engines.factory import native_pair
 from workers.models.checkpoint import load_master_weights
@@ -29,9 +29,13 @@ KV_MODES = {
 
 
 def probe(
-    spec: JobSpec, checkpoint: Path | None, batches: int = 5, kv_modes: tuple[str, ...] | None = None
+    spec: JobSpec,
+    checkpoint: Path | None,
+    batches: int = 5,
+    kv_modes: tuple[str, ...] | None = None,
+    recipes: tuple[Recipe, ...] = RECIPES,
 ) -> dict[str, list[float]]:
-    """``token_mult_prob_error`` per recipe (and FP8 KV-cache mode: ``kv_modes`` from
+    """``token_mult_prob_error`` per recipe of ``recipes`` (and FP8 KV-cache mode: ``kv_modes`` from
     :data:`KV_MODES`; default: the spec's own setting), one value per rollout batch of the spec
     (batch ``b`` samples step ``b``'s prompts with seed ``b``: the same for every variant). With an
     FP8 KV cache the trainer calibrates the scales on each batch's prompts and the generator loads
@@ -42,7 +46,7 @@ def probe(
     r = spec.rollout
     modes = kv_modes or (("on" if spec.precision.fp8_kv_cache else "off"),)
     out: dict[str, list[float]] = {}
-    for recipe in RECIPES:
+    for recipe in recipes:
         for mode in modes:
             s = spec.model_copy(deep=True)
             s.precision.recipe = recipe

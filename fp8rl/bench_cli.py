@@ -275,10 +275,14 @@ def bench_mismatch(
             "holds them), bf16-attn (it attends over BF16 K/V). Default: the spec's setting."
         ),
     ] = None,
+    recipes: Annotated[
+        str, typer.Option(help="Recipes, comma-separated (the spec's other precision fields apply).")
+    ] = "bf16,fp8-gen,fp8-e2e",
 ) -> None:
     """token_mult_prob_error of bf16, fp8-gen and fp8-e2e on the same weights and prompts."""
     from bench.mismatch import KV_MODES, probe, summary
     from fp8rl.specs import load_spec_or_exit
+    from rljob.algorithms import RECIPES
 
     spec = load_spec_or_exit(spec_path)
     modes = None if kv_cache is None else tuple(k.strip() for k in kv_cache.split(",") if k.strip())
@@ -286,8 +290,13 @@ def bench_mismatch(
     if unknown:
         typer.echo(f"error: --kv-cache {','.join(unknown)}: expected off, on or bf16-attn", err=True)
         raise typer.Exit(2)
+    named = [r.strip() for r in recipes.split(",") if r.strip()]
+    chosen = tuple(r for r in RECIPES if r in named)  # in the comparison's order
+    if not named or len(chosen) != len(set(named)):
+        typer.echo(f"error: --recipes {recipes!r}: expected some of {', '.join(RECIPES)}", err=True)
+        raise typer.Exit(2)
     try:
-        values = probe(spec, checkpoint, batches, modes)
+        values = probe(spec, checkpoint, batches, modes, chosen)
     except ValueError as err:  # a checkpoint that is not one
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from err

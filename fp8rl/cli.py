@@ -102,12 +102,28 @@ def layer_diff_cmd(
             "tokens, one per response (the module table traces the first).",
         ),
     ] = 1,
+    swap: Annotated[
+        bool,
+        typer.Option(
+            "--swap",
+            help="Instead: each decoder layer moved to BF16 in both engines, by how much it lowers "
+            "the traced tokens' log-prob gap (what the SLO's bf16-layers action would buy).",
+        ),
+    ] = False,
 ) -> None:
     """Where the native generator and trainer first differ, module by module, on the token whose
     log-probs differ most (none under precision.exact), and the decoder layers that add most."""
-    from fp8rl.layer_diff import report
+    from fp8rl.layer_diff import report, swap_report
 
-    typer.echo(report(load_spec_or_exit(spec_path), checkpoint, prompts, seed, tokens))
+    spec = load_spec_or_exit(spec_path)
+    if not swap:
+        typer.echo(report(spec, checkpoint, prompts, seed, tokens))
+        return
+    try:
+        typer.echo(swap_report(spec, checkpoint, prompts, seed, tokens))
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from err
 
 
 @app.command("audit")

@@ -6,17 +6,25 @@ log-probs differ most between the two engines, and traces that token through bot
 (:mod:`workers.engines.layer_diff`): the generator's prefill + KV-cache decode against the
 trainer's full-sequence forward. The first module whose output differs is where the mismatch that
 importance sampling corrects comes from; under ``precision.exact`` no token and no module differs.
+
+With ``--swap`` (:func:`swap_report`) it measures instead what the mismatch SLO's ``bf16-layers``
+action would buy: for each decoder layer, the traced tokens' log-prob gap with that layer in BF16 in
+both engines (``precision.bf16_layers``), against the gap with the job's own layers.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from rljob.spec import JobSpec
 from workers.engines.factory import native_pair
-from workers.engines.layer_diff import compare_traces, describe, layer_contributions
+from workers.engines.layer_diff import Trace, compare_traces, describe, layer_contributions
+from workers.engines.native.generator import NativeGenerator
+from workers.engines.native.trainer import NativeTrainer
+from workers.engines.protocols import Rollouts
 from workers.models.checkpoint import load_master_weights
 from workers.models.tokenizer import build_tokenizer
 from workers.rl.attribution import mean_contributions, probes_of, worst_layers
@@ -29,13 +37,7 @@ def report(
     """The comparison as text: the batch's differing tokens, the decoder layers that add most to
     the divergence (averaged over the ``tokens`` most-differing tokens, one per response, as the
     job's online attribution does), then one line per module of the most-differing token."""
-    tok, r = build_tokenizer(spec), spec.rollout
-    task = Task.for_job(spec, tok)
-    state = None if checkpoint is None else load_master_weights(checkpoint)
-    trainer, gen = native_pair(spec, tok.vocab_size, tok.eos_ids, tok.pad_id, state)
-    texts = [tok.encode(task.prompt(p)) for p in task.sample(1, prompts, r.seed)]
-    batch = gen.generate(texts, r.max_new_tokens, r.temperature, r.top_p, seed)
-    logp = trainer.logprobs(batch, r.temperature)  # [B, L]
+    trainer, gen, batch, logp = _sampled(spec, _state(checkpoint), prompts, seed)
     diff = (logp - batch.logprobs).abs() * batch.response_mask  # [B, L]
     valid = int(batch.response_mask.sum())
     differing = int((diff > 0).sum())
@@ -67,4 +69,100 @@ def report(
         f"{'module':<48} {'max |diff|':>11}  equal",
     ]
     lines += [f"{d.name:<48} {d.max_abs_diff:>11.3g}  {'yes' if d.equal else 'NO'}" for d in diffs]
+    return "\n".join(lines)
+
+
+def _state(checkpoint: Path | None) -> dict[str, torch.Tensor] | None:
+    return None if checkpoint is None else load_master_weights(checkpoint)
+
+
+def _sampled(
+    spec: JobSpec, state: dict[str, torch.Tensor] | None, prompts: int, seed: int
+) -> tuple[NativeTrainer, NativeGenerator, Rollouts, torch.Tensor]:
+    """The job's native pair, one sampled batch of ``prompts`` task prompts and the trainer's
+    log-probs of it ``[B, L]``."""
+    tok, r = build_tokenizer(spec), spec.rollout
+    task = Task.for_job(spec, tok)
+    trainer, gen = native_pair(spec, tok.vocab_size, tok.eos_ids, tok.pad_id, state)
+    texts = [tok.encode(task.prompt(p)) for p in task.sample(1, prompts, r.seed)]
+    batch = gen.generate(texts, r.max_new_tokens, r.temperature, r.top_p, seed)
+    return trainer, gen, batch, trainer.logprobs(batch, r.temperature)
+
+
+def bf16_already(spec: JobSpec, layers: int) -> set[int]:
+    """The decoder layers the job keeps in BF16 in both engines (``keep_bf16_layers``' ends and
+    ``bf16_layers``) out of ``layers``."""
+    first, last = spec.precision.keep_bf16_layers
+    return (
+        set(range(min(first, layers)))
+        | set(range(max(layers - last, 0), layers))
+        | {i for i in spec.precision.bf16_layers if i < layers}
+    )
+
+
+def token_gap(generator: Trace, trainer: Trace, token: int, temperature: float) -> float:
+    """``|trainer - generator|`` log-prob of ``token`` from the two traces' logits (``lm_head``'s
+    output at the traced query), in float64."""
+
+    def logprob(trace: Trace) -> float:
+        logits = trace["lm_head"].double().flatten() / temperature
+        return float(torch.log_softmax(logits, dim=-1)[token])
+
+    return abs(logprob(trainer) - logprob(generator))
+
+
+def swap_report(
+    spec: JobSpec, checkpoint: Path | None = None, prompts: int = 8, seed: int = 0, tokens: int = 1
+) -> str:
+    """What moving one decoder layer to BF16 buys, layer by layer: samples a batch as
+    :func:`report` does, takes the ``tokens`` most-differing tokens (one per response, the job's
+    attribution probes), and traces each through a pair built with that layer added to
+    ``precision.bf16_layers`` (both engines, as the ``bf16-layers`` action does). Lists the traced
+    tokens, then the layers by how much they lower the tokens' mean ``|trainer - generator|``
+    log-prob, largest first, with the mean ``exp|gap|`` (``token_mult_prob_error`` over them)."""
+    p = spec.precision
+    if p.recipe == "bf16":
+        raise ValueError("--swap: recipe bf16 has no FP8 layer to move; use fp8-gen or fp8-e2e")
+    state = _state(checkpoint)
+    trainer, gen, batch, logp = _sampled(spec, state, prompts, seed)
+    probes = probes_of(batch, logp, tokens)
+    tok, temperature = build_tokenizer(spec), spec.rollout.temperature
+
+    def gaps(pair: tuple[NativeTrainer, NativeGenerator]) -> list[float]:
+        t, g = pair
+        return [
+            token_gap(g.trace_token(q.prompt, q.response), t.trace_token(q.prompt, q.response),
+                      int(q.response[-1]), temperature)
+            for q in probes
+        ]  # fmt: skip
+
+    def summary(values: list[float]) -> str:
+        mean = sum(values) / len(values)
+        mult = sum(math.exp(v) for v in values) / len(values)
+        return f"mean |gap| {mean:.3f}, mean exp|gap| {mult:.3f}"
+
+    base = gaps((trainer, gen))
+    layers = int(trainer.model.config.num_hidden_layers)
+    kept = bf16_already(spec, layers)
+    lines = [
+        f"recipe {p.recipe}: {len(probes)} traced token(s), the responses' most-differing "
+        f"(|trainer - generator| log-prob in the batch, then traced alone):"
+    ]
+    for q, gap in zip(probes, base, strict=True):
+        text = tok.decode([int(q.response[-1])])
+        lines.append(
+            f"  response position {q.response.numel() - 1}, token {int(q.response[-1])} {text!r}: "
+            f"{q.logprob_diff:.3f} in the batch, {gap:.3f} alone"
+        )  # fmt: skip
+    lines.append(f"with the job's layers ({sorted(kept) or 'none'} BF16): {summary(base)}")
+    rows = []
+    for i in sorted(set(range(layers)) - kept):
+        moved = spec.model_copy(
+            update={"precision": p.model_copy(update={"bf16_layers": (*p.bf16_layers, i)})}
+        )
+        swapped = gaps(native_pair(moved, tok.vocab_size, tok.eos_ids, tok.pad_id, state))
+        rows.append((sum(base) / len(base) - sum(swapped) / len(swapped), i, swapped))
+    rows.sort(key=lambda row: (-row[0], row[1]))
+    lines.append("decoder layer moved to BF16, by how much it lowers the mean |gap| (largest first):")
+    lines += [f"  layer {i:>3}: {drop:+.3f}  ({summary(swapped)})" for drop, i, swapped in rows]
     return "\n".join(lines)

@@ -93,11 +93,12 @@ class MismatchSloSpec(StrictModel):
         description="With action respond: undo the last action once the SLO has held for a whole window "
         "since it was taken.",
     )
-    action_layers: int = Field(
-        3,
+    action_layers: int | None = Field(
+        None,
         ge=1,
-        le=64,
-        description="Decoder layers the bf16-layers action moves to BF16: the worst by the attribution.",
+        le=128,
+        description="Decoder layers the bf16-layers action moves to BF16: the worst by the attribution "
+        "(default: half of the model's decoder layers, rounded up).",
     )
 
     @property

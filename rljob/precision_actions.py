@@ -5,10 +5,11 @@ Each breach takes the next action of a fixed ladder that applies to the job, che
 1. ``tighten-is``: the importance-sampling truncation halves its distance to 1 (``high`` 2 -> 1.5,
    ``low`` 0.5 -> 0.75); a job without IS (``mode: none``) gets truncated IS (``tis``) at its
    ``high``.
-2. ``bf16-layers``: the ``action_layers`` decoder layers that add most to the mismatch (the
-   per-layer attribution of the breach) join ``precision.bf16_layers`` in both engines, through the
-   path that builds the engines from the spec, so the precision contract still holds. It needs the
-   attribution (native engines) and an FP8 recipe; else it is passed over.
+2. ``bf16-layers``: the ``action_layers`` decoder layers (default: half of the model's, rounded
+   up) that add most to the mismatch (the per-layer attribution of the breach) join
+   ``precision.bf16_layers`` in both engines, through the path that builds the engines from the
+   spec, so the precision contract still holds. It needs the attribution (native engines) and an
+   FP8 recipe; else it is passed over.
 3. ``bf16-kv-cache``: ``precision.fp8_kv_cache`` off (only when it is on).
 4. ``bf16-generation``: recipe ``bf16`` (for ``fp8-gen`` the generator; ``fp8-e2e`` has no recipe
    with a BF16 generator beside an FP8 trainer, so both engines go to BF16).
@@ -24,6 +25,7 @@ resumed job continues with; :func:`effective` is the spec the engines are built 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +85,13 @@ def next_action(spec: JobSpec, actions: Actions, worst: Sequence[int]) -> str | 
     return None
 
 
+def layer_count(spec: JobSpec, worst: Sequence[int]) -> int:
+    """How many decoder layers ``bf16-layers`` moves: ``mismatch_slo.action_layers``, or half of
+    the model's layers rounded up (``worst`` ranks them all) when it is not set."""
+    count = spec.precision.mismatch_slo.action_layers
+    return count if count is not None else math.ceil(len(worst) / 2)
+
+
 def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tuple[Actions, str] | None:
     """``actions`` with the next action taken after ``step``, and what it does, in one line; None
     when the ladder is spent. ``tighten-is`` changes no engine, so it cannot bring the metric back
@@ -91,8 +100,7 @@ def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tu
     action = next_action(spec, actions, worst)
     if action is None:
         return None
-    slo = spec.precision.mismatch_slo
-    layers = tuple(worst[: slo.action_layers]) if action == "bf16-layers" else actions.layers
+    layers = tuple(worst[: layer_count(spec, worst)]) if action == "bf16-layers" else actions.layers
     after = Actions((*actions.taken, action), layers, step)
     what = describe(spec, actions, after, action)
     if action in ENGINE_FREE:

@@ -329,6 +329,12 @@ def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> 
     # BF16 on both sides differs only by rounding; FP8 generation against a BF16 trainer adds the
     # weights' and activations' quantization error
     assert 1.0 <= values["bf16"] < values["fp8-gen"]
+    # one recipe alone: the same prompts and seeds, so the same numbers as in the full comparison
+    alone = runner.invoke(app, ["bench", "mismatch", str(spec), "--batches", "2", "--recipes", "fp8-gen"])
+    assert alone.exit_code == 0, alone.output
+    assert [line.split() for line in alone.output.splitlines()[1:]] == [r for r in rows if r[0] == "fp8-gen"]
+    bad = runner.invoke(app, ["bench", "mismatch", str(spec), "--recipes", "fp8-gen,fp4"])
+    assert bad.exit_code == 2 and "--recipes 'fp8-gen,fp4'" in bad.output
     bad = runner.invoke(app, ["bench", "mismatch", str(spec), "--kv-cache", "on,fp16"])
     assert bad.exit_code == 2 and "--kv-cache fp16" in bad.output
     args = ["--batches", "1", "--kv-cache", "on,bf16-attn"]

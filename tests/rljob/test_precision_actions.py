@@ -93,6 +93,21 @@ def test_the_worst_layers_are_taken_up_to_action_layers() -> None:
     assert next_action(spec, after, [6, 2]) == "bf16-kv-cache"
 
 
+def test_without_action_layers_half_of_the_layers_are_taken() -> None:
+    """Unset, ``action_layers`` is half of the model's decoder layers, rounded up: the attribution
+    ranks all of them, so 5 ranked layers give the worst 3, 30 give the worst 15."""
+    spec = parse_spec(
+        helpers.tiny_spec(precision={"recipe": "fp8-gen", "mismatch_slo": {"action": "respond"}})
+    )
+    assert spec.precision.mismatch_slo.action_layers is None
+    after, _ = take(spec, Actions(("tighten-is",), (), 4), 7, [4, 1, 3, 0, 2]) or (None, "")
+    assert after is not None and after.layers == (4, 1, 3)
+    worst = list(range(29, -1, -1))  # 30 layers, the last worst
+    after, what = take(spec, Actions(("tighten-is",), (), 4), 7, worst) or (None, "")
+    assert after is not None and after.layers == tuple(range(29, 14, -1))
+    assert what == f"bf16-layers: decoder layers {list(range(15, 30))} to BF16 in both engines"
+
+
 def test_undo_takes_back_the_last_action_only() -> None:
     spec = spec_of()
     actions = Actions(("tighten-is", "bf16-layers", "bf16-kv-cache"), (4,), 9)
