@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 
 from rljob.spec import JobSpec
-from workers.engines.factory import native_pair
+from workers.engines.factory import native_generator, native_pair, native_trainer
 from workers.engines.layer_diff import Trace, compare_traces, describe, layer_contributions
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
 from workers.models.checkpoint import load_master_weights
-from workers.models.tokenizer import build_tokenizer
+from workers.models.tokenizer import Tokenizer, build_tokenizer
 from workers.rl.attribution import mean_contributions, probes_of, worst_layers
 from workers.tasks import Task
 
@@ -37,7 +37,7 @@ def report(
     """The comparison as text: the batch's differing tokens, the decoder layers that add most to
     the divergence (averaged over the ``tokens`` most-differing tokens, one per response, as the
     job's online attribution does), then one line per module of the most-differing token."""
-    trainer, gen, batch, logp = _sampled(spec, _state(checkpoint), prompts, seed)
+    trainer, gen, batch, logp = _sampled(spec, build_tokenizer(spec), _state(checkpoint), prompts, seed)
     diff = (logp - batch.logprobs).abs() * batch.response_mask  # [B, L]
     valid = int(batch.response_mask.sum())
     differing = int((diff > 0).sum())
@@ -77,11 +77,11 @@ def _state(checkpoint: Path | None) -> dict[str, torch.Tensor] | None:
 
 
 def _sampled(
-    spec: JobSpec, state: dict[str, torch.Tensor] | None, prompts: int, seed: int
+    spec: JobSpec, tok: Tokenizer, state: dict[str, torch.Tensor] | None, prompts: int, seed: int
 ) -> tuple[NativeTrainer, NativeGenerator, Rollouts, torch.Tensor]:
     """The job's native pair, one sampled batch of ``prompts`` task prompts and the trainer's
     log-probs of it ``[B, L]``."""
-    tok, r = build_tokenizer(spec), spec.rollout
+    r = spec.rollout
     task = Task.for_job(spec, tok)
     trainer, gen = native_pair(spec, tok.vocab_size, tok.eos_ids, tok.pad_id, state)
     texts = [tok.encode(task.prompt(p)) for p in task.sample(1, prompts, r.seed)]
@@ -100,15 +100,11 @@ def bf16_already(spec: JobSpec, layers: int) -> set[int]:
     )
 
 
-def token_gap(generator: Trace, trainer: Trace, token: int, temperature: float) -> float:
-    """``|trainer - generator|`` log-prob of ``token`` from the two traces' logits (``lm_head``'s
-    output at the traced query), in float64."""
-
-    def logprob(trace: Trace) -> float:
-        logits = trace["lm_head"].double().flatten() / temperature
-        return float(torch.log_softmax(logits, dim=-1)[token])
-
-    return abs(logprob(trainer) - logprob(generator))
+def traced_logprob(trace: Trace, token: int, temperature: float) -> float:
+    """The log-prob of ``token`` from a trace's logits (``lm_head``'s output at the traced query),
+    in float64."""
+    logits = trace["lm_head"].double().flatten() / temperature
+    return float(torch.log_softmax(logits, dim=-1)[token])
 
 
 def swap_report(
@@ -123,25 +119,27 @@ def swap_report(
     p = spec.precision
     if p.recipe == "bf16":
         raise ValueError("--swap: recipe bf16 has no FP8 layer to move; use fp8-gen or fp8-e2e")
-    state = _state(checkpoint)
-    trainer, gen, batch, logp = _sampled(spec, state, prompts, seed)
+    state, tok = _state(checkpoint), build_tokenizer(spec)
+    trainer, gen, batch, logp = _sampled(spec, tok, state, prompts, seed)
     probes = probes_of(batch, logp, tokens)
-    tok, temperature = build_tokenizer(spec), spec.rollout.temperature
+    temperature = spec.rollout.temperature
 
-    def gaps(pair: tuple[NativeTrainer, NativeGenerator]) -> list[float]:
-        t, g = pair
+    def logprobs(engine: NativeTrainer | NativeGenerator) -> list[float]:
+        traces = (engine.trace_token(q.prompt, q.response) for q in probes)
         return [
-            token_gap(g.trace_token(q.prompt, q.response), t.trace_token(q.prompt, q.response),
-                      int(q.response[-1]), temperature)
-            for q in probes
-        ]  # fmt: skip
+            traced_logprob(t, int(q.response[-1]), temperature) for t, q in zip(traces, probes, strict=True)
+        ]
+
+    def gaps(trained: list[float], generated: list[float]) -> list[float]:
+        return [abs(a - b) for a, b in zip(trained, generated, strict=True)]
 
     def summary(values: list[float]) -> str:
         mean = sum(values) / len(values)
         mult = sum(math.exp(v) for v in values) / len(values)
         return f"mean |gap| {mean:.3f}, mean exp|gap| {mult:.3f}"
 
-    base = gaps((trainer, gen))
+    trained = logprobs(trainer)
+    base = gaps(trained, logprobs(gen))
     layers = int(trainer.model.config.num_hidden_layers)
     kept = bf16_already(spec, layers)
     lines = [
@@ -160,7 +158,11 @@ def swap_report(
         moved = spec.model_copy(
             update={"precision": p.model_copy(update={"bf16_layers": (*p.bf16_layers, i)})}
         )
-        swapped = gaps(native_pair(moved, tok.vocab_size, tok.eos_ids, tok.pad_id, state))
+        # only fp8-e2e's trainer computes in FP8; under fp8-gen bf16_layers leaves it as it is, so
+        # its traces of the job's pair stand
+        t = native_trainer(moved, tok.vocab_size, state) if p.recipe == "fp8-e2e" else trainer
+        generated = logprobs(native_generator(moved, t, tok.vocab_size, tok.eos_ids, tok.pad_id))
+        swapped = gaps(trained if t is trainer else logprobs(t), generated)
         rows.append((sum(base) / len(base) - sum(swapped) / len(swapped), i, swapped))
     rows.sort(key=lambda row: (-row[0], row[1]))
     lines.append("decoder layer moved to BF16, by how much it lowers the mean |gap| (largest first):")

@@ -163,10 +163,17 @@ def native_pair(
 ) -> tuple[NativeTrainer, NativeGenerator]:
     """:func:`native_trainer` and a native generator loaded from it, as after a weight sync: the
     pair the offline tools (``bench mismatch``, ``bench gradients``) run."""
+    trainer = native_trainer(spec, vocab_size, state, device)
+    return trainer, native_generator(spec, trainer, vocab_size, eos, pad_id, device)
+
+
+def native_generator(
+    spec: JobSpec, trainer: NativeTrainer, vocab_size: int, eos: StopIds, pad_id: int, device: str = "cpu"
+) -> NativeGenerator:
+    """A native generator built from ``spec`` and loaded from ``trainer``, as after a weight sync."""
     from workers.engines.native.generator import NativeGenerator
     from workers.weight_sync.payload import fp8_weight_names
 
-    trainer = native_trainer(spec, vocab_size, state, device)
     gen = NativeGenerator(spec, vocab_size, eos, pad_id, device)
     gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
-    return trainer, gen
+    return gen
