@@ -12,6 +12,7 @@ import typer
 
 from fp8rl import __version__
 from fp8rl.bench_cli import bench_app
+from fp8rl.client_cli import client_app
 from fp8rl.data_cli import data_app
 from fp8rl.model_cli import model_app
 from fp8rl.specs import load_spec_or_exit
@@ -249,112 +250,8 @@ def operator_cmd(
     run(settings, namespace or (), kubeconfig, liveness, verbose)
 
 
-Server = Annotated[str | None, typer.Option(help="Control-plane URL (FP8RL_SERVER).")]
-Token = Annotated[str | None, typer.Option(help="Bearer token (FP8RL_TOKEN).")]
-Output = Annotated[str, typer.Option("-o", "--output", help="table | json")]
-
-
-def _client(server: str | None, token: str | None) -> Any:
-    from fp8rl.client import Client, ClientError
-
-    try:
-        return Client(server, token)
-    except ClientError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from err
-
-
-def _show(jobs: list[dict[str, Any]] | dict[str, Any], output: str) -> None:
-    from fp8rl.client import table
-
-    if output == "json":
-        typer.echo(json.dumps(jobs, indent=2))
-    else:
-        typer.echo(table(jobs if isinstance(jobs, list) else [jobs]))
-
-
-def _do(call: Any) -> Any:
-    from fp8rl.client import ClientError
-
-    try:
-        return call()
-    except ClientError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(1) from err
-
-
-@app.command("submit")
-def submit_cmd(
-    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="Job spec (YAML or JSON).")],
-    name: Annotated[str, typer.Option(help="Job name (DNS label, unique per tenant).")],
-    server: Server = None,
-    token: Token = None,
-    output: Output = "table",
-) -> None:
-    """Submit a job spec to the control plane."""
-    spec = load_spec_or_exit(spec_path)
-    client = _client(server, token)
-    _show(_do(lambda: client.submit(name, spec.model_dump(mode="json"))), output)
-
-
-@app.command("list")
-def list_cmd(
-    phase: Annotated[str | None, typer.Option(help="Only jobs in this phase.")] = None,
-    server: Server = None,
-    token: Token = None,
-    output: Output = "table",
-) -> None:
-    """List your jobs."""
-    client = _client(server, token)
-    _show(_do(lambda: client.list(phase, limit=500))["items"], output)
-
-
-@app.command("get")
-def get_cmd(name: str, server: Server = None, token: Token = None, output: Output = "table") -> None:
-    """Show one job: phase, progress, and (with -o json) spec and conditions."""
-    client = _client(server, token)
-    _show(_do(lambda: client.get(name)), output)
-
-
-@app.command("cancel")
-def cancel_cmd(name: str, server: Server = None, token: Token = None) -> None:
-    """Cancel a job and delete its record."""
-    client = _client(server, token)
-    _do(lambda: client.cancel(name))
-    typer.echo(f"job {name} cancelled and deleted")
-
-
-@app.command("suspend")
-def suspend_cmd(name: str, server: Server = None, token: Token = None, output: Output = "table") -> None:
-    """Suspend a job after its current step (with a checkpoint)."""
-    client = _client(server, token)
-    _show(_do(lambda: client.action(name, "suspend")), output)
-
-
-@app.command("resume")
-def resume_cmd(name: str, server: Server = None, token: Token = None, output: Output = "table") -> None:
-    """Resume a suspended or failed job from its last checkpoint."""
-    client = _client(server, token)
-    _show(_do(lambda: client.action(name, "resume")), output)
-
-
-@app.command("logs")
-def logs_cmd(
-    name: str,
-    follow: Annotated[
-        bool, typer.Option("-f", "--follow", help="Keep streaming while the job runs.")
-    ] = False,
-    server: Server = None,
-    token: Token = None,
-) -> None:
-    """Print a job's driver log."""
-    client = _client(server, token)
-
-    def stream() -> None:
-        for chunk in client.logs(name, follow):
-            typer.echo(chunk, nl=False)
-
-    _do(stream)
+# the control-plane client's commands (submit, list, get, ...), at the top level and in this place
+app.registered_commands.extend(client_app.registered_commands)
 
 
 @app.command("report")

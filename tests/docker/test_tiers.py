@@ -189,6 +189,8 @@ def test_the_walk_sees_lazy_and_dispatched_imports(tmp_path: Path) -> None:
     assert [i.target for i in serve.third_party] == ["typer"]
     run = tiers.walk(["fp8rl.cli"], ["run"], root=tmp_path)
     assert "workers.job.driver" in run.modules and "rljob.store" not in run.modules
+    with pytest.raises(AssertionError, match=r"defines the commands \['grade'\]"):
+        tiers.walk(["fp8rl.cli"], ["run", "grade"], root=tmp_path)
 
 
 # --- at run time -----------------------------------------------------------------------------

@@ -4,10 +4,10 @@ distributions an extra of pyproject.toml brings (its requirements, followed thro
 distributions' metadata).
 
 The walk follows every import a module makes at run time, at module level or inside a function
-(a lazy import is a dependency too), leaving out ``if TYPE_CHECKING:`` blocks. The two dispatch
-modules of the command line (``fp8rl.cli``, ``fp8rl.bench_cli``) are the exception: each command
-imports its own tier lazily, so there only the module-level imports count, plus those of the
-commands an image runs.
+(a lazy import is a dependency too), leaving out ``if TYPE_CHECKING:`` blocks. The dispatch
+modules of the command line (:data:`DISPATCH`: ``fp8rl.cli``, ``fp8rl.bench_cli``, ...) are the
+exception: each command imports its own tier lazily, so there only the module-level imports
+count, plus those of the commands an image runs.
 """
 
 from __future__ import annotations
@@ -50,8 +50,15 @@ DISPATCH = {
     "fp8rl.bench_cli": "bench_app",
     "fp8rl.model_cli": "model_app",
     "fp8rl.data_cli": "data_app",
+    "fp8rl.client_cli": "client_app",
 }
-GROUP = {"fp8rl.cli": "", "fp8rl.bench_cli": "bench", "fp8rl.model_cli": "model", "fp8rl.data_cli": "data"}
+GROUP = {
+    "fp8rl.cli": "",
+    "fp8rl.bench_cli": "bench",
+    "fp8rl.model_cli": "model",
+    "fp8rl.data_cli": "data",
+    "fp8rl.client_cli": "",  # its commands are at the top level
+}
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,10 @@ def _imports_in(nodes: Iterable[ast.stmt], module: str, top_level_only: bool) ->
     return sorted(out, key=lambda i: (i.line, i.target))
 
 
-def _command_function(tree: ast.Module, typer_object: str, command: str) -> ast.FunctionDef:
-    """The function registered as ``@<typer_object>.command("<command>")``."""
+def _command_function(tree: ast.Module, typer_object: str, command: str) -> ast.FunctionDef | None:
+    """The function registered as ``@<typer_object>.command("<command>")`` (None: not here; a
+    group's commands may be spread over several dispatch modules, :func:`walk` checks each is
+    somewhere)."""
     for node in tree.body:
         if not isinstance(node, ast.FunctionDef):
             continue
@@ -114,12 +123,15 @@ def _command_function(tree: ast.Module, typer_object: str, command: str) -> ast.
                 and decorator.args[0].value == command
             ):
                 return node
-    raise AssertionError(f"no @{typer_object}.command({command!r})")
+    return None
 
 
-def imports_of(module: str, commands: Iterable[str] = (), root: Path = REPO) -> list[Import]:
+def imports_of(
+    module: str, commands: Iterable[str] = (), root: Path = REPO, defined: set[str] | None = None
+) -> list[Import]:
     """What ``module`` imports when it runs: every import, or for a dispatch module its
-    module-level ones and those of ``commands`` ("operator", "bench api", ...)."""
+    module-level ones and those of ``commands`` ("operator", "bench api", ...) it defines (added
+    to ``defined``)."""
     path = module_file(module, root)
     assert path is not None, module
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -128,9 +140,13 @@ def imports_of(module: str, commands: Iterable[str] = (), root: Path = REPO) -> 
     found = _imports_in(tree.body, module, top_level_only=True)
     for command in commands:
         group, _, name = command.rpartition(" ")
-        if group == GROUP[module]:
-            body = _command_function(tree, DISPATCH[module], name).body
-            found += _imports_in(body, module, top_level_only=False)
+        if group != GROUP[module]:
+            continue
+        function = _command_function(tree, DISPATCH[module], name)
+        if function is not None:
+            found += _imports_in(function.body, module, top_level_only=False)
+            if defined is not None:
+                defined.add(command)
     return found
 
 
@@ -149,9 +165,10 @@ class Walk:
 
 def walk(entries: Iterable[str], commands: Iterable[str] = (), root: Path = REPO) -> Walk:
     """The first-party modules ``entries`` load, following imports from module to module (see
-    the module docstring for which imports count)."""
+    the module docstring for which imports count); every one of ``commands`` must be defined by a
+    dispatch module they load."""
     commands = tuple(commands)
-    result = Walk(set(), [], [])
+    result, defined = Walk(set(), [], []), set[str]()
     todo = [m for entry in entries for m in _with_parents(entry)]
     while todo:
         module = todo.pop()
@@ -160,7 +177,7 @@ def walk(entries: Iterable[str], commands: Iterable[str] = (), root: Path = REPO
         result.modules.add(module)
         if module_file(module, root) is None:  # a package absent from this tree: reported, not read
             continue
-        for imp in imports_of(module, commands, root):
+        for imp in imports_of(module, commands, root, defined):
             top = imp.target.split(".")[0]
             if top == "__future__" or top in sys.stdlib_module_names:
                 continue
@@ -169,6 +186,8 @@ def walk(entries: Iterable[str], commands: Iterable[str] = (), root: Path = REPO
                 continue
             result.first_party.append(imp)
             todo += _with_parents(_loaded(imp.target, root))
+    missing = sorted(set(commands) - defined)
+    assert not missing, f"no dispatch module loaded defines the commands {missing}"
     return result
 
 
