@@ -108,6 +108,13 @@ def test_without_action_layers_half_of_the_layers_are_taken() -> None:
     assert what == f"bf16-layers: decoder layers {list(range(15, 30))} to BF16 in both engines"
 
 
+@pytest.mark.parametrize("bad", [0, -3, 129, 10**9, "half", 2.5])
+def test_action_layers_out_of_its_range_is_refused_with_its_field(bad: Any) -> None:
+    slo = {"action": "respond", "action_layers": bad}
+    with pytest.raises(ValueError, match=r"mismatch_slo\.action_layers"):
+        parse_spec(helpers.tiny_spec(precision={"recipe": "fp8-gen", "mismatch_slo": slo}))
+
+
 def test_undo_takes_back_the_last_action_only() -> None:
     spec = spec_of()
     actions = Actions(("tighten-is", "bf16-layers", "bf16-kv-cache"), (4,), 9)
