@@ -89,17 +89,6 @@ def _sampled(
     return trainer, gen, batch, trainer.logprobs(batch, r.temperature)
 
 
-def bf16_already(spec: JobSpec, layers: int) -> set[int]:
-    """The decoder layers the job keeps in BF16 in both engines (``keep_bf16_layers``' ends and
-    ``bf16_layers``) out of ``layers``."""
-    first, last = spec.precision.keep_bf16_layers
-    return (
-        set(range(min(first, layers)))
-        | set(range(max(layers - last, 0), layers))
-        | {i for i in spec.precision.bf16_layers if i < layers}
-    )
-
-
 def traced_logprob(trace: Trace, token: int, temperature: float) -> float:
     """The log-prob of ``token`` from a trace's logits (``lm_head``'s output at the traced query),
     in float64."""
@@ -141,7 +130,7 @@ def swap_report(
     trained = logprobs(trainer)
     base = gaps(trained, logprobs(gen))
     layers = int(trainer.model.config.num_hidden_layers)
-    kept = bf16_already(spec, layers)
+    kept = p.bf16_decoder_layers(layers)
     lines = [
         f"recipe {p.recipe}: {len(probes)} traced token(s), the responses' most-differing "
         f"(|trainer - generator| log-prob in the batch, then traced alone):"

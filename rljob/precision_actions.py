@@ -6,10 +6,12 @@ Each breach takes the next action of a fixed ladder that applies to the job, che
    ``low`` 0.5 -> 0.75); a job without IS (``mode: none``) gets truncated IS (``tis``) at its
    ``high``.
 2. ``bf16-layers``: the ``action_layers`` decoder layers (default: half of the model's, rounded
-   up) that add most to the mismatch (the per-layer attribution of the breach) join
-   ``precision.bf16_layers`` in both engines, through the path that builds the engines from the
-   spec, so the precision contract still holds. It needs the attribution (native engines) and an
-   FP8 recipe; else it is passed over.
+   up) that add most to the mismatch (the per-layer attribution of the breach) among those still
+   FP8 join ``precision.bf16_layers`` in both engines, through the path that builds the engines
+   from the spec, so the precision contract still holds. Layers already BF16
+   (``keep_bf16_layers``' ends, the spec's ``bf16_layers``) are passed over, so the action moves
+   as many layers as it says. It needs the attribution (native engines), an FP8 recipe and a
+   layer still FP8; else it is passed over.
 3. ``bf16-kv-cache``: ``precision.fp8_kv_cache`` off (only when it is on).
 4. ``bf16-generation``: recipe ``bf16`` (for ``fp8-gen`` the generator; ``fp8-e2e`` has no recipe
    with a BF16 generator beside an FP8 trainer, so both engines go to BF16).
@@ -68,7 +70,7 @@ def _applies(action: str, spec: JobSpec, layers: Sequence[int]) -> bool:
     if action == "tighten-is":
         return True
     if action == "bf16-layers":
-        return p.recipe != "bf16" and bool(layers)
+        return p.recipe != "bf16" and bool(movable(spec, layers))
     if action == "bf16-kv-cache":
         return p.fp8_kv_cache
     return p.recipe != "bf16"
@@ -83,6 +85,13 @@ def next_action(spec: JobSpec, actions: Actions, worst: Sequence[int]) -> str | 
         if action not in actions.taken and _applies(action, now, worst):
             return action
     return None
+
+
+def movable(spec: JobSpec, worst: Sequence[int]) -> list[int]:
+    """``worst`` (the attribution's ranking of all of the model's decoder layers, worst first)
+    without the layers ``spec`` already keeps in BF16, in the same order."""
+    bf16 = spec.precision.bf16_decoder_layers(len(worst))
+    return [i for i in worst if i not in bf16]
 
 
 def layer_count(spec: JobSpec, worst: Sequence[int]) -> int:
@@ -100,7 +109,10 @@ def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tu
     action = next_action(spec, actions, worst)
     if action is None:
         return None
-    layers = tuple(worst[: layer_count(spec, worst)]) if action == "bf16-layers" else actions.layers
+    if action == "bf16-layers":
+        layers = tuple(movable(effective(spec, actions), worst)[: layer_count(spec, worst)])
+    else:
+        layers = actions.layers
     after = Actions((*actions.taken, action), layers, step)
     what = describe(spec, actions, after, action)
     if action in ENGINE_FREE:

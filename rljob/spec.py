@@ -293,6 +293,13 @@ class PrecisionSpec(StrictModel):
         "window of steps, the recipe's by default (docs/precision.md: the mismatch SLO).",
     )
 
+    def bf16_decoder_layers(self, layers: int) -> frozenset[int]:
+        """Of a model's ``layers`` decoder layers, those an FP8 engine keeps in BF16:
+        ``keep_bf16_layers``' first and last ones, and the ``bf16_layers``."""
+        first, last = self.keep_bf16_layers
+        ends = set(range(min(first, layers))) | set(range(max(layers - last, 0), layers))
+        return frozenset(ends | {i for i in self.bf16_layers if 0 <= i < layers})
+
 
 class JobSpec(StrictModel):
     """One RL post-training job."""

@@ -108,6 +108,29 @@ def test_without_action_layers_half_of_the_layers_are_taken() -> None:
     assert what == f"bf16-layers: decoder layers {list(range(15, 30))} to BF16 in both engines"
 
 
+def test_layers_already_in_bf16_are_passed_over() -> None:
+    """The attribution ranks every decoder layer, the BF16 ones too (the divergence they pass on
+    grows there); the action moves ``action_layers`` layers that are still FP8. 10 layers, the
+    first and last kept (``keep_bf16_layers: [1, 1]``) and layer 5 named: of the ranking
+    0, 9, 5, 3, 7, ... the two worst still FP8 are 3 and 7."""
+    spec = spec_of(keep_bf16_layers=[1, 1], bf16_layers=[5])
+    worst = [0, 9, 5, 3, 7, 1, 2, 4, 6, 8]
+    after, what = take(spec, Actions(), 4, worst) or (None, "")
+    assert after == Actions(("tighten-is", "bf16-layers"), (3, 7), 4)
+    assert what.endswith("bf16-layers: decoder layers [3, 7] to BF16 in both engines")
+    assert effective(spec, after).precision.bf16_layers == (3, 5, 7)
+
+
+def test_bf16_layers_is_passed_over_when_no_layer_is_left_in_fp8() -> None:
+    """4 layers: the ends keep 0 and 3, ``bf16_layers`` names 1 and 2, so no layer is FP8 and the
+    breach goes on to the KV cache."""
+    spec = spec_of(keep_bf16_layers=[1, 1], bf16_layers=[1, 2])
+    assert next_action(spec, Actions(("tighten-is",)), [2, 0, 1, 3]) == "bf16-kv-cache"
+    assert spec.precision.bf16_decoder_layers(4) == {0, 1, 2, 3}
+    assert spec.precision.bf16_decoder_layers(2) == {0, 1}  # counts past the model are clipped
+    assert spec_of().precision.bf16_decoder_layers(4) == set()
+
+
 @pytest.mark.parametrize("bad", [0, -3, 129, 10**9, "half", 2.5])
 def test_action_layers_out_of_its_range_is_refused_with_its_field(bad: Any) -> None:
     slo = {"action": "respond", "action_layers": bad}
