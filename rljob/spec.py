@@ -17,7 +17,11 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 # ResourcesSpec lives in its own module and is re-exported here
-from rljob.mismatch_slo import MismatchSloSpec
+# PrecisionSpec (where FP8 is used, and the one rule of which layers stay BF16) lives in its own
+# module and is re-exported here
+from rljob.precision_spec import PrecisionSpec as PrecisionSpec
+from rljob.precision_spec import Recipe as Recipe
+from rljob.precision_spec import bf16_layer_reason as bf16_layer_reason
 from rljob.resources_spec import ResourcesSpec as ResourcesSpec
 from rljob.spec_base import MAX_SEED, StrictModel
 
@@ -25,7 +29,6 @@ from rljob.spec_base import MAX_SEED, StrictModel
 from rljob.task_spec import AnswerFormat as AnswerFormat
 from rljob.task_spec import TaskSpec as TaskSpec
 
-Recipe = Literal["bf16", "fp8-gen", "fp8-e2e"]
 IsMode = Literal["none", "tis", "icepop", "seq-tis", "seq-mask-tis", "geo-mask"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 
@@ -40,8 +43,6 @@ def expand_home(path: str | None) -> str | None:
 
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]  # an AdamW beta: a decay rate
-LayerCount = Annotated[int, Field(ge=0, le=128)]  # decoder layers (TinyModel.num_layers' range)
-LayerIndex = Annotated[int, Field(ge=0, le=127)]  # a decoder layer, counted from 0
 
 
 class TinyModel(StrictModel):
@@ -243,62 +244,6 @@ class ValidationSpec(StrictModel):
     pass_k_temperature: float = Field(
         1.0, gt=0.0, le=10.0, description="Sampling temperature of the pass@k responses."
     )
-
-
-class PrecisionSpec(StrictModel):
-    """Where FP8 is used (docs/precision.md: precision recipes)."""
-
-    recipe: Recipe = Field("fp8-e2e", description="bf16 | fp8-gen | fp8-e2e.")
-    fp8_format: Literal["e4m3", "hybrid"] = Field(
-        "e4m3",
-        description="FP8 training GEMMs: `e4m3` = E4M3 with blockwise scales on fprop, dgrad and wgrad "
-        "(Transformer Engine's Float8BlockScaling, NeMo RL, DeepSeek-V3); `hybrid` = E5M2 gradients.",
-    )
-    fp8_kv_cache: bool = Field(
-        False,
-        description="Store the generator's KV cache in FP8 (E4M3), with per-layer power-of-two scales the "
-        "trainer calibrates before the first rollout and after every update.",
-    )
-    fp8_kv_cache_in_training: bool = Field(
-        True,
-        description="With fp8_kv_cache: the trainer's forward reads K and V rounded as the generators' FP8 "
-        "cache holds them (same scales; gradient straight through), so both engines attend over the same "
-        "values; false: the trainer attends over BF16 K/V (NeMo RL's choice) and importance sampling "
-        "corrects the difference (docs/precision.md: FP8 KV cache).",
-    )
-    keep_bf16_layers: tuple[LayerCount, LayerCount] = Field(
-        (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
-    )
-    bf16_layers: tuple[LayerIndex, ...] = Field(
-        (),
-        max_length=128,
-        description="Decoder layers kept in BF16 by index, beside keep_bf16_layers' ends (native "
-        "engines and vLLM; the mismatch SLO's bf16-layers action adds to it).",
-    )
-    power_of_two_scales: bool = Field(False, description="Round FP8 scales to powers of two.")
-    master_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Trainer's master weights and optimizer state."
-    )
-    exact: bool = Field(
-        False,
-        description="Exact on-policy RL: generator and trainer compute every token's log-prob bit for bit "
-        "alike (row-invariant matmul, norms, softmax and attention, whatever the batch, padding or KV "
-        "cache), so the importance-sampling correction is a no-op; a step whose log-probs differ fails "
-        "with the first differing token and layer. Recipes bf16 and fp8-e2e, native engines, CPU only; "
-        "slower (docs/precision.md: exact on-policy RL).",
-    )
-    mismatch_slo: MismatchSloSpec = Field(
-        default_factory=MismatchSloSpec,
-        description="The train/generation mismatch the job is held to: a median and a tail bound over a "
-        "window of steps, the recipe's by default (docs/precision.md: the mismatch SLO).",
-    )
-
-    def bf16_decoder_layers(self, layers: int) -> frozenset[int]:
-        """Of a model's ``layers`` decoder layers, those an FP8 engine keeps in BF16:
-        ``keep_bf16_layers``' first and last ones, and the ``bf16_layers``."""
-        first, last = self.keep_bf16_layers
-        ends = set(range(min(first, layers))) | set(range(max(layers - last, 0), layers))
-        return frozenset(ends | {i for i in self.bf16_layers if 0 <= i < layers})
 
 
 class JobSpec(StrictModel):

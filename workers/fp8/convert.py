@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from rljob.algorithms import RECIPES
+from rljob.spec import bf16_layer_reason
 from workers.fp8.dispatch import profile_of
 from workers.fp8.input_stats import InputStats
 from workers.fp8.linear import Fp8Linear
@@ -271,14 +272,8 @@ def _fp8_decision(
         if fnmatch.fnmatch(name, pattern):
             return f"skipped by pattern {pattern!r}"
     m = _LAYER_INDEX.search(name)
-    if m is not None:
-        idx = int(m.group(1))
-        if idx < keep[0]:
-            return f"decoder layer {idx} is among the first {keep[0]} kept in BF16"
-        if idx >= n_layers - keep[1]:
-            return f"decoder layer {idx} is among the last {keep[1]} kept in BF16"
-        if idx in named:
-            return f"decoder layer {idx} is named in bf16_layers"
+    if m is not None and (reason := bf16_layer_reason(int(m.group(1)), n_layers, keep, named)):
+        return reason
     out_f, in_f = layer.weight.shape
     if in_f % 16 or out_f % 16:
         return f"shape {out_f}x{in_f} not a multiple of 16 (FP8 GEMMs need it)"

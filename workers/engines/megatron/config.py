@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from rljob.spec import JobSpec, PrecisionSpec
+from rljob.spec import JobSpec, PrecisionSpec, bf16_layer_reason
 from workers.fp8.convert import AuditRow, Fp8Audit
 
 # The versions this adapter is written against (docker/worker.Dockerfile pins the same)
@@ -273,7 +273,6 @@ def megatron_audit(
     """One row per parameter-holding module of the full model, with its precision and why
     (``compute_dtype``: what the trainer computes in outside FP8 layers)."""
     fp8 = precision.recipe == "fp8-e2e"
-    first, last = precision.keep_bf16_layers
     audit = Fp8Audit(recipe=precision.recipe, device=device)
     weights = megatron_state_shapes(shapes)
     compute = str(compute_dtype).removeprefix("torch.")
@@ -296,10 +295,8 @@ def megatron_audit(
     for i in range(shapes.layers):
         runs = "BF16" if compute_dtype == torch.bfloat16 else compute
         reason = None if fp8 else f"recipe {precision.recipe}: the trainer runs {runs}"
-        if fp8 and i < first:
-            reason = f"decoder layer {i} is among the first {first} kept in BF16"
-        elif fp8 and i >= shapes.layers - last:
-            reason = f"decoder layer {i} is among the last {last} kept in BF16"
+        if fp8:  # Megatron takes no bf16_layers (JobSpec refuses them with it under fp8-e2e)
+            reason = bf16_layer_reason(i, shapes.layers, precision.keep_bf16_layers)
         for module in _LINEARS:
             name = f"decoder.layers.{i}.{module}"
             norm = norms.get(module.rsplit(".", 1)[-1])

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rljob.spec import JobSpec, PrecisionSpec
+from rljob.spec import JobSpec, PrecisionSpec, bf16_layer_reason
 from workers.engines.batching import StopIds, stop_ids
 from workers.fp8.convert import AuditRow, Fp8Audit, check_bf16_layers
 from workers.fp8.hf_checkpoint import WEIGHT_BLOCK, check_tp_partitions, quantization_config
@@ -68,22 +68,20 @@ def decoder_linears(hf_config: Any) -> list[tuple[int, str, tuple[int, int]]]:
 def generator_layout(hf_config: Any, precision: PrecisionSpec) -> tuple[list[str], dict[str, str]]:
     """``(FP8 weight names, {BF16 linear module: reason})`` of the vLLM generator under the recipe.
 
-    The same rule as the native generator (:func:`workers.engines.models.apply_recipe`): every
-    decoder linear in FP8 under ``fp8-gen`` and ``fp8-e2e``, except the first/last
-    ``keep_bf16_layers`` and the ``bf16_layers``; lm_head always BF16.
+    The native generator's rule (:func:`rljob.spec.bf16_layer_reason`, which
+    :func:`workers.engines.models.apply_recipe` follows too): every decoder linear in FP8 under
+    ``fp8-gen`` and ``fp8-e2e``, except the first/last ``keep_bf16_layers`` and the ``bf16_layers``;
+    lm_head always BF16.
     """
     layers = int(hf_config.num_hidden_layers)
-    first, last = precision.keep_bf16_layers
     check_bf16_layers(precision.bf16_layers, layers)
     fp8: list[str] = []
     bf16: dict[str, str] = {"lm_head": "lm_head stays BF16"}
     for i, module, _ in decoder_linears(hf_config):
         if precision.recipe == "bf16":
             bf16[module] = "recipe bf16: the generator runs BF16"
-        elif i < first or i >= layers - last:
-            bf16[module] = f"keep_bf16_layers {list(precision.keep_bf16_layers)}"
-        elif i in precision.bf16_layers:
-            bf16[module] = f"decoder layer {i} is named in bf16_layers"
+        elif reason := bf16_layer_reason(i, layers, precision.keep_bf16_layers, precision.bf16_layers):
+            bf16[module] = reason
         else:
             fp8.append(f"{module}.weight")
     return fp8, bf16

@@ -64,6 +64,42 @@ def test_layout_is_the_native_rule_with_layers_kept_in_bf16(kept: dict[str, Any]
     assert none == [] and len(everything) == 15
 
 
+@pytest.mark.parametrize(
+    ("precision", "by_hand"),
+    [
+        ({"keep_bf16_layers": [1, 1]}, {0, 3}),
+        ({"bf16_layers": [2, 0]}, {0, 2}),
+        ({"keep_bf16_layers": [0, 2], "bf16_layers": [1]}, {1, 2, 3}),
+        ({}, set()),
+    ],
+    ids=["ends", "by-index", "both", "none"],
+)
+def test_vllm_and_the_native_engine_keep_the_same_layers_for_the_same_reasons(
+    precision: dict[str, Any], by_hand: set[int]
+) -> None:
+    """The two generators' layouts, each built by its own code, against each other and against the
+    layers worked by hand (4 decoder layers): a layer one engine keeps in BF16 and the other
+    quantizes would break the precision contract at the first sync."""
+    from transformers import LlamaForCausalLM
+
+    from workers.fp8.convert import convert_model
+
+    cfg = config(layers=4)
+    job = spec(**precision)
+    fp8, bf16 = vg.generator_layout(cfg, job.precision)
+    audit = convert_model(
+        LlamaForCausalLM(cfg).model,
+        "fp8-e2e",
+        keep_bf16=tuple(job.precision.keep_bf16_layers),
+        bf16_layers=job.precision.bf16_layers,
+    )
+    native = {f"model.{r.name}": r.reason for r in audit.rows if r.kind == "linear" and r.precision != "fp8"}
+    assert native == {k: v for k, v in bf16.items() if k != "lm_head"}
+    assert sorted(f"model.{n}.weight" for n in audit.fp8_layers) == sorted(fp8)
+    assert {int(k.split(".")[2]) for k in native} == by_hand
+    assert len(native) == 7 * len(by_hand)
+
+
 def test_a_layer_index_beyond_the_model_is_refused() -> None:
     with pytest.raises(ValueError, match=r"precision.bf16_layers \[2, 5\]: the model has decoder layers 0-1"):
         vg.generator_layout(config(), spec(bf16_layers=[5, 0, 2]).precision)
