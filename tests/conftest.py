@@ -24,6 +24,11 @@ import torch
 # the real Kubernetes of the suite (tests/kube/README.md): kube, chart, operator, podnet, tenant, ...
 pytest_plugins = ["tests.kube.fixtures"]
 
+# The suite quantizes eagerly (drivers and Ray actors it starts inherit this): the compiled CPU
+# quantizer of power-of-two scales (workers/fp8/cpu_compiled.py) costs a build of 5-20 s per
+# process, and tests/workers/fp8/test_cpu_compiled.py holds it to the eager one bit for bit.
+os.environ.setdefault("FP8RL_CPU_COMPILE", "0")
+
 TIERS = ("slow", "model", "engines", "kube", "gpu")
 TIER_LIMIT_S = float(os.environ.get("FP8RL_TIER_LIMIT_S", "10"))
 TESTS = Path(__file__).resolve().parent

@@ -16,6 +16,7 @@ The numerics, layouts and kernels are described in :mod:`workers.fp8.linear`.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -197,6 +198,39 @@ def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig
     return quantize(x, fmt, block, power_of_two=cfg.power_of_two_scales, where=where)
 
 
+class _LastInput(threading.local):
+    """The last training input's two FP8 layouts, for the next layer that reads the same tensor:
+    Hugging Face's attention calls ``q_proj``, ``k_proj`` and ``v_proj`` on one hidden state
+    (fused into one GEMM only where every output is whole 128-row blocks, ``workers.fp8.fused``;
+    SmolLM2's 576 and 192 are not), so without this it is quantized three times.
+
+    The same tensor means the same storage, offset, shape, strides, dtype and version counter
+    (an in-place write bumps it), with the same quantization config. The entry holds a
+    reference to the input, so its memory cannot be freed and handed to another tensor while it
+    is the key."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.x: torch.Tensor | None = None
+        self.layouts: tuple[Fp8Tensor, Fp8Tensor] | None = None
+
+    @staticmethod
+    def _key(x: torch.Tensor, cfg: Fp8LinearConfig) -> tuple[Any, ...]:
+        storage = x.untyped_storage().data_ptr()
+        return (storage, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version, cfg)
+
+    def get(self, x: torch.Tensor, cfg: Fp8LinearConfig) -> tuple[Fp8Tensor | None, Any]:
+        if self.layouts is None or self.key != self._key(x, cfg):
+            return None, None
+        return self.layouts
+
+    def put(self, x: torch.Tensor, cfg: Fp8LinearConfig, x_q: Fp8Tensor, x_t: Fp8Tensor) -> None:
+        self.key, self.x, self.layouts = self._key(x, cfg), x, (x_q, x_t)
+
+
+_LAST_INPUT = _LastInput()
+
+
 def train_forward(
     ctx: Any, x2d: torch.Tensor, owner: Any, bias: torch.Tensor | None, wgrad: bool, w_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -210,11 +244,14 @@ def train_forward(
     if wgrad and cfg.activation_block == TILE_1x128 and cfg.rows_multiple == 1:
         # wgrad contracts over M: x.T [K, M] tiled along tokens, in FP8, row-major, made in the
         # same pass as fprop's x (one read of x on a GPU; there x.T's tokens are padded to a
-        # multiple of 128, so wgrad finds them laid out)
-        where = f"{owner.name}: input"
-        x_q, ctx.x_t = quantize_dual(
-            x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=True
-        )
+        # multiple of 128, so wgrad finds them laid out); once for layers that read one tensor
+        x_q, ctx.x_t = _LAST_INPUT.get(x2d, cfg)
+        if x_q is None:
+            where = f"{owner.name}: input"
+            x_q, ctx.x_t = quantize_dual(
+                x2d, cfg.forward_fmt, power_of_two=p2, where=where, rows_multiple=16, pad_tokens=True
+            )
+            _LAST_INPUT.put(x2d, cfg, x_q, ctx.x_t)
     elif wgrad:
         where = f"{owner.name}: input (wgrad copy)"
         ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from workers.fp8 import cpu_compiled
 from workers.fp8.block_ops import (
     abs_cpu,
     all_finite,
@@ -274,9 +275,38 @@ def quantize_dual(
         )
         return Fp8Tensor(data, scale, TILE_1x128, f), Fp8Tensor(data_t, scale_t, TILE_1x128, f)
     if x.device.type == "cpu" and x.dim() == 2:
+        if power_of_two:  # compiled, with the BF16 operands of the emulate_bf16 GEMMs (None: eager)
+            both = _quantize_dual_compiled(x, f, where)
+            if both is not None:
+                return both
         return _quantize_dual_cpu(x, f, power_of_two, where)
     rows_q = quantize_rows(x, f, power_of_two=power_of_two, where=where, rows_multiple=rows_multiple)
     return rows_q, quantize(x.t(), f, TILE_1x128, power_of_two=power_of_two, where=where)
+
+
+def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[Fp8Tensor, Fp8Tensor] | None:
+    """:func:`quantize_dual` of power-of-two scales on the CPU through
+    :mod:`workers.fp8.cpu_compiled`: the eager path's bytes and scales, each result keeping its
+    BF16 dequantization (``x.T``'s bytes a transposed view of an ``[M, K]`` buffer). None where
+    the eager path must run: the compiled one is off or not built, or ``x`` has a NaN or inf
+    (the eager path reports it as before)."""
+    _check_quantizable(x)
+    x = x.detach()
+    maxima = cpu_compiled.block_maxima(x)
+    if maxima is None:
+        return None
+    amax, amax_c = maxima  # [M, ceil(K/128)], [ceil(M/128), K]
+    if not (all_finite(amax) and all_finite(amax_c)):
+        return None
+    amax_t = amax_c.t()
+    check_input(x, amax, TILE_1x128, where)
+    check_input(x.t(), amax_t, TILE_1x128, where)
+    scale, scale_c = amax_to_scale(amax, f, True), amax_to_scale(amax_c, f, True)
+    q, d, q_c, d_c = cpu_compiled.cast_both(x, scale, scale_c, f.dtype)
+    bf16 = str(torch.bfloat16)  # the dequantize() memo's key
+    rows = Fp8Tensor(q, scale, TILE_1x128, f, True, {bf16: d})
+    cols = Fp8Tensor(q_c.t(), scale_c.t().contiguous(), TILE_1x128, f, True, {bf16: d_c.t()})
+    return rows, cols
 
 
 def _quantize_dual_cpu(

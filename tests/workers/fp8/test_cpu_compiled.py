@@ -1,0 +1,159 @@
+"""The compiled CPU quantizer of power-of-two scales (workers/fp8/cpu_compiled.py) against the
+eager one it replaces (workers/fp8/quant.py's CPU path, itself held to a padded reference in
+test_quant_cpu_fast.py): the same bytes, scales and BF16 dequantizations, over partial blocks,
+both formats and both input dtypes; the eager path for a NaN; and an FP8 layer trained both ways.
+Also the reuse of one input's quantization by the layers that read it (q/k/v).
+
+The suite runs with the compiled quantizer off (tests/conftest.py); these tests turn it on, and
+the first build costs 5-20 s: they are ``slow``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from workers.fp8 import cpu_compiled, linear_gemm
+from workers.fp8 import quant as Q
+from workers.fp8.formats import get_format
+from workers.fp8.guard import NonFiniteError
+from workers.fp8.linear import Fp8Linear
+from workers.fp8.linear_config import Fp8LinearConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(cpu_compiled.CPU_COMPILE_ENV, "1")
+    monkeypatch.setattr(cpu_compiled, "_COMPILED", None)
+    yield
+
+
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_compiled, "_COMPILED", False)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (128, 256), (257, 640), (1, 130), (64, 576), (130, 1)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compiled_quantizer_writes_the_eager_bytes_scales_and_bf16_values(
+    compiled: None, shape: tuple[int, int], fmt: str, dtype: torch.dtype
+) -> None:
+    # magnitudes over 2^-20 .. 2^12 and exact zeros: subnormal FP8 codes, whole zero tiles
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-20, 12, shape).float())
+    x[: shape[0] // 3, : shape[1] // 2] = 0
+    x = x.to(dtype)
+    got = Q._quantize_dual_compiled(x, get_format(fmt), "x")
+    assert got is not None
+    want = Q._quantize_dual_cpu(x, get_format(fmt), True, "x")
+    for g, w in zip(got, want, strict=True):
+        assert same_bytes(g.data, w.data) and torch.equal(g.scale, w.scale)
+        assert (g.block, g.fmt) == (w.block, w.fmt)
+        assert torch.equal(g.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16))
+        assert torch.equal(g.t().dequantize(torch.bfloat16), w.t().dequantize(torch.bfloat16))
+        assert torch.equal(g.dequantize(torch.float32), w.dequantize(torch.float32))  # from the bytes
+    assert got[0]._memo, "the BF16 values are kept for the GEMM"
+
+
+def test_a_nan_takes_the_eager_path_and_its_error(compiled: None) -> None:
+    x = torch.randn(70, 300)
+    x[5, 17] = float("nan")
+    assert Q._quantize_dual_compiled(x, get_format("e4m3"), "x") is None
+    with pytest.raises(
+        NonFiniteError, match=r"layers\.3: input: input of shape \(70, 300\) has 1 NaN.*\(5, 17\)"
+    ):
+        Q.quantize_dual(x, "e4m3", power_of_two=True, where="layers.3: input")  # the eager path names it
+
+
+def test_a_bad_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_compiled.CPU_COMPILE_ENV, "yes")
+    monkeypatch.setattr(cpu_compiled, "_COMPILED", None)
+    with pytest.raises(ValueError, match="FP8RL_CPU_COMPILE='yes': use 1"):
+        cpu_compiled.enabled()
+
+
+def train(layer: Fp8Linear, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    layer.weight.grad = None
+    xi = x.clone().requires_grad_(True)
+    y = layer(xi)
+    y.backward(dy)
+    assert xi.grad is not None and layer.weight.grad is not None
+    return [y.detach(), xi.grad, layer.weight.grad.clone()]
+
+
+def test_an_fp8_layer_trains_alike_compiled_and_eager(
+    compiled: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fprop and dgrad read the same BF16 operands in the same layout: equal bit for bit. wgrad
+    reads them in another layout (x.T's values as ``[M, K]`` rows), so its float32 sums may run in
+    another order: within the BF16 GEMM's bound, two of its roundings (test_cpu_bf16_gemm.py)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(
+        torch.nn.Linear(576, 384, bias=False), Fp8LinearConfig(power_of_two_scales=True)
+    )
+    x = torch.randn(200, 576, dtype=torch.bfloat16)
+    dy = torch.randn(200, 384, dtype=torch.bfloat16)
+    y, dx, dw = train(layer, x, dy)
+    assert cpu_compiled._COMPILED not in (None, False)
+    eager(monkeypatch)
+    y0, dx0, dw0 = train(layer, x, dy)
+    assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    scale = float(dw0.abs().max())
+    torch.testing.assert_close(dw, dw0, rtol=2.0**-7, atol=2.0**-7 * scale)
+
+
+class Counted:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        real = Q.quantize_dual
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.calls += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(linear_gemm, "quantize_dual", counted)
+
+
+def test_layers_that_read_one_input_quantize_it_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v read one hidden state: one quantization of it, and the results of three separate
+    ones; an in-place write to the input between two layers (a new version) quantizes again."""
+    torch.manual_seed(1)
+    cfg = Fp8LinearConfig(power_of_two_scales=True)
+    layers = [
+        Fp8Linear.from_linear(torch.nn.Linear(256, n, bias=False), cfg, name=f"l{n}") for n in (256, 128, 128)
+    ]
+    h = torch.randn(96, 256, dtype=torch.bfloat16, requires_grad=True)
+    counted = Counted(monkeypatch)
+    outs = [m(h) for m in layers]
+    assert counted.calls == 1
+    sum(o.float().square().sum() for o in outs).backward()
+    grads = [h.grad.clone()] + [m.weight.grad.clone() for m in layers]  # type: ignore[union-attr]
+    # the same, each layer quantizing on its own
+    monkeypatch.setattr(linear_gemm._LAST_INPUT, "get", lambda x, cfg: (None, None))
+    h.grad = None
+    for m in layers:
+        m.weight.grad = None
+    before = counted.calls  # 1 + the three output gradients of the backward
+    alone = [m(h) for m in layers]
+    assert counted.calls - before == 3
+    sum(o.float().square().sum() for o in alone).backward()
+    for a, b in zip(outs, alone, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(grads, [h.grad] + [m.weight.grad for m in layers], strict=True):
+        assert b is not None and torch.equal(a, b)
+    monkeypatch.undo()
+    counted = Counted(monkeypatch)
+    x = torch.randn(96, 256, dtype=torch.bfloat16)
+    layers[1](x.requires_grad_(True))
+    with torch.no_grad():
+        x.mul_(2.0)  # the same storage, a new version
+    y2 = layers[2](x)
+    assert counted.calls == 2
+    y_fresh = layers[2](x.detach().clone().requires_grad_(True))
+    assert torch.equal(y2, y_fresh)
