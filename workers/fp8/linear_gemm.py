@@ -225,7 +225,8 @@ class _LastInput(threading.local):
         return self.layouts
 
     def put(self, x: torch.Tensor, cfg: Fp8LinearConfig, x_q: Fp8Tensor, x_t: Fp8Tensor) -> None:
-        self.key, self.x, self.layouts = self._key(x, cfg), x, (x_q, x_t)
+        # detached (the storage stays, the version counter is shared; no autograd graph is kept)
+        self.key, self.x, self.layouts = self._key(x, cfg), x.detach(), (x_q, x_t)
 
 
 _LAST_INPUT = _LastInput()
