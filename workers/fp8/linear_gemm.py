@@ -225,6 +225,9 @@ class _LastInput(threading.local):
         return self.layouts
 
     def put(self, x: torch.Tensor, cfg: Fp8LinearConfig, x_q: Fp8Tensor, x_t: Fp8Tensor) -> None:
+        if x.untyped_storage().data_ptr() == 0:  # meta or empty: no address tells two tensors apart
+            self.key = self.x = self.layouts = None
+            return
         # detached (the storage stays, the version counter is shared; no autograd graph is kept)
         self.key, self.x, self.layouts = self._key(x, cfg), x.detach(), (x_q, x_t)
 
