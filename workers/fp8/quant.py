@@ -296,17 +296,28 @@ def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[
     if maxima is None:
         return None
     amax, amax_c = maxima  # [M, ceil(K/128)], [ceil(M/128), K]
-    if not (all_finite(amax) and all_finite(amax_c)):
+    scales = _dual_scales(x, amax, amax_c.t().contiguous(), f, True, where)
+    if scales is None:
         return None
-    amax_t = amax_c.t()
-    check_input(x, amax, TILE_1x128, where)
-    check_input(x.t(), amax_t, TILE_1x128, where)
-    scale, scale_c = amax_to_scale(amax, f, True), amax_to_scale(amax_c, f, True)
-    q, d, q_c, d_c = cpu_compiled.cast_both(x, scale, scale_c, f.dtype)
+    scale, scale_t = scales
+    q, d, q_c, d_c = cpu_compiled.cast_both(x, scale, scale_t.t().contiguous(), f.dtype)
     bf16 = str(torch.bfloat16)  # the dequantize() memo's key
     rows = Fp8Tensor(q, scale, TILE_1x128, f, True, {bf16: d})
-    cols = Fp8Tensor(q_c.t(), scale_c.t().contiguous(), TILE_1x128, f, True, {bf16: d_c.t()})
+    cols = Fp8Tensor(q_c.t(), scale_t, TILE_1x128, f, True, {bf16: d_c.t()})
     return rows, cols
+
+
+def _dual_scales(
+    x: torch.Tensor, amax: torch.Tensor, amax_t: torch.Tensor, f: Fp8Format, power_of_two: bool, where: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The scales of ``x``'s two layouts from their block maxima (``amax [M, ceil(K/128)]``,
+    ``amax_t [K, ceil(M/128)]``), after the two calls' checks in their order; None when a maximum
+    is NaN or inf (the caller takes the padded path, which reports it as the two calls did)."""
+    if not (all_finite(amax) and all_finite(amax_t)):
+        return None
+    check_input(x, amax, TILE_1x128, where)
+    check_input(x.t(), amax_t, TILE_1x128, where)
+    return amax_to_scale(amax, f, power_of_two), amax_to_scale(amax_t, f, power_of_two)
 
 
 def _quantize_dual_cpu(
@@ -320,12 +331,11 @@ def _quantize_dual_cpu(
     a = abs_cpu(x)  # [M, K], read by both amaxes
     amax = block_max_cpu(a, TILE_1x128)  # [M, ceil(K/128)]
     amax_t = block_max_cpu(a, (128, 1)).t().contiguous()  # [K, ceil(M/128)]
-    if not (all_finite(amax) and all_finite(amax_t)):  # the two calls, as they were
+    scales = _dual_scales(x, amax, amax_t, f, power_of_two, where)
+    if scales is None:  # the two calls, as they were
         pad = (_quantize_padded(y, f, TILE_1x128, power_of_two, True, where) for y in (x, x.t()))
         return next(pad), next(pad)
-    check_input(x, amax, TILE_1x128, where)
-    check_input(x.t(), amax_t, TILE_1x128, where)
-    scale, scale_t = amax_to_scale(amax, f, power_of_two), amax_to_scale(amax_t, f, power_of_two)
+    scale, scale_t = scales
     scratch = a if a.dtype == torch.float32 and a.is_contiguous() else None  # |x| is spent
     data = scaled_cast_cpu(x, scale, TILE_1x128, f, False, scratch)  # [M, K]
     data_t = scaled_cast_cpu(x, scale_t.t(), (128, 1), f, False, scratch).t().contiguous()  # [K, M]

@@ -159,18 +159,10 @@ def test_layers_that_read_one_input_quantize_it_once(monkeypatch: pytest.MonkeyP
     assert torch.equal(y2, y_fresh)
 
 
-def test_meta_tensors_are_never_taken_for_one_another() -> None:
+def test_meta_tensors_are_never_taken_for_one_another(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every meta tensor's address is 0: two inputs of one shape on meta are quantized apart."""
-    counted_calls = []
-    real = Q.quantize_dual
-
-    def counted(*args: object, **kwargs: object) -> object:
-        counted_calls.append(1)
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
     layer = Fp8Linear(256, 384, bias=False, device="meta", dtype=torch.bfloat16)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(linear_gemm, "quantize_dual", counted)
-        for _ in range(2):
-            layer(torch.empty(32, 256, device="meta", dtype=torch.bfloat16, requires_grad=True))
-    assert len(counted_calls) == 2
+    counted = Counted(monkeypatch)
+    for _ in range(2):
+        layer(torch.empty(32, 256, device="meta", dtype=torch.bfloat16, requires_grad=True))
+    assert counted.calls == 2

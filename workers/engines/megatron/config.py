@@ -294,9 +294,12 @@ def megatron_audit(
     )
     for i in range(shapes.layers):
         runs = "BF16" if compute_dtype == torch.bfloat16 else compute
-        reason = None if fp8 else f"recipe {precision.recipe}: the trainer runs {runs}"
-        if fp8:  # Megatron takes no bf16_layers (JobSpec refuses them with it under fp8-e2e)
-            reason = bf16_layer_reason(i, shapes.layers, precision.keep_bf16_layers)
+        # Megatron takes no bf16_layers (JobSpec refuses them with it under fp8-e2e)
+        reason = (
+            bf16_layer_reason(i, shapes.layers, precision.keep_bf16_layers)
+            if fp8
+            else f"recipe {precision.recipe}: the trainer runs {runs}"
+        )
         for module in _LINEARS:
             name = f"decoder.layers.{i}.{module}"
             norm = norms.get(module.rsplit(".", 1)[-1])
