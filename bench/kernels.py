@@ -18,6 +18,9 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
   blockwise, for M a multiple of 128;
 - ``quantize``: the 1x128 activation quantizer (Triton on CUDA), reported as GB/s of bytes read
   plus written;
+- ``quantize_dual``: training's quantizer of both layouts (``x`` tiled 1x128 along K and ``x.T``
+  along M, one read of ``x``; Triton on CUDA), GB/s of bytes read plus written: what fp8-e2e
+  training pays per linear input and output gradient beyond BF16's GEMMs;
 - ``small_m``: the Triton block-FP8 GEMM for at most 64 tokens (``workers/fp8/triton_gemm.py``,
   split-K), BF16 activation in: its time *includes* the activation's quantization, so compare it
   with ``blockwise`` + ``quantize`` (the table's last ratio does).
@@ -36,12 +39,15 @@ import torch
 
 from workers.fp8.linear_gemm import SMALL_M_MAX
 from workers.fp8.matmul import blockwise_scaled_mm, lay_out
-from workers.fp8.quant import quantize, quantize_rows
+from workers.fp8.quant import quantize, quantize_dual, quantize_rows
 
 TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 # the 1B preset's MLP (hidden 2048 -> 8192 -> 2048) and Llama-3-8B's (4096 -> 14336)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
-KINDS: tuple[str, ...] = ("bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "small_m")
+KINDS: tuple[str, ...] = (
+    "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "quantize_dual", "small_m"
+)  # fmt: skip
+QUANTIZERS = ("quantize", "quantize_dual")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
 
 
@@ -60,20 +66,22 @@ class KernelRow:
 
     @property
     def tflops(self) -> float | None:
-        if self.us is None or self.kind == "quantize":
+        if self.us is None or self.kind in QUANTIZERS:
             return None
         return self.flops / (self.us * 1e-6) / 1e12
 
     @property
     def quantizer_gbs(self) -> float | None:
-        """Bytes the quantizer must move (BF16 in, E4M3 out, one float32 scale per 128) per second."""
-        if self.us is None or self.kind != "quantize":
+        """Bytes the quantizer must move (BF16 in, E4M3 out, one float32 scale per 128; the dual
+        quantizer writes two layouts and their scales) per second."""
+        if self.us is None or self.kind not in QUANTIZERS:
             return None
         elems = self.tokens * self.in_features
-        return (elems * 2 + elems + elems // 128 * 4) / (self.us * 1e-6) / 1e9
+        layouts = 2 if self.kind == "quantize_dual" else 1
+        return (elems * 2 + layouts * (elems + elems // 128 * 4)) / (self.us * 1e-6) / 1e9
 
 
-def _time_calls(device: torch.device, calls: Sequence[Callable[[], object]], replays: int) -> float:
+def time_calls(device: torch.device, calls: Sequence[Callable[[], object]], replays: int) -> float:
     """Microseconds per call of ``calls`` (one per operand set), GPU time from graph replay on CUDA."""
     for fn in calls:  # warm-up: module load, handles, autotuning, cuBLAS's heuristics
         fn()
@@ -136,6 +144,8 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             calls.append(partial(blockwise_scaled_mm, a, b, torch.bfloat16))
         elif kind == "quantize":
             calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
+        elif kind == "quantize_dual":  # as training calls it (linear_gemm.train_forward)
+            calls.append(partial(quantize_dual, x, "e4m3", rows_multiple=16, pad_tokens=True))
         elif kind == "small_m":
             from workers.fp8.triton_gemm import small_m_gemm
 
@@ -165,7 +175,7 @@ def run(
                     rows.append(KernelRow(m, k, n, kind, None, f"M over {SMALL_M_MAX}"))
                     continue
                 try:
-                    us = _time_calls(dev, _calls(kind, m, k, n, dev), replays)
+                    us = time_calls(dev, _calls(kind, m, k, n, dev), replays)
                     rows.append(KernelRow(m, k, n, kind, us))
                 except Exception as err:  # a kind this device refuses: say so, go on
                     first = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]
@@ -182,7 +192,9 @@ def format_table(rows: Sequence[KernelRow]) -> str:
     for r in rows:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
-    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s; bf16 TFLOP/s; "]
+    lines = [
+        head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual); bf16 TFLOP/s; "
+    ]
     lines[0] += "(blockwise + quantize) / small_m"
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
@@ -202,8 +214,7 @@ def format_table(rows: Sequence[KernelRow]) -> str:
             fp8 = by_kind.get(kind)
             fp8_us = fp8.us if fp8 is not None else None
             ratios.append(f"{base_us / fp8_us:.2f}x" if base_us and fp8_us else "-")
-        q = by_kind.get("quantize")
-        gbs = f"{q.quantizer_gbs:.0f}" if q is not None and q.quantizer_gbs is not None else "-"
+        gbs = " ".join(_gbs(by_kind.get(kind)) for kind in QUANTIZERS)
         tf = f"{base.tflops:.0f}" if base is not None and base.tflops is not None else "-"
         small = _small_m_ratio(by_kind)
         lines.append(
@@ -211,6 +222,10 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         )
     lines += [f"{kind}: {note}" for kind, note in notes.items()]
     return "\n".join(lines)
+
+
+def _gbs(row: KernelRow | None) -> str:
+    return f"{row.quantizer_gbs:.0f}" if row is not None and row.quantizer_gbs is not None else "-"
 
 
 def _small_m_ratio(by_kind: dict[str, KernelRow]) -> str:

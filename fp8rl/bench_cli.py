@@ -164,6 +164,34 @@ def bench_kernels(
     _echo_report(report)
 
 
+@bench_app.command("decode-attention")
+def bench_decode_attention(
+    device: DeviceOpt = "auto",
+    shapes: Annotated[
+        str, typer.Option(help="BxHQxHKVxCONTEXT, comma-separated (head_dim 128)")
+    ] = "1024x16x8x160,64x16x8x1056,64x16x8x2080,256x32x8x2064",
+    caches: Annotated[str, typer.Option(help="bf16,e4m3 or one of them")] = "bf16,e4m3",
+) -> None:
+    """The Triton decode attention over a BF16 and an E4M3 cache: GPU time, cache GB/s, and its
+    error against float64 per head beside SDPA's (needs CUDA, or TRITON_INTERPRET=1 on CPU)."""
+    from bench import decode_attention
+
+    def report() -> str:
+        try:
+            dims = tuple(tuple(int(x) for x in s.lower().split("x")) for s in shapes.split(","))
+        except ValueError as err:
+            raise ValueError(f"--shapes {shapes!r}: expected e.g. 64x16x8x1056") from err
+        if any(len(d) != 4 or min(d) <= 0 or d[1] % d[2] or d[3] < 2 for d in dims):
+            raise ValueError(
+                f"--shapes {shapes!r}: four positive sizes B x Hq x Hkv x context each, Hkv dividing Hq, "
+                "context >= 2"
+            )
+        names = tuple(c.strip() for c in caches.split(",") if c.strip())
+        return decode_attention.report(device, dims, names)  # type: ignore[arg-type]
+
+    _echo_report(report)
+
+
 @bench_app.command("host")
 def bench_host(
     profile: Annotated[
@@ -244,6 +272,43 @@ def bench_step(
             steps=steps,
             recipes=names,
             baseline=baseline,
+            progress=lambda msg: typer.echo(msg, err=True),
+        )
+    )
+
+
+@bench_app.command("profile-train")
+def bench_profile_train(
+    model: ModelOpt = "tiny",
+    device: DeviceOpt = "auto",
+    recipes: Annotated[
+        str, typer.Option(help="comma-separated recipes; the first is the baseline")
+    ] = "bf16,fp8-e2e",
+    sequences: Annotated[int, typer.Option(help="sequences in the step (bench step: prompts x group)")] = 512,
+    prompt_tokens: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 16,
+    new_tokens: Annotated[int, typer.Option(help="response tokens per sequence")] = 64,
+    group_size: Annotated[int, typer.Option(help="samples per prompt (divides --sequences)")] = 8,
+    micro_batch: Annotated[int, typer.Option(help="sequences per micro-batch (bench step: 64)")] = 64,
+    top: Annotated[int, typer.Option(help="kernels listed per recipe")] = 20,
+    cover: Annotated[float, typer.Option(help="the share of the difference the change list names")] = 0.9,
+) -> None:
+    """One training step per recipe under torch.profiler: the top kernels by GPU time (operators
+    by CPU time on a CPU), and the kernels that make up each recipe's difference from the first."""
+    from bench import profile_train
+
+    names = tuple(r.strip() for r in recipes.split(",") if r.strip())
+    _echo_report(
+        lambda: profile_train.report(
+            model,
+            device,
+            names,
+            top,
+            cover,
+            sequences=sequences,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            group_size=group_size,
+            micro_batch=micro_batch,
             progress=lambda msg: typer.echo(msg, err=True),
         )
     )

@@ -17,6 +17,10 @@ def test_rates_are_computed_from_the_bytes_and_flops_by_hand() -> None:
     mm = kernels.KernelRow(128, 256, 512, "bf16", us=10.0)
     assert mm.tflops == pytest.approx(2 * 128 * 256 * 512 / 10e-6 / 1e12) and mm.quantizer_gbs is None
     assert kernels.KernelRow(1, 256, 512, "bf16", us=None).tflops is None
+    # the dual quantizer: BF16 in once, two E4M3 layouts and their scales out: 133,120 bytes
+    dual = kernels.KernelRow(128, 256, 512, "quantize_dual", us=10.0)
+    assert dual.quantizer_gbs == pytest.approx((128 * 256 * 2 + 2 * (128 * 256 + 256 * 4)) / 10e-6 / 1e9)
+    assert dual.tflops is None
 
 
 def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
@@ -24,7 +28,7 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     got = {(r.tokens, r.kind): r for r in rows}
     assert set(got) == {(m, k) for m in (1, 128) for k in kernels.KINDS}
     assert got[(1, "wgrad")].us is None and "multiple of 128" in got[(1, "wgrad")].note
-    for kind in ("bf16", "rowwise", "tensorwise", "quantize"):  # what a CPU runs
+    for kind in ("bf16", "rowwise", "tensorwise", "quantize", "quantize_dual"):  # what a CPU runs
         assert all((got[(m, kind)].us or 0.0) > 0 for m in (1, 128))
     # cuBLAS's blockwise scaling exists on CUDA only: refused here, with torch's message
     assert got[(128, "blockwise")].us is None and got[(128, "blockwise")].note.startswith("refused: ")
