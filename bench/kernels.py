@@ -284,36 +284,3 @@ def weight_quantization(model: str = "1b", device: str = "cuda", repeats: int = 
         f"separately), {dev.type}\n"
         f"each layer: {each:.2f} ms   batched: {batched:.2f} ms   each layer / batched: {each / batched:.2f}x"
     )
-
-
-# (strip, warps) of the dual-layout kernel to compare: workers.fp8.triton_quant.DUAL_STRIP/WARPS
-DUAL_CHOICES: tuple[tuple[int, int], ...] = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8), (128, 8))
-DUAL_SHAPES: tuple[tuple[int, int], ...] = ((4096, 2048), (4736, 2048), (4096, 8192), (4736, 14336))
-
-
-def quantize_dual_choices(device: str = "cuda", shapes: Sequence[tuple[int, int]] = DUAL_SHAPES) -> str:
-    """The dual-layout quantizer's GB/s for each (strip, warps) choice, beside the one-layout
-    quantizer of the same ``x`` in the same run (what a pass that writes one layout reaches):
-    CUDA only (the kernels are Triton's)."""
-    from workers.fp8 import triton_quant as tq
-
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise ValueError("--dual-choices: the dual-layout kernel runs on CUDA only")
-    fmt = ("e4m3", 448.0, torch.float8_e4m3fn)
-    head = f"{'M':>6} {'K':>6} {'rows GB/s':>10} " + " ".join(f"{f'{s}x{w}':>9}" for s, w in DUAL_CHOICES)
-    lines = ["dual-layout quantizer, GB/s (bytes read + written) per strip x warps; default "
-             f"{tq.DUAL_STRIP}x{tq.DUAL_WARPS}", head]  # fmt: skip
-    for m, k in shapes:
-        xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in range(SETS)]
-        one = KernelRow(
-            m, k, 0, "quantize", time_calls(dev, [partial(quantize_rows, x, "e4m3") for x in xs], 20)
-        )
-        cells = []
-        for strip, warps in DUAL_CHOICES:
-            pad = -(-m // 128) * 128
-            calls = [partial(tq.quantize_1x128_dual, x, *fmt, False, None, m, pad, strip, warps) for x in xs]
-            row = KernelRow(m, k, 0, "quantize_dual", time_calls(dev, calls, 20))
-            cells.append(f"{row.quantizer_gbs:9.0f}")
-        lines.append(f"{m:>6} {k:>6} {one.quantizer_gbs:10.0f} " + " ".join(cells))
-    return "\n".join(lines)

@@ -137,9 +137,6 @@ def bench_kernels(
             "on its own vs the batched call, on this model preset (e.g. 1b; empty: skip)"
         ),
     ] = "",
-    dual_choices: Annotated[
-        bool, typer.Option(help="only the dual-layout quantizer's strip x warps choices (CUDA)")
-    ] = False,
 ) -> None:
     """Time per call of each GEMM kind (BF16 mm, blockwise, rowwise, tensorwise FP8, wgrad) and of
     the activation quantizer, per token count; GPU time from CUDA-graph replay."""
@@ -161,8 +158,6 @@ def bench_kernels(
     def report() -> str:
         ms, ks = parse()
         dev = str(pick_device(device))
-        if dual_choices:
-            return kernels.quantize_dual_choices(dev)
         table = kernels.report(dev, tokens=ms, shapes=ks)
         return table + ("\n\n" + kernels.weight_quantization(weights, dev) if weights else "")
 

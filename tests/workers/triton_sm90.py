@@ -5,9 +5,6 @@ the device in hand, and what it compiles to (the tensor-core instructions, regis
 
 from __future__ import annotations
 
-import re
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import triton
@@ -27,19 +24,3 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     assert kernel.asm.get("cubin"), "ptxas produced no cubin"
     ptx: str = kernel.asm["ptx"]
     return ptx
-
-
-def ptxas_spills(ptx: str, tmp: Path) -> tuple[int, int]:
-    """``(registers per thread, spill bytes stored + loaded)`` of ``ptx`` assembled for SM90 by the
-    ptxas Triton ships (``-v``): spills are decided by ptxas, after the PTX, so the PTX alone
-    cannot show them."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    src = tmp / "kernel.ptx"
-    src.write_text(ptx)
-    cmd = [get_ptxas(90).path, "-v", "-arch=sm_90a", str(src), "-o", str(tmp / "kernel.cubin")]
-    log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))  # type: ignore[union-attr]
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spill is not None, log
-    return regs, int(spill.group(1)) + int(spill.group(2))

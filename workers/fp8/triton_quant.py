@@ -24,10 +24,6 @@ import triton
 import triton.language as tl
 
 _TILE = 128
-# the dual-layout kernel's column strip and warps (``strip`` and ``num_warps`` of
-# quantize_1x128_dual; bench/quantize_dual.py times the choices on a GPU)
-DUAL_STRIP = 16
-DUAL_WARPS = 4
 
 
 @triton.jit
@@ -150,46 +146,26 @@ def _quantize_1x128_dual(
     POW2: tl.constexpr,
     CHECK: tl.constexpr,
     TILE: tl.constexpr,
-    STRIP: tl.constexpr,
 ) -> None:
-    """One 128x128 tile of ``x [rows, cols]`` written twice: along ``cols`` (1x128 tiles of a
-    row: :func:`quantize_1x128` of ``x``) and along ``rows`` (1x128 tiles of a column:
-    :func:`quantize_1x128` of ``x.T``, its rows ``rows_t_out >= rows`` long, zeros past
-    ``rows``), each with its own scales.
-
-    The tile is walked in ``[128, STRIP]`` column strips, twice: first for each row's amax over
-    the tile's 128 columns, then, per strip, both layouts' bytes (the strip holds whole columns,
-    so each column's amax is its own). A whole 128x128 float32 tile in registers (the first
-    version) ran at ~0.7 TB/s on an H200 against ~2.5 TB/s for the one-layout kernel; a strip
-    is a quarter of it. The second read of each strip comes from the cache, not from memory."""
+    """One 128x128 tile of ``x [rows, cols]`` read once, written twice: along ``cols`` (1x128
+    tiles of a row: :func:`quantize_1x128` of ``x``) and along ``rows`` (1x128 tiles of a column:
+    :func:`quantize_1x128` of ``x.T``, its rows ``rows_t_out >= rows`` long, zeros past ``rows``),
+    each with its own scales."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * TILE + tl.arange(0, TILE)  # [TILE] rows of x (tokens)
-    amax = tl.zeros([TILE], dtype=tl.float32)
-    nans = tl.zeros([TILE], dtype=tl.int32)
-    for s in range(TILE // STRIP):  # each row's amax over the tile's columns
-        c = pid_c * TILE + s * STRIP + tl.arange(0, STRIP)
-        x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        nans += tl.sum((x != x).to(tl.int32), axis=1)
-    amax = tl.where(nans > 0, float("nan"), amax)  # as tile_amax: a NaN is kept
-    scale = scale_of(amax, FMT_MAX, POW2)
-    tl.store(scale_ptr + pid_c * rows_out + r, tl.where(r < rows, scale, 1.0), mask=r < rows_out)
-    if CHECK:  # the rows' tiles name a non-finite value for the guard; the columns' see the same
-        fold_bad_tiles(code_ptr, amax, r, rows, n_tiles_c, pid_c, call_code)
-    for s in range(TILE // STRIP):
-        c = pid_c * TILE + s * STRIP + tl.arange(0, STRIP)
-        x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
-        q8 = to_fp8(tl.math.div_rn(x, scale[:, None]), FMT_MAX, E4M3)
-        tl.store(
-            data_ptr + r[:, None] * cols + c[None, :], q8, mask=(r[:, None] < rows_out) & (c[None, :] < cols)
-        )
-        # along rows: one scale per column over this tile's rows (x.T [cols, rows] in 1x128 tiles)
-        scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)
-        q8_t = tl.trans(to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [STRIP, TILE]
-        inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)  # x is 0 past rows: data 0
-        tl.store(data_t_ptr + c[:, None] * rows_t_out + r[None, :], q8_t, mask=inside_t)
-        tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1
+    c = pid_c * TILE + tl.arange(0, TILE)  # [TILE] columns of x
+    x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
+    # along cols, as the one-layout kernel (the rows' tiles name a non-finite value for the guard;
+    # the columns' tiles see the same ones)
+    _write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
+                FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
+    # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
+    scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)
+    q8_t = tl.trans(to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [cols tile, rows tile]
+    inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)  # x is 0 past rows: data 0
+    tl.store(data_t_ptr + c[:, None] * rows_t_out + r[None, :], q8_t, mask=inside_t)
+    tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
 
 
 def quantize_1x128(
@@ -247,8 +223,6 @@ def quantize_1x128_dual(
     check: tuple[torch.Tensor, int] | None,
     rows_out: int,
     rows_t_out: int | None = None,
-    strip: int = DUAL_STRIP,
-    num_warps: int = DUAL_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_1x128` of ``x [R, C]`` and of ``x.T``, from one read of ``x``:
     ``(data [R', C], scale [R', ceil(C/128)], data_t [C, R''], scale_t [C, ceil(R/128)])``, each
@@ -274,7 +248,7 @@ def quantize_1x128_dual(
         x, data, scale, data_t, scale_t, code_buf, rows, rows_out, rows_t_out, cols, x.stride(0), x.stride(1),
         n_tiles_c, call * 2**32,
         FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None, TILE=_TILE,
-        STRIP=strip, num_warps=num_warps,
+        num_warps=8,
     )  # fmt: skip
     return data, scale, data_t, scale_t
 
