@@ -104,7 +104,9 @@ def measure(shape: tuple[int, int, int, int], cache: str, device: torch.device, 
     out = da.decode_attention(q, k, v, seen, length, scaling, ks, vs)[:CHECKED]
     q, k, v, seen = q[:CHECKED], k[:CHECKED], v[:CHECKED], seen[:CHECKED]
     ref = da.reference(q, k, v, seen, t, scaling, ks, vs)
-    k_bf, v_bf = (k, v) if ks is None else ((k.float() * ks).bfloat16(), (v.float() * vs).bfloat16())
+    k_bf, v_bf = k, v  # the BF16 values SDPA reads: the cache's own, or its dequantization
+    if ks is not None and vs is not None:
+        k_bf, v_bf = (k.float() * ks).bfloat16(), (v.float() * vs).bfloat16()
     row_err, sdpa_err = per_head_max_err(out, ref), per_head_max_err(sdpa(q, k_bf, v_bf, seen, scaling), ref)
     k = sets[0][1]
     us = None

@@ -8,9 +8,11 @@
 # part 1 (about 2 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
 # pytest -m gpu with the Triton switches off and then on, the kernel microbenchmark and the host
 # overhead of one linear.
-# part 2 (about 6 minutes): bench rollout of the 1B preset with the graph loop and the Triton decode
+# part 2 (about 5 minutes): bench rollout of the 1B preset with the graph loop and the Triton decode
 # attention, 1024 sequences x 256 new tokens, BF16 and FP8 weights, BF16 and E4M3 KV; the same at
-# 64 sequences x 2048 tokens with the fused E4M3 KV write; bench fp8 (train) on the 8B-shaped
+# 64 sequences x 2048 tokens with the fused E4M3 KV write; the training profile of the 1B (bf16
+# against fp8-e2e, per kernel); the decode attention alone at four shapes; the kernels at
+# training's token counts; the 8b-4l rollout at 256 x 1024; bench fp8 (train) on the 8B-shaped
 # layers at 4096 tokens; then one training step per recipe of the 1B and the 8b-4l presets.
 # Without a part, both run (about 10 minutes: one call of a 15-minute lease).
 set -u
@@ -37,6 +39,17 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, the fused E4M3 KV write (FP8RL_KV_WRITE=triton)"
     FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 64 \
         --new-tokens 2048 --repeat 1 --decode graph-triton >"$dir/rollout-1b-64x2048-kvwrite.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench profile-train 1b (the kernels fp8-e2e training spends beyond bf16's)"
+    $py -m fp8rl.cli bench profile-train --model 1b --device cuda --top 12 \
+        >"$dir/profile-train-1b.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench decode-attention (BF16 vs E4M3 cache: time, GB/s, error per head against float64 and SDPA)"
+    $py -m fp8rl.cli bench decode-attention --device cuda >"$dir/decode-attention.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench kernels at training's token counts (quantize_dual, wgrad at M 4736, 14336 -> 4096)"
+    $py -m fp8rl.cli bench kernels --device cuda --tokens 256,4096,4736 \
+        --shapes 2048x8192,8192x2048,4096x14336,14336x4096 >"$dir/kernels-train.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench rollout 8b-4l, 256 x 1024, graph-triton, the fused E4M3 KV write"
+    FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench rollout --model 8b-4l --device cuda --prompts 256 \
+        --new-tokens 1024 --repeat 1 --decode graph-triton >"$dir/rollout-8b-4l-256x1024.txt" 2>>"$dir/session.log"
     stamp "part 2: bench fp8, forward + backward of the 8B-shaped layers at 4096 tokens"
     $py -m fp8rl.cli bench fp8 --shapes 4096x4096x14336,4096x14336x4096 --mode train --device cuda \
         >"$dir/fp8-train-8b-layers.txt" 2>>"$dir/session.log"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from bench.common import bench_spec, device_name, pick_device, timed, vocab_size
 from workers.engines.factory import build_trainer
@@ -119,7 +119,7 @@ def profile_recipe(
         _, seconds = timed(dev, step)
     rows = []
     for e in prof.key_averages():
-        on_device = e.device_type == torch.autograd.DeviceType.CUDA
+        on_device = e.device_type == DeviceType.CUDA
         if cuda and on_device and e.self_device_time_total > 0:
             rows.append((e.key[:NAME_WIDTH], e.count, float(e.self_device_time_total)))
         elif not cuda and not on_device and e.self_cpu_time_total > 0:
