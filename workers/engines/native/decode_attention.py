@@ -13,6 +13,8 @@ valid as the sequence grows) and never writes a BF16 copy:
   GPU (flash-decoding), and a second kernel combines the splits' partial softmaxes;
 - an E4M3 tile is dequantized in registers to the values the materialized dequantization gives,
   ``bf16(float32(k) * k_scale)``, so both paths compute attention over the same BF16 keys and values;
+  a power-of-two scale (the calibrator's rule) is applied once outside the key loop instead, to
+  the scores and to the weighted sum of V: the same bits, without a multiply per element;
 - scores and the softmax in float32, the probabilities rounded to BF16 for the product with V
   (as flash attention does), the output BF16.
 

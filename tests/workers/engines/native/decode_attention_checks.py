@@ -8,8 +8,11 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from workers.engines.native import decode_attention as da
+from workers.engines.native.triton_decode import _foldable
 
 
 def case(b: int, hq: int, hkv: int, t: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -56,6 +59,69 @@ def fp8_cache_is_dequantized_in_registers_to_the_materialized_values() -> None:
     assert rel(got, da.reference(q, kq, vq, seen, 41, 32**-0.5, ks, vs)) < 1e-2
 
 
+def power_of_two_scales_leave_the_loop_with_the_same_bits() -> None:
+    """Power-of-two scales (the calibrator's rule) are applied once, outside the key loop (the
+    scores' and V's float32 sums scale by 2^e exactly): the output is still, bit for bit, the
+    kernel's over the BF16 cache the materialized dequantization writes. Over GQA groups of 2 and
+    4, lengths inside a tile, padding, 1/2/3/8 splits, and a scale too small to fold (2^-70: the
+    per-element branch) or mixed with a non-power-of-two one."""
+    for (b, hq, hkv, t, n, splits), (ks, vs) in (
+        ((2, 4, 2, 64, 41, 1), (2.0**-6, 2.0**-5)),
+        ((2, 8, 2, 96, 77, 2), (2.0**-7, 2.0**-4)),
+        ((1, 8, 2, 130, 129, 3), (2.0**-6, 2.0**-6)),
+        ((2, 4, 1, 100, 95, 8), (2.0**-5, 2.0**-7)),
+        ((2, 4, 2, 64, 41, 2), (2.0**-70, 2.0**-70)),
+        ((2, 4, 2, 64, 41, 2), (2.0**-6, 0.03)),
+    ):
+        q, k, v, seen = case(b, hq, hkv, t, 32, seed=n)
+        seen[:, n - 1] = True
+        k, v = k * ks * 64, v * vs * 64  # values in the scale's range
+        kq, vq = fp8(k, ks), fp8(v, vs)
+        kst, vst = torch.tensor(ks), torch.tensor(vs)
+        length = torch.tensor([n])
+        got = da.decode_attention(q, kq, vq, seen, length, 32**-0.5, kst, vst, splits=splits)
+        k_deq, v_deq = (kq.float() * kst).bfloat16(), (vq.float() * vst).bfloat16()
+        want = da.decode_attention(q, k_deq, v_deq, seen, length, 32**-0.5, splits=splits)
+        assert torch.equal(got, want), (b, hq, hkv, t, n, splits, ks, vs)
+
+
+@triton.jit
+def _probe_foldable(s_ptr, out_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _foldable(tl.load(s_ptr + i)).to(tl.int32))
+
+
+def only_normal_powers_of_two_are_folded() -> None:
+    """Which scales leave the loop: a power of two between 2^-60 and 2^60; not a scale with
+    mantissa bits, not a tiny or huge one (its products could leave float32's normal range), not
+    zero or a negative (never a calibrated scale)."""
+    cases = {2.0**-6: 1, 1.0: 1, 2.0**60: 1, 2.0**-60: 1, 0.03: 0, 0.75: 0, 2.0**-61: 0, 2.0**61: 0}
+    cases |= {0.0: 0, -(2.0**-6): 0}
+    scales = torch.tensor(list(cases) + [1.0] * (16 - len(cases)), dtype=torch.float32)
+    out = torch.zeros(16, dtype=torch.int32)
+    _probe_foldable[(1,)](scales, out, N=16)
+    assert out[: len(cases)].tolist() == list(cases.values()), out
+
+
+def one_split_writes_what_the_combine_would() -> None:
+    """At one split the kernel writes the BF16 output itself (no partials, no second kernel): the
+    same bits as through the combine kernel, BF16 and E4M3 caches."""
+    from workers.engines.native import triton_decode
+
+    q, k, v, seen = case(3, 8, 2, 70, 32, seed=5)
+    seen[:, 49] = True
+    length = torch.tensor([50])
+    for kk, vv, ks, vs in ((k, v, None, None), (fp8(k, 2.0**-6), fp8(v, 2.0**-6), 2.0**-6, 2.0**-6)):
+        scales = [None if x is None else torch.tensor(x) for x in (ks, vs)]
+        runs = [
+            triton_decode.run(
+                q, kk, vv, seen, length, 32**-0.5, *scales, 1, da.BLOCK_N, ks is not None, direct
+            )
+            for direct in (True, False)
+        ]
+        assert torch.equal(runs[0], runs[1]), ks
+
+
 def nothing_at_or_past_the_length_is_read_and_masked_keys_do_not_count() -> None:
     q, k, v, seen = case(2, 4, 2, 64, 32, seed=2)
     seen[:, 29] = True
@@ -95,6 +161,9 @@ CHECKS = {
     "arithmetic": (
         kernel_matches_float64_attention,
         fp8_cache_is_dequantized_in_registers_to_the_materialized_values,
+        power_of_two_scales_leave_the_loop_with_the_same_bits,
+        only_normal_powers_of_two_are_folded,
+        one_split_writes_what_the_combine_would,
         nothing_at_or_past_the_length_is_read_and_masked_keys_do_not_count,
     ),
     "decode": (static_decode_through_the_kernel_samples_what_the_trainer_scores,),

@@ -99,14 +99,18 @@ def test_on_a_gpu_the_kernel_multiplies_bf16_tiles_on_the_tensor_cores(cache: st
     kv = "*fp8e4nv" if cache == "e4m3" else "*bf16"
     sig = {"q_ptr": "*bf16", "k_ptr": kv, "v_ptr": kv, "seen_ptr": "*i1", "len_ptr": "*i64"}
     sig |= {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32"}
+    sig |= {"out_ptr": "*bf16"}
     strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh")
     sig |= {"scaling": "fp32"} | dict.fromkeys((*strides, "stride_vt", "stride_sb", "chunk"), "i32")
     consts = {"HQ": 32, "SPLITS": 4, "GROUP": 4, "BLOCK_G": 16, "D": 64, "BLOCK_N": da.BLOCK_N}
-    for hw, kind in ((True, "bf16"), (False, "tf32")):
-        ptx = compile_sm90(triton_decode._split_kernel, sig, {**consts, "FP8": cache == "e4m3", "HW": hw})
+    for hw, kind, direct in ((True, "bf16", False), (False, "tf32", False), (True, "bf16", True)):
+        fixed = {**consts, "FP8": cache == "e4m3", "HW": hw, "DIRECT": direct}
+        ptx = compile_sm90(triton_decode._split_kernel, sig, fixed)
         mmas = set(re.findall(r"mma\.sync\.aligned\.\w+\.row\.col\.f32\.(\w+)\.\w+\.f32", ptx))
         assert mmas == {kind}, (hw, mmas)
         assert "st.local" not in ptx, "register spills"
+        # one split: the BF16 output (2-byte stores) written here; else only float32 partials
+        assert bool(re.search(r"st\.global(\.\w+)*\.b16", ptx)) == direct, direct
     combine = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16"}
     ptx = compile_sm90(
         triton_decode._combine_kernel, combine, {"SPLITS": 4, "BLOCK_S": 4, "D": 64, "HW": True}
