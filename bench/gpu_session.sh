@@ -13,7 +13,8 @@
 # 64 sequences x 2048 tokens with the fused E4M3 KV write; the training profile of the 1B (bf16
 # against fp8-e2e, per kernel); the decode attention alone at four shapes; the kernels at
 # training's token counts; the 8b-4l rollout at 256 x 1024; bench fp8 (train) on the 8B-shaped
-# layers at 4096 tokens; then one training step per recipe of the 1B and the 8b-4l presets.
+# layers at 4096 tokens; then one RL step per recipe of the 1B preset (64 x 8 x 64) and of the
+# 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16 and the E4M3 KV cache).
 # Without a part, both run (about 10 minutes: one call of a 15-minute lease).
 set -u
 dir=${1:?usage: bench/gpu_session.sh DIR [1|2]}
@@ -56,8 +57,9 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench step 1b"
     $py -m fp8rl.cli bench step --model 1b --device cuda --prompts 64 --group-size 8 \
         --new-tokens 64 --steps 1 --no-baseline >"$dir/step-1b.txt" 2>>"$dir/session.log"
-    stamp "part 2: bench step 8b-4l (8B-shaped layers, 4 of them)"
-    $py -m fp8rl.cli bench step --model 8b-4l --device cuda --prompts 32 --group-size 8 \
-        --new-tokens 64 --steps 1 --no-baseline >"$dir/step-8b-4l.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench step 8b-4l (8B-shaped layers, 4 of them), 32 x 8 x 1024, fp8-e2e with each KV cache"
+    FP8RL_DECODE_ATTENTION=triton FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench step --model 8b-4l \
+        --device cuda --prompts 32 --group-size 8 --new-tokens 1024 --steps 1 --no-baseline \
+        --recipes bf16,fp8-e2e --kv-cache bf16,fp8 >"$dir/step-8b-4l.txt" 2>>"$dir/session.log"
 fi
 stamp "done"

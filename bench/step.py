@@ -44,6 +44,8 @@ RECIPES = ("bf16", "fp8-gen", "fp8-e2e")
 EXACT_RECIPES = ("bf16", "fp8-e2e")  # the recipes precision.exact allows (fp8-gen can never be exact)
 PHASES = ("generation", "reward", "train", "weight_sync")
 POW2 = "pow2"  # a recipe's variant with power-of-two scales (on CPU: FP8 GEMMs in BF16, workers.fp8.matmul)
+FP8KV = "fp8kv"  # a recipe's variant with the FP8 (E4M3) KV cache (precision.fp8_kv_cache)
+VARIANTS = (POW2, FP8KV)
 # a real model's example batch (examples/smollm2-addition.yaml): 8 prompts x 8 samples, 12 tokens
 REAL_SHAPE = {"prompts": 8, "group_size": 8, "new_tokens": 12}
 PRESET_SHAPE = {"prompts": 16, "group_size": 8, "new_tokens": 16}
@@ -60,6 +62,8 @@ class StepRow:
     # process CPU seconds (all threads) of each phase, median: on a shared machine, what the other
     # processes' load changes least (wall time waits for them, CPU time mostly does not)
     cpu_seconds: dict[str, float] | None = None
+    prefill_s: float = 0.0  # a one-token generation of the same prompts (the prefill and first token)
+    decode_steps: int = 0  # token steps after the first in the median step's generation
 
     @property
     def label(self) -> str:
@@ -68,6 +72,13 @@ class StepRow:
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
+
+    @property
+    def decode_ms(self) -> float | None:
+        """One decode step: the generation less its prefill, over the steps after the first token."""
+        if self.decode_steps <= 0:
+            return None
+        return (self.seconds["generation"] - self.prefill_s) / self.decode_steps * 1000.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ def run(
     recipes: tuple[str, ...] | None = None,
     baseline: bool | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    kv_caches: tuple[str, ...] = ("bf16",),
 ) -> tuple[str, list[StepRow], Baseline | None]:
     """Every recipe of ``recipes`` (default: all three for a preset, ``bf16`` and ``fp8-e2e`` for
     a real model), plus on CPU for a preset the ``precision.exact`` variants; with ``baseline``
@@ -139,20 +151,34 @@ def run(
     new_tokens = new_tokens or shape["new_tokens"]
     recipes = recipes or (("bf16", "fp8-e2e") if path is not None else RECIPES)
     for r in recipes:
-        kind, plus, variant = r.partition("+")
-        if kind not in RECIPES or (plus and (variant != POW2 or kind == "bf16")):
+        kind, *variants = r.split("+")
+        if kind not in RECIPES or (variants and kind == "bf16") or set(variants) - set(VARIANTS):
             raise ValueError(
                 f"--recipes: {r!r} is not a recipe; choose from {', '.join(RECIPES)}, or an FP8 one "
-                f"with +{POW2} (power-of-two scales: precision.power_of_two_scales)"
+                f"with +{POW2} (power-of-two scales: precision.power_of_two_scales) and/or +{FP8KV} "
+                "(the E4M3 KV cache: precision.fp8_kv_cache)"
             )
+    if not kv_caches or set(kv_caches) - {"bf16", "fp8"}:
+        raise ValueError(f"--kv-cache {','.join(kv_caches)}: bf16, fp8 or bf16,fp8")
+    # each FP8 recipe once per KV cache asked for (bf16 keeps its BF16 cache)
+    recipes = tuple(
+        r + (f"+{FP8KV}" if kv == "fp8" and FP8KV not in r.split("+") else "")
+        for r in recipes
+        for kv in (kv_caches if r != "bf16" else ("bf16",))
+    )
+    recipes = tuple(dict.fromkeys(recipes))
     baseline = path is not None if baseline is None else baseline
     if baseline and (path is None or "bf16" not in recipes):
         raise ValueError("--baseline needs a real model (--model smollm2 or a directory) and the bf16 recipe")
     rollout = {"prompts_per_step": prompts, "group_size": group_size, "max_new_tokens": new_tokens}
 
     def make_spec(recipe: str, exact: bool) -> JobSpec:
-        kind, _, variant = recipe.partition("+")
-        precision = {"exact": exact, "power_of_two_scales": variant == POW2}
+        kind, *variants = recipe.split("+")
+        precision = {
+            "exact": exact,
+            "power_of_two_scales": POW2 in variants,
+            "fp8_kv_cache": FP8KV in variants,
+        }
         extra: dict[str, Any] = {
             "rollout": rollout, "optimizer": {"micro_batch_size": 64}, "precision": precision
         }  # fmt: skip
@@ -225,19 +251,23 @@ def _recipe(
             samples.append(t)
             cpu.append(c)
             gen_tokens.append(float(batch.response_mask.sum()))
+    # the prefill: a one-token generation of the same prompts (once to warm up, e.g. a graph's capture)
+    one = [_clocked(dev, partial(gen.generate, work.texts, 1, 1.0, 1.0, steps + 1 + i))[1] for i in range(2)]
     median = {p: statistics.median(x[p] for x in samples) for p in PHASES}
     train_tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
     cpu_median = {p: statistics.median(x[p] for x in cpu) for p in PHASES}
     row = StepRow(
         _name(spec), median, sync_bytes, spec.precision.exact,
         statistics.median(gen_tokens), train_tokens, cpu_median,
+        prefill_s=one[1], decode_steps=max(0, int(batch.response_ids.shape[1]) - 1),
     )  # fmt: skip
     return row, batch
 
 
 def _name(spec: JobSpec) -> str:
     """The recipe as ``--recipes`` names it: ``fp8-e2e+pow2`` with power-of-two scales."""
-    return spec.precision.recipe + (f"+{POW2}" if spec.precision.power_of_two_scales else "")
+    pow2 = f"+{POW2}" if spec.precision.power_of_two_scales else ""
+    return spec.precision.recipe + pow2 + (f"+{FP8KV}" if spec.precision.fp8_kv_cache else "")
 
 
 def _clocked(dev: torch.device, fn: Callable[[], T]) -> tuple[T, float, float]:
@@ -279,17 +309,23 @@ def format_table(device: str, rows: list[StepRow], model: str, base: Baseline | 
     any_exact = any(r.exact for r in rows)
     lines = [
         f"device: {device}   model: {model}",
-        f"{'recipe':<14} {head} {'step s':>9} {'vs ' + first.recipe:>11} {'sync MiB':>9}"
-        + (f" {'exact cost':>10}" if any_exact else ""),
+        f"{'recipe':<20} {head} {'step s':>9} {'vs ' + first.recipe:>11} {'sync MiB':>9} {'prefill s':>9} "
+        f"{'decode ms':>9}" + (f" {'exact cost':>10}" if any_exact else ""),
     ]
     for r in rows:
         cells = " ".join(f"{r.seconds[p]:>14.4f}" for p in PHASES)
         ratio = first.total / r.total
         cost = f" {r.total / plain[r.recipe].total:>9.2f}x" if r.exact else ""
+        decode = f"{r.decode_ms:>9.3f}" if r.decode_ms is not None else f"{'-':>9}"
         lines.append(
-            f"{r.label:<14} {cells} {r.total:>9.4f} {ratio:>10.2f}x {r.sync_bytes / 2**20:>9.2f}{cost}"
+            f"{r.label:<20} {cells} {r.total:>9.4f} {ratio:>10.2f}x {r.sync_bytes / 2**20:>9.2f} "
+            f"{r.prefill_s:>9.4f} {decode}{cost}"
         )
     lines.append(f"vs {first.recipe}: {first.recipe} step time / this recipe's (above 1: faster)")
+    lines.append(
+        "prefill s: a one-token generation of the same prompts; decode ms: (generation - prefill) "
+        "over the token steps after the first"
+    )
     if any_exact:
         lines.append(
             "exact cost: step time with precision.exact / the same recipe's without (above 1: slower)"

@@ -257,11 +257,20 @@ def bench_step(
             "generate in BF16) and print the ratios (default: on for a real model)"
         ),
     ] = None,
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            help="the FP8 recipes' KV cache: bf16, fp8 (E4M3, precision.fp8_kv_cache) or bf16,fp8 (each "
+            "FP8 recipe twice); bf16 always keeps a BF16 cache"
+        ),
+    ] = "bf16",
 ) -> None:
-    """One RL step of each recipe, split by phase (generation, reward, train, weight sync)."""
+    """One RL step of each recipe, split by phase (generation, reward, train, weight sync), with the
+    generation's prefill apart from its decode steps."""
     from bench import step
 
     names = None if recipes is None else tuple(r.strip() for r in recipes.split(",") if r.strip())
+    caches = tuple(c.strip() for c in kv_cache.split(",") if c.strip())
     _echo_report(
         lambda: step.report(
             model,
@@ -273,6 +282,7 @@ def bench_step(
             recipes=names,
             baseline=baseline,
             progress=lambda msg: typer.echo(msg, err=True),
+            kv_caches=caches,
         )
     )
 

@@ -45,7 +45,7 @@ def test_a_pow2_variant_runs_its_fp8_gemms_in_bf16_on_a_cpu() -> None:
     assert out.exit_code == 0, out.output
     table = out.output[out.output.index("device:") :]  # the progress lines come first
     labels = [line.split()[0] for line in table.splitlines() if line[:1].isalpha()]
-    assert labels[2:] == ["bf16", "bf16+exact", "fp8-e2e+pow2", "vs", "exact"]  # no exact run with +pow2
+    assert labels[2:] == ["bf16", "bf16+exact", "fp8-e2e+pow2", "vs", "prefill", "exact"]  # no exact with +pow2
 
 
 def test_hf_train_pass_counts_the_response_tokens_and_leaves_no_gradient() -> None:
@@ -99,3 +99,30 @@ def test_the_real_workload_is_the_examples_batch() -> None:
         "new_tokens": r.max_new_tokens,
     } == step.REAL_SHAPE
     assert spec.optimizer.micro_batch_size == 64  # what the benchmark's trainers use
+
+
+def test_the_kv_cache_option_adds_fp8_cache_rows_and_the_decode_time_is_split_from_prefill() -> None:
+    runner = CliRunner()
+    out = runner.invoke(
+        app,
+        ["bench", "step", "--model", "tiny", "--device", "cpu", "--recipes", "bf16,fp8-gen",
+         "--kv-cache", "bf16,fp8", *TINY],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    table = out.output[out.output.index("device:") :]
+    labels = [line.split()[0] for line in table.splitlines() if line[:1].isalpha()]
+    assert labels[2:5] == ["bf16", "bf16+exact", "fp8-gen"] and "fp8-gen+fp8kv" in labels
+    assert "bf16+fp8kv" not in labels  # the BF16 recipe keeps its BF16 cache
+    assert "prefill s" in table and "decode ms" in table
+    for bad, says in (("--kv-cache", "int8"), ("--recipes", "bf16+fp8kv")):
+        value = says if bad == "--kv-cache" else "bf16+fp8kv"
+        wrong = runner.invoke(app, ["bench", "step", "--model", "tiny", bad, value])
+        assert wrong.exit_code == 2, wrong.output
+    assert "--kv-cache int8" in runner.invoke(app, ["bench", "step", "--kv-cache", "int8"]).output
+
+
+def test_decode_time_is_the_generation_less_its_prefill_per_token_step() -> None:
+    seconds = {"generation": 1.0, "reward": 0.0, "train": 0.5, "weight_sync": 0.1}
+    row = step.StepRow("fp8-e2e", seconds, 0, prefill_s=0.2, decode_steps=4)
+    assert row.decode_ms == pytest.approx(200.0)  # (1.0 - 0.2) s over 4 steps, by hand
+    assert step.StepRow("bf16", seconds, 0).decode_ms is None  # one token: no decode step
