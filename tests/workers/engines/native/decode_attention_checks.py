@@ -85,7 +85,7 @@ def power_of_two_scales_leave_the_loop_with_the_same_bits() -> None:
         assert torch.equal(got, want), (b, hq, hkv, t, n, splits, ks, vs)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _probe_foldable(s_ptr, out_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
     i = tl.arange(0, N)
     tl.store(out_ptr + i, _foldable(tl.load(s_ptr + i)).to(tl.int32))
@@ -112,10 +112,11 @@ def one_split_writes_what_the_combine_would() -> None:
     seen[:, 49] = True
     length = torch.tensor([50])
     for kk, vv, ks, vs in ((k, v, None, None), (fp8(k, 2.0**-6), fp8(v, 2.0**-6), 2.0**-6, 2.0**-6)):
-        scales = [None if x is None else torch.tensor(x) for x in (ks, vs)]
+        k_scale = None if ks is None else torch.tensor(ks)
+        v_scale = None if vs is None else torch.tensor(vs)
         runs = [
             triton_decode.run(
-                q, kk, vv, seen, length, 32**-0.5, *scales, 1, da.BLOCK_N, ks is not None, direct
+                q, kk, vv, seen, length, 32**-0.5, k_scale, v_scale, 1, da.BLOCK_N, ks is not None, direct
             )
             for direct in (True, False)
         ]
