@@ -139,10 +139,13 @@ def run(
     baseline: bool | None = None,
     progress: Callable[[str], None] = lambda _: None,
     kv_caches: tuple[str, ...] = ("bf16",),
+    interleave: bool = False,
 ) -> tuple[str, list[StepRow], Baseline | None]:
     """Every recipe of ``recipes`` (default: all three for a preset, ``bf16`` and ``fp8-e2e`` for
     a real model), plus on CPU for a preset the ``precision.exact`` variants; with ``baseline``
-    (default: for a real model) plain ``transformers`` on the ``bf16`` recipe's last batch."""
+    (default: for a real model) plain ``transformers`` on the ``bf16`` recipe's last batch. With
+    ``interleave`` every recipe is built first and their steps run in turn (step 0 of each, then
+    step 1 of each, ...), so that a machine whose speed drifts slows every recipe alike."""
     dev = pick_device(device)
     path = real_model_dir(model)
     shape = REAL_SHAPE if path is not None else PRESET_SHAPE
@@ -192,18 +195,36 @@ def run(
         if path is not None
         else _preset_workload(model, prompts, group_size)
     )
+    # exact mode is verified on CPU only (the spec refuses it with GPUs); its attention
+    # materializes [B, H, q, T, D] products, a mode for the tiny presets
+    plan = [
+        (recipe, exact)
+        for recipe in recipes
+        for exact in (
+            (False, True) if recipe in EXACT_RECIPES and dev.type == "cpu" and path is None else (False,)
+        )
+    ]
     rows, last_bf16 = [], None
-    for recipe in recipes:
-        # exact mode is verified on CPU only (the spec refuses it with GPUs); its attention
-        # materializes [B, H, q, T, D] products, a mode for the tiny presets
-        exact_too = recipe in EXACT_RECIPES and dev.type == "cpu" and path is None  # not with +pow2
-        for exact in (False, True) if exact_too else (False,):
-            row, batch = _recipe(make_spec(recipe, exact), dev, work, steps, progress)
-            rows.append(row)
-            if recipe == "bf16" and not exact:
-                last_bf16 = batch
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    if interleave:  # every recipe built first, then step by step in turn: drift reaches all alike
+        runners = [_Runner(make_spec(recipe, exact), dev, work, progress) for recipe, exact in plan]
+        for s in range(steps + 1):
+            for runner in runners:
+                runner.step(s)
+        finished = [runner.finish(steps) for runner in runners]
+    else:
+        finished = []
+        for recipe, exact in plan:
+            runner = _Runner(make_spec(recipe, exact), dev, work, progress)
+            for s in range(steps + 1):
+                runner.step(s)
+            finished.append(runner.finish(steps))
+            del runner
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    for (recipe, exact), (row, batch) in zip(plan, finished, strict=True):
+        rows.append(row)
+        if recipe == "bf16" and not exact:
+            last_bf16 = batch
     base = None
     if baseline:
         assert path is not None and last_bf16 is not None
@@ -211,57 +232,71 @@ def run(
     return device_name(dev), rows, base
 
 
-def _recipe(
-    spec: JobSpec, dev: torch.device, work: Workload, steps: int, progress: Callable[[str], None]
-) -> tuple[StepRow, Rollouts]:
-    tok = work.tok
-    trainer = build_trainer(spec, work.vocab, str(dev))
-    gen = build_generator(spec, work.vocab, tok.eos_ids, tok.pad_id, str(dev))
-    names = gen.fp8_weight_names()
-    gen.load_weights(trainer.export_weights(names))
-    new_tokens = spec.rollout.max_new_tokens
+class _Runner:
+    """One recipe's trainer and generator, stepped as the driver steps them; ``finish`` makes its row."""
 
-    def score(batch: Rollouts) -> torch.Tensor:
+    def __init__(
+        self, spec: JobSpec, dev: torch.device, work: Workload, progress: Callable[[str], None]
+    ) -> None:
+        self.spec, self.dev, self.work, self.progress = spec, dev, work, progress
+        tok = work.tok
+        self.trainer = build_trainer(spec, work.vocab, str(dev))
+        self.gen = build_generator(spec, work.vocab, tok.eos_ids, tok.pad_id, str(dev))
+        self.names = self.gen.fp8_weight_names()
+        self.gen.load_weights(self.trainer.export_weights(self.names))
+        self.samples: list[dict[str, float]] = []
+        self.cpu: list[dict[str, float]] = []
+        self.gen_tokens: list[float] = []
+        self.sync_bytes = 0
+        self.batch: Rollouts | None = None
+
+    def _score(self, batch: Rollouts) -> torch.Tensor:
         rows = zip(batch.response_ids, batch.response_mask, strict=True)
-        return work.score([tok.decode(r[: int(m.sum())].tolist()) for r, m in rows])
+        return self.work.score([self.work.tok.decode(r[: int(m.sum())].tolist()) for r, m in rows])
 
-    def sync() -> int:
-        payload = trainer.export_weights(names)
+    def _sync(self) -> int:
+        payload = self.trainer.export_weights(self.names)
         manifest = manifest_of(payload)
         buckets = pack(payload, manifest, DEFAULT_BUCKET_BYTES)
-        gen.load_weights(unpack(buckets, manifest, DEFAULT_BUCKET_BYTES))
+        self.gen.load_weights(unpack(buckets, manifest, DEFAULT_BUCKET_BYTES))
         return sum(b.numel() for b in buckets)
 
-    samples: list[dict[str, float]] = []
-    cpu: list[dict[str, float]] = []
-    gen_tokens: list[float] = []
-    sync_bytes = 0
-    for s in range(steps + 1):
-        t: dict[str, float] = {}
-        c: dict[str, float] = {}
+    def step(self, s: int) -> None:
+        """Step ``s``: generation, reward, training, weight sync; step 0 warms up (not counted)."""
+        dev, t, c = self.dev, {}, {}
+        new_tokens = self.spec.rollout.max_new_tokens
         batch, t["generation"], c["generation"] = _clocked(
-            dev, partial(gen.generate, work.texts, new_tokens, 1.0, 1.0, s)
+            dev, partial(self.gen.generate, self.work.texts, new_tokens, 1.0, 1.0, s)
         )
-        rewards, t["reward"], c["reward"] = _clocked(dev, partial(score, batch))
-        _, t["train"], c["train"] = _clocked(dev, partial(trainer.train_step, batch, rewards, 1.0))
-        sync_bytes, t["weight_sync"], c["weight_sync"] = _clocked(dev, sync)
-        label = _name(spec) + ("+exact" if spec.precision.exact else "")
-        progress(f"{label} step {s}: " + ", ".join(f"{p} {t[p]:.2f} s" for p in PHASES))
+        rewards, t["reward"], c["reward"] = _clocked(dev, partial(self._score, batch))
+        _, t["train"], c["train"] = _clocked(dev, partial(self.trainer.train_step, batch, rewards, 1.0))
+        self.sync_bytes, t["weight_sync"], c["weight_sync"] = _clocked(dev, self._sync)
+        label = _name(self.spec) + ("+exact" if self.spec.precision.exact else "")
+        self.progress(f"{label} step {s}: " + ", ".join(f"{p} {t[p]:.2f} s" for p in PHASES))
+        self.batch = batch
         if s > 0:  # the first step warms up kernels, the allocator and the optimizer state
-            samples.append(t)
-            cpu.append(c)
-            gen_tokens.append(float(batch.response_mask.sum()))
-    # the prefill: a one-token generation of the same prompts (once to warm up, e.g. a graph's capture)
-    one = [_clocked(dev, partial(gen.generate, work.texts, 1, 1.0, 1.0, steps + 1 + i))[1] for i in range(2)]
-    median = {p: statistics.median(x[p] for x in samples) for p in PHASES}
-    train_tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
-    cpu_median = {p: statistics.median(x[p] for x in cpu) for p in PHASES}
-    row = StepRow(
-        _name(spec), median, sync_bytes, spec.precision.exact,
-        statistics.median(gen_tokens), train_tokens, cpu_median,
-        prefill_s=one[1], decode_steps=max(0, int(batch.response_ids.shape[1]) - 1),
-    )  # fmt: skip
-    return row, batch
+            self.samples.append(t)
+            self.cpu.append(c)
+            self.gen_tokens.append(float(batch.response_mask.sum()))
+
+    def finish(self, steps: int) -> tuple[StepRow, Rollouts]:
+        """The median step's row, with the prefill: a one-token generation of the same prompts
+        (once to warm up, e.g. a graph's capture, then timed)."""
+        assert self.batch is not None, "finish() before any step"
+        batch, gen = self.batch, self.gen
+        one = [
+            _clocked(self.dev, partial(gen.generate, self.work.texts, 1, 1.0, 1.0, steps + 1 + i))[1]
+            for i in range(2)
+        ]
+        median = {p: statistics.median(x[p] for x in self.samples) for p in PHASES}
+        train_tokens = float(batch.prompt_mask.sum() + batch.response_mask.sum())
+        cpu_median = {p: statistics.median(x[p] for x in self.cpu) for p in PHASES}
+        row = StepRow(
+            _name(self.spec), median, self.sync_bytes, self.spec.precision.exact,
+            statistics.median(self.gen_tokens), train_tokens, cpu_median,
+            prefill_s=one[1], decode_steps=max(0, int(batch.response_ids.shape[1]) - 1),
+        )  # fmt: skip
+        return row, batch
 
 
 def _name(spec: JobSpec) -> str:

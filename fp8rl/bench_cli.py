@@ -264,6 +264,13 @@ def bench_step(
             "FP8 recipe twice); bf16 always keeps a BF16 cache"
         ),
     ] = "bf16",
+    interleave: Annotated[
+        bool,
+        typer.Option(
+            help="build every recipe first, then run their steps in turn (a shared machine's drift "
+            "reaches all recipes alike; holds every recipe's models at once)"
+        ),
+    ] = False,
 ) -> None:
     """One RL step of each recipe, split by phase (generation, reward, train, weight sync), with the
     generation's prefill apart from its decode steps."""
@@ -283,6 +290,7 @@ def bench_step(
             baseline=baseline,
             progress=lambda msg: typer.echo(msg, err=True),
             kv_caches=caches,
+            interleave=interleave,
         )
     )
 

@@ -127,3 +127,16 @@ def test_decode_time_is_the_generation_less_its_prefill_per_token_step() -> None
     row = step.StepRow("fp8-e2e", seconds, 0, prefill_s=0.2, decode_steps=4)
     assert row.decode_ms == pytest.approx(200.0)  # (1.0 - 0.2) s over 4 steps, by hand
     assert step.StepRow("bf16", seconds, 0).decode_ms is None  # one token: no decode step
+
+
+def test_interleaved_steps_take_turns_and_give_the_same_rows() -> None:
+    """Built first, then step 0 of each recipe, step 1 of each, ...: the progress lines show the
+    turns, and the table has the same rows as one recipe after the other."""
+    seen: list[str] = []
+    _, rows, _ = step.run(
+        "tiny", "cpu", prompts=2, group_size=2, new_tokens=2, steps=1, recipes=("bf16", "fp8-e2e+pow2"),
+        progress=seen.append, interleave=True,
+    )  # fmt: skip
+    order = [line.split(" step ")[0] + line.split(" step ")[1][:1] for line in seen if " step " in line]
+    assert order == ["bf160", "bf16+exact0", "fp8-e2e+pow20", "bf161", "bf16+exact1", "fp8-e2e+pow21"]
+    assert [r.label for r in rows] == ["bf16", "bf16+exact", "fp8-e2e+pow2"]
