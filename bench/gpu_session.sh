@@ -8,13 +8,13 @@
 # part 1 (about 2 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
 # pytest -m gpu with the Triton switches off and then on, the kernel microbenchmark and the host
 # overhead of one linear.
-# part 2 (about 5 minutes): bench rollout of the 1B preset with the graph loop and the Triton decode
-# attention, 1024 sequences x 256 new tokens, BF16 and FP8 weights, BF16 and E4M3 KV; the same at
-# 64 sequences x 2048 tokens with the fused E4M3 KV write; the training profile of the 1B (bf16
-# against fp8-e2e, per kernel); the decode attention alone at four shapes; the kernels at
-# training's token counts; the 8b-4l rollout at 256 x 1024; bench fp8 (train) on the 8B-shaped
-# layers at 4096 tokens; then one RL step per recipe of the 1B preset (64 x 8 x 64) and of the
-# 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16 and the E4M3 KV cache).
+# part 2 (about 6 minutes): bench rollout of the 1B preset, 64 sequences x 2048 new tokens, graph
+# loop with the Triton decode attention and the fused E4M3 KV write, BF16/FP8 weights x BF16/E4M3
+# KV; the training profile of the 1B (bf16 against fp8-e2e, per kernel); the decode attention
+# alone at four shapes; the kernels at training's token counts; the 8b-4l rollout at 256 x 1024;
+# bench fp8 (train) on the 8B-shaped layers at 4096 tokens; then one RL step per recipe of the 1B
+# preset (64 x 8 x 64) and of the 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16
+# and the E4M3 KV cache).
 # Without a part, both run (about 10 minutes: one call of a 15-minute lease).
 set -u
 dir=${1:?usage: bench/gpu_session.sh DIR [1|2]}
@@ -34,9 +34,6 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
-    stamp "part 2: bench rollout 1b, 1024 x 256, graph-triton"
-    $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 1024 --new-tokens 256 \
-        --repeat 1 --decode graph-triton >"$dir/rollout-1b-1024.txt" 2>>"$dir/session.log"
     stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, the fused E4M3 KV write (FP8RL_KV_WRITE=triton)"
     FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 64 \
         --new-tokens 2048 --repeat 1 --decode graph-triton >"$dir/rollout-1b-64x2048-kvwrite.txt" 2>>"$dir/session.log"
