@@ -59,7 +59,7 @@ def bench_fp8(
         typer.echo(f"wrote {json_out}", err=True)
 
 
-def _echo_report(make: Callable[[], str]) -> None:
+def echo_report(make: Callable[[], str]) -> None:
     """Print a benchmark's table; a bad option (ValueError) exits 2 with the message."""
     try:
         table = make()
@@ -95,7 +95,7 @@ def bench_async(
     shipped, warm-up included and timed after it, and every setting it changed printed."""
     from bench import async_rl
 
-    _echo_report(lambda: async_rl.report(spec, steps=steps, skip=skip, warmup=warmup))
+    echo_report(lambda: async_rl.report(spec, steps=steps, skip=skip, warmup=warmup))
 
 
 @bench_app.command("rollout")
@@ -120,96 +120,7 @@ def bench_rollout(
     decodes = tuple(d.strip() for d in decode.split(",")) if decode else None
     kv_caches = tuple(k.strip() for k in kv_cache.split(","))
     options = {"prompts": prompts, "new_tokens": new_tokens, "repeat": repeat, "kv_caches": kv_caches}
-    _echo_report(lambda: rollout.report(model, device, decodes=decodes, **options))
-
-
-@bench_app.command("kernels")
-def bench_kernels(
-    device: DeviceOpt = "auto",
-    tokens: Annotated[str, typer.Option(help="token counts M, comma-separated")] = "1,16,64,256,1024,4096",
-    shapes: Annotated[
-        str, typer.Option(help="INxOUT weight shapes, comma-separated")
-    ] = "2048x8192,8192x2048,4096x14336",
-    weights: Annotated[
-        str,
-        typer.Option(
-            help="also time a trainer's FP8 weights re-quantized after an optimizer step, each layer "
-            "on its own vs the batched call, on this model preset (e.g. 1b; empty: skip)"
-        ),
-    ] = "",
-) -> None:
-    """Time per call of each GEMM kind (BF16 mm, blockwise, rowwise, tensorwise FP8, wgrad) and of
-    the activation quantizer, per token count; GPU time from CUDA-graph replay."""
-    from bench import kernels
-    from bench.common import pick_device
-
-    def parse() -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-        try:
-            ms = tuple(int(t) for t in tokens.split(","))
-            ks = tuple((int(a), int(b)) for a, b in (s.lower().split("x") for s in shapes.split(",")))
-        except ValueError as err:
-            raise ValueError(
-                f"--tokens {tokens!r} / --shapes {shapes!r}: expected e.g. 1,64 and 2048x8192"
-            ) from err
-        if min(ms) <= 0 or min(min(k) for k in ks) <= 0:
-            raise ValueError("--tokens and --shapes take positive sizes")
-        return ms, ks
-
-    def report() -> str:
-        ms, ks = parse()
-        dev = str(pick_device(device))
-        table = kernels.report(dev, tokens=ms, shapes=ks)
-        return table + ("\n\n" + kernels.weight_quantization(weights, dev) if weights else "")
-
-    _echo_report(report)
-
-
-@bench_app.command("decode-attention")
-def bench_decode_attention(
-    device: DeviceOpt = "auto",
-    shapes: Annotated[
-        str, typer.Option(help="BxHQxHKVxCONTEXT, comma-separated (head_dim 128)")
-    ] = "1024x16x8x160,64x16x8x1056,64x16x8x2080,256x32x8x2064",
-    caches: Annotated[str, typer.Option(help="bf16,e4m3 or one of them")] = "bf16,e4m3",
-) -> None:
-    """The Triton decode attention over a BF16 and an E4M3 cache: GPU time, cache GB/s, and its
-    error against float64 per head beside SDPA's (needs CUDA, or TRITON_INTERPRET=1 on CPU)."""
-    from bench import decode_attention
-
-    def report() -> str:
-        try:
-            dims = tuple(tuple(int(x) for x in s.lower().split("x")) for s in shapes.split(","))
-        except ValueError as err:
-            raise ValueError(f"--shapes {shapes!r}: expected e.g. 64x16x8x1056") from err
-        if any(len(d) != 4 or min(d) <= 0 or d[1] % d[2] or d[3] < 2 for d in dims):
-            raise ValueError(
-                f"--shapes {shapes!r}: four positive sizes B x Hq x Hkv x context each, Hkv dividing Hq, "
-                "context >= 2"
-            )
-        names = tuple(c.strip() for c in caches.split(",") if c.strip())
-        return decode_attention.report(device, dims, names)  # type: ignore[arg-type]
-
-    _echo_report(report)
-
-
-@bench_app.command("host")
-def bench_host(
-    profile: Annotated[
-        str, typer.Option(help="the device profile planned for (sm90-cuda13.0: cuBLAS blockwise)")
-    ] = ("sm90-cuda13.0"),
-    calls: Annotated[int, typer.Option(help="calls per timing")] = 2000,
-    rounds: Annotated[int, typer.Option(help="interleaved rounds (median reported)")] = 5,
-) -> None:
-    """Host time of the FP8 linear's forward GEMM per call, kernel stubbed (no GPU needed): the
-    general fp8_matmul against the GEMM bound once per weight."""
-    from bench import host
-
-    def report() -> str:
-        if calls <= 0 or rounds <= 0:
-            raise ValueError(f"--calls {calls} / --rounds {rounds}: positive numbers")
-        return host.report(profile, calls, rounds)
-
-    _echo_report(report)
+    echo_report(lambda: rollout.report(model, device, decodes=decodes, **options))
 
 
 @bench_app.command("logprobs")
@@ -227,7 +138,7 @@ def bench_logprobs(
             raise ValueError(f"--batch {batch} / --length {length} / --vocab {vocab}: positive numbers")
         return logprobs.report(batch, length, vocab)
 
-    _echo_report(report)
+    echo_report(report)
 
 
 @bench_app.command("step")
@@ -278,7 +189,7 @@ def bench_step(
 
     names = None if recipes is None else tuple(r.strip() for r in recipes.split(",") if r.strip())
     caches = tuple(c.strip() for c in kv_cache.split(",") if c.strip())
-    _echo_report(
+    echo_report(
         lambda: step.report(
             model,
             device,
@@ -295,43 +206,6 @@ def bench_step(
     )
 
 
-@bench_app.command("profile-train")
-def bench_profile_train(
-    model: ModelOpt = "tiny",
-    device: DeviceOpt = "auto",
-    recipes: Annotated[
-        str, typer.Option(help="comma-separated recipes; the first is the baseline")
-    ] = "bf16,fp8-e2e",
-    sequences: Annotated[int, typer.Option(help="sequences in the step (bench step: prompts x group)")] = 512,
-    prompt_tokens: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 16,
-    new_tokens: Annotated[int, typer.Option(help="response tokens per sequence")] = 64,
-    group_size: Annotated[int, typer.Option(help="samples per prompt (divides --sequences)")] = 8,
-    micro_batch: Annotated[int, typer.Option(help="sequences per micro-batch (bench step: 64)")] = 64,
-    top: Annotated[int, typer.Option(help="kernels listed per recipe")] = 20,
-    cover: Annotated[float, typer.Option(help="the share of the difference the change list names")] = 0.9,
-) -> None:
-    """One training step per recipe under torch.profiler: the top kernels by GPU time (operators
-    by CPU time on a CPU), and the kernels that make up each recipe's difference from the first."""
-    from bench import profile_train
-
-    names = tuple(r.strip() for r in recipes.split(",") if r.strip())
-    _echo_report(
-        lambda: profile_train.report(
-            model,
-            device,
-            names,
-            top,
-            cover,
-            sequences=sequences,
-            prompt_tokens=prompt_tokens,
-            new_tokens=new_tokens,
-            group_size=group_size,
-            micro_batch=micro_batch,
-            progress=lambda msg: typer.echo(msg, err=True),
-        )
-    )
-
-
 @bench_app.command("sync")
 def bench_sync(
     model: Annotated[
@@ -343,7 +217,7 @@ def bench_sync(
     """Weight sync: FP8 payload vs BF16 (bytes, seconds, GB/s) vs a raw broadcast of the same bytes."""
     from bench import sync
 
-    _echo_report(lambda: sync.report(model, device, repeat=repeat))
+    echo_report(lambda: sync.report(model, device, repeat=repeat))
 
 
 @bench_app.command("mismatch")

@@ -10,7 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
-from fp8rl import __version__
+from fp8rl import (
+    __version__,
+    bench_kernels_cli,  # noqa: F401  # registers its commands on bench_app
+)
 from fp8rl.bench_cli import bench_app
 from fp8rl.client_cli import client_app
 from fp8rl.data_cli import data_app
