@@ -20,7 +20,8 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
   plus written;
 - ``quantize_dual``: training's quantizer of both layouts (``x`` tiled 1x128 along K and ``x.T``
   along M, one read of ``x``; Triton on CUDA), GB/s of bytes read plus written: what fp8-e2e
-  training pays per linear input and output gradient beyond BF16's GEMMs;
+  training pays per linear input and output gradient beyond BF16's GEMMs; ``quantize_dual_f32t``
+  the same kernel with ``x.T``'s tile transposed in float32 before the cast (CUDA only);
 - ``small_m``: the Triton block-FP8 GEMM for at most 64 tokens (``workers/fp8/triton_gemm.py``,
   split-K), BF16 activation in: its time *includes* the activation's quantization, so compare it
   with ``blockwise`` + ``quantize`` (the table's last ratio does).
@@ -45,9 +46,10 @@ TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 # the 1B preset's MLP (hidden 2048 -> 8192 -> 2048) and Llama-3-8B's (4096 -> 14336)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
 KINDS: tuple[str, ...] = (
-    "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "quantize_dual", "small_m"
+    "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "quantize_dual", "quantize_dual_f32t",
+    "small_m",
 )  # fmt: skip
-QUANTIZERS = ("quantize", "quantize_dual")
+QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
 
 
@@ -77,7 +79,7 @@ class KernelRow:
         if self.us is None or self.kind not in QUANTIZERS:
             return None
         elems = self.tokens * self.in_features
-        layouts = 2 if self.kind == "quantize_dual" else 1
+        layouts = 1 if self.kind == "quantize" else 2
         return (elems * 2 + layouts * (elems + elems // 128 * 4)) / (self.us * 1e-6) / 1e9
 
 
@@ -146,6 +148,14 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
         elif kind == "quantize_dual":  # as training calls it (linear_gemm.train_forward)
             calls.append(partial(quantize_dual, x, "e4m3", rows_multiple=16, pad_tokens=True))
+        elif kind == "quantize_dual_f32t":  # the same kernel, x.T's tile transposed before the cast
+            if device.type != "cuda":
+                raise ValueError("the dual-layout Triton kernel runs on CUDA only")
+            from workers.fp8.triton_quant import quantize_1x128_dual
+
+            pad = -(-m // 128) * 128
+            f = ("e4m3", 448.0, torch.float8_e4m3fn)
+            calls.append(partial(quantize_1x128_dual, x, *f, False, None, -(-m // 16) * 16, pad, "f32"))
         elif kind == "small_m":
             from workers.fp8.triton_gemm import small_m_gemm
 
@@ -192,10 +202,8 @@ def format_table(rows: Sequence[KernelRow]) -> str:
     for r in rows:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
-    lines = [
-        head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual); bf16 TFLOP/s; "
-    ]
-    lines[0] += "(blockwise + quantize) / small_m"
+    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t); "]
+    lines[0] += "bf16 TFLOP/s; (blockwise + quantize) / small_m"
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
         cells = []

@@ -30,6 +30,9 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     assert got[(1, "wgrad")].us is None and "multiple of 128" in got[(1, "wgrad")].note
     for kind in ("bf16", "rowwise", "tensorwise", "quantize", "quantize_dual"):  # what a CPU runs
         assert all((got[(m, kind)].us or 0.0) > 0 for m in (1, 128))
+    # the dual Triton kernel's other transpose exists on CUDA only: refused here, saying so
+    note = got[(128, "quantize_dual_f32t")].note
+    assert note == "refused: ValueError: the dual-layout Triton kernel runs on CUDA only"
     # cuBLAS's blockwise scaling exists on CUDA only: refused here, with torch's message
     assert got[(128, "blockwise")].us is None and got[(128, "blockwise")].note.startswith("refused: ")
     table = kernels.format_table(rows)

@@ -57,8 +57,9 @@ def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> 
         "scale_t_ptr": "*fp32",
     }
     dual |= {"code_ptr": "*i64", "rows_t_out": "i32", **COMMON}
-    ptx = compile_sm90(tq._quantize_1x128_dual, dual, consts, num_warps=8)
-    assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
+    for t32 in (False, True):  # x.T's tile transposed after the cast (FP8 bytes) or before (float32)
+        ptx = compile_sm90(tq._quantize_1x128_dual, dual, {**consts, "T32": t32}, num_warps=8)
+        assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
 
 
 @pytest.mark.parametrize(("check", "src", "pow2"), [(True, 1, False), (False, 0, True), (True, 2, False)])

@@ -52,10 +52,14 @@ def dual_layout_pass_writes_the_two_calls_bytes_and_scales() -> None:
             x = x.t().contiguous().t()  # the same values, column-major
         x = x.to(torch.bfloat16)
         rows_out = -(-rows // 16) * 16
+        case = (rows, cols, fmt[0], pow2, transposed)
         data, scale, data_t, scale_t = quantize_1x128_dual(x, *fmt, pow2, None, rows_out)
+        # the tile transposed in float32 before the cast: the same bytes and scales
+        f32 = quantize_1x128_dual(x, *fmt, pow2, None, rows_out, transpose="f32")
+        assert all(same_bytes(a, b) if a.dtype != torch.float32 else same(a, b)
+                   for a, b in zip((data, scale, data_t, scale_t), f32, strict=True)), case  # fmt: skip
         one, one_scale = quantize_1x128(x, *fmt, pow2, None, rows_out)
         t, t_scale = quantize_1x128(x.t(), *fmt, pow2, None, cols)
-        case = (rows, cols, fmt[0], pow2, transposed)
         assert same_bytes(data, one) and same(scale, one_scale), case
         assert same_bytes(data_t, t) and same(scale_t, t_scale), case
         assert torch.equal(scale[:rows], quantize(x, fmt[0], (1, 128), power_of_two=pow2).scale), case
