@@ -108,7 +108,6 @@ def measure(shape: tuple[int, int, int, int], cache: str, device: torch.device, 
     if ks is not None and vs is not None:
         k_bf, v_bf = (k.float() * ks).bfloat16(), (v.float() * vs).bfloat16()
     row_err, sdpa_err = per_head_max_err(out, ref), per_head_max_err(sdpa(q, k_bf, v_bf, seen, scaling), ref)
-    k = sets[0][1]
     us = None
     if device.type == "cuda":
         lens = [torch.tensor([t], device=device) for _ in sets]
@@ -117,7 +116,7 @@ def measure(shape: tuple[int, int, int, int], cache: str, device: torch.device, 
             for s, n in zip(sets, lens, strict=True)
         ]
         us = time_calls(device, calls, replays)
-    cache_bytes = 2 * b * hkv * t * HEAD_DIM * k.element_size()
+    cache_bytes = 2 * b * hkv * t * HEAD_DIM * sets[0][1].element_size()  # K and V of every sequence
     return Row(shape, cache, us, cache_bytes, row_err, sdpa_err)
 
 
