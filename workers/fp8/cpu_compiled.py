@@ -19,6 +19,11 @@ and BF16 value, over partial blocks, both formats and both input dtypes). One th
 purpose: ``x.T``'s bytes are a transposed view of a ``[M, K]`` buffer, not a contiguous
 ``[K, M]`` copy (nothing on the CPU reads them through their layout; the GEMM reads the memo).
 
+A trainer's FP8 weights after each optimizer step (:mod:`workers.fp8.weights`, 128x128 blocks)
+take the same road: one pass for the block maxima, one that writes the bytes and the BF16 values
+the GEMMs read (:func:`workers.fp8.quant.quantize_weight_compiled`; a fused group's operand is its
+members' stacked), the eager quantizer's bytes and scales.
+
 Used where it pays and is safe: a 2-D CPU tensor, power-of-two scales, every value finite (a
 NaN or inf takes the eager path, which reports it exactly as before). ``FP8RL_CPU_COMPILE=0``
 turns it off; a machine where Inductor cannot build (no C++ compiler) falls back to the eager
@@ -40,8 +45,9 @@ log = logging.getLogger(__name__)
 CPU_COMPILE_ENV = "FP8RL_CPU_COMPILE"
 _TILE = 128
 
-# None: not tried yet; False: off (the switch, or a failed build); else the two compiled passes
-_COMPILED: tuple[Any, Any] | bool | None = None
+# None: not tried yet; False: off (the switch, or a failed build); else the compiled passes
+# (activations: block maxima, both casts; weights: block maxima, cast)
+_COMPILED: tuple[Any, ...] | bool | None = None
 
 
 def _block_maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +83,30 @@ def _cast_both(
     )
 
 
+def _weight_maxima(w: torch.Tensor) -> torch.Tensor:
+    """|w|'s maxima over 128x128 blocks, ``[ceil(N/128), ceil(K/128)]`` float32 (a weight's scale grid)."""
+    n, k = w.shape
+    nn_, nk = -(-n // _TILE), -(-k // _TILE)
+    a = F.pad(w.abs().float(), (0, nk * _TILE - k, 0, nn_ * _TILE - n))
+    return a.reshape(nn_, _TILE, nk, _TILE).amax(dim=(1, 3))
+
+
+def _weight_cast(
+    w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w / scale`` per 128x128 block cast to ``dtype`` and those bytes times the scale in BF16,
+    both ``[N, K]``: a weight's FP8 copy and the BF16 operand of its ``emulate_bf16`` GEMMs."""
+    n, k = w.shape
+    nn_, nk = scale.shape
+    y = F.pad(w.float(), (0, nk * _TILE - k, 0, nn_ * _TILE - n)).reshape(nn_, _TILE, nk, _TILE)
+    q = (y / scale[:, None, :, None]).to(dtype)
+    d = (q.float() * scale[:, None, :, None]).to(torch.bfloat16)
+    return (
+        q.reshape(nn_ * _TILE, nk * _TILE)[:n, :k].contiguous(),
+        d.reshape(nn_ * _TILE, nk * _TILE)[:n, :k].contiguous(),
+    )
+
+
 def enabled() -> bool:
     """Whether the compiled quantizer may run (``FP8RL_CPU_COMPILE``, default on; read once)."""
     global _COMPILED
@@ -84,11 +114,8 @@ def enabled() -> bool:
         value = os.environ.get(CPU_COMPILE_ENV, "1").strip()
         if value not in ("0", "1"):
             raise ValueError(f"{CPU_COMPILE_ENV}={value!r}: use 1 (compile, the default) or 0 (eager)")
-        _COMPILED = (
-            (torch.compile(_block_maxima, dynamic=True), torch.compile(_cast_both, dynamic=True))
-            if value == "1"
-            else False
-        )
+        passes = (_block_maxima, _cast_both, _weight_maxima, _weight_cast)
+        _COMPILED = tuple(torch.compile(f, dynamic=True) for f in passes) if value == "1" else False
     return _COMPILED is not False
 
 
@@ -109,6 +136,34 @@ def block_maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         )
         _COMPILED = False
         return None
+    return out
+
+
+def weight_maxima(w: torch.Tensor) -> torch.Tensor | None:
+    """:func:`_weight_maxima` compiled, or None where the eager path must run (as :func:`block_maxima`)."""
+    global _COMPILED
+    if not enabled():
+        return None
+    assert isinstance(_COMPILED, tuple)
+    try:
+        out: torch.Tensor = _COMPILED[2](w.detach())
+    except Exception as err:  # Inductor could not build here: eager from now on
+        log.warning(
+            "the compiled FP8 quantizer is off in this process (%s: %s); eager instead",
+            type(err).__name__,
+            err,
+        )
+        _COMPILED = False
+        return None
+    return out
+
+
+def weight_cast(
+    w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_weight_cast` compiled (after :func:`weight_maxima` answered, so it is built)."""
+    assert isinstance(_COMPILED, tuple)
+    out: tuple[torch.Tensor, torch.Tensor] = _COMPILED[3](w.detach(), scale, dtype)
     return out
 
 

@@ -307,6 +307,23 @@ def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[
     return rows, cols
 
 
+def quantize_weight_compiled(w: torch.Tensor, f: Fp8Format, where: str) -> Fp8Tensor | None:
+    """:func:`quantize` of a 2-D CPU weight in 128x128 blocks with power-of-two scales through
+    :mod:`workers.fp8.cpu_compiled`, its BF16 dequantization kept in the result's memo (the
+    ``emulate_bf16`` GEMMs' operand): the eager path's bytes and scales. None where the eager path
+    must run: off or not built, not a 2-D CPU tensor, or a NaN or inf (the eager path reports it)."""
+    if w.device.type != "cpu" or w.dim() != 2:
+        return None
+    _check_quantizable(w)
+    amax = cpu_compiled.weight_maxima(w.detach())
+    if amax is None or not all_finite(amax):
+        return None
+    check_input(w, amax, BLOCK_128x128, where)
+    scale = amax_to_scale(amax, f, True)
+    q, d = cpu_compiled.weight_cast(w.detach(), scale, f.dtype)
+    return Fp8Tensor(q, scale, BLOCK_128x128, f, True, {str(torch.bfloat16): d})
+
+
 def _dual_scales(
     x: torch.Tensor, amax: torch.Tensor, amax_t: torch.Tensor, f: Fp8Format, power_of_two: bool, where: str
 ) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -37,10 +37,13 @@ from workers.fp8.formats import Fp8Format, get_format
 from workers.fp8.fused import TrainFusedGroup
 from workers.fp8.guard import active_guard
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, use_triton
+from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, quantize_weight_compiled, use_triton
 
 _DATA_ALIGN = 256  # bytes: where each unit's FP8 bytes start (cuBLAS wants 16)
 _SCALE_ALIGN = 4  # floats: where each unit's scales start (16 bytes)
+
+
+BF16_MEMO = str(torch.bfloat16)  # Fp8Tensor.dequantize's memo key for its BF16 values
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -158,16 +161,24 @@ class _Lane:
             )
         else:
             for p, w in zip(self.parts, weights, strict=True):
-                q = p.layer.config.quantize_weight(p.layer.weight, _where(p))
+                # on a CPU with power-of-two scales: compiled, the BF16 GEMM operand made in the same pass
+                q = quantize_weight_compiled(p.layer.weight, fmt, _where(p)) if self.power_of_two else None
+                q = q if q is not None else p.layer.config.quantize_weight(p.layer.weight, _where(p))
                 w.data.copy_(q.data)
                 w.scale.copy_(q.scale)
+                if BF16_MEMO in q._memo:
+                    w._memo[BF16_MEMO] = q._memo[BF16_MEMO]
                 if cublas is not None:  # [ld, N/128]: the rows past K/128 stay zero
                     w._memo["cublas_scale_t"][: p.grid[1]].copy_(q.scale.t())
         for p, w in zip(self.parts, weights, strict=True):
             p.layer.adopt_fp8_weight(w)
         for group, first in self.groups:  # the members' rows are adjacent: the group's weight is a view
             rows = sum(m.out_features for m in group.layers)
-            group.adopt(self._tensor(data, scale, cublas, self.parts[first], rows))
+            fused = self._tensor(data, scale, cublas, self.parts[first], rows)
+            members = [w._memo.get(BF16_MEMO) for w in weights[first : first + len(group.layers)]]
+            if members and all(m is not None for m in members):  # the members' BF16 operands, stacked
+                fused._memo[BF16_MEMO] = torch.cat(members)  # type: ignore[arg-type]
+            group.adopt(fused)
 
     def _tensor(
         self, data: torch.Tensor, scale: torch.Tensor, cublas: torch.Tensor | None, first: _Part, rows: int

@@ -166,3 +166,66 @@ def test_meta_tensors_are_never_taken_for_one_another(monkeypatch: pytest.Monkey
     for _ in range(2):
         layer(torch.empty(32, 256, device="meta", dtype=torch.bfloat16, requires_grad=True))
     assert counted.calls == 2
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (128, 256), (576, 1536), (1, 130), (130, 1)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_weight_is_the_eager_weight(
+    compiled: None, shape: tuple[int, int], fmt: str, dtype: torch.dtype
+) -> None:
+    """A master weight in 128x128 blocks: the eager quantizer's bytes and scales, and the BF16
+    values its dequantization gives (kept for the GEMMs), over partial blocks and zero blocks."""
+    w = torch.randn(*shape) * torch.exp2(torch.randint(-20, 12, shape).float())
+    w[: shape[0] // 3, : shape[1] // 2] = 0
+    w = w.to(dtype)
+    got = Q.quantize_weight_compiled(w, get_format(fmt), "w")
+    assert got is not None
+    want = Q.quantize(w, fmt, Q.BLOCK_128x128, power_of_two=True)
+    assert same_bytes(got.data, want.data) and torch.equal(got.scale, want.scale)
+    assert str(torch.bfloat16) in got._memo, "the BF16 values are kept for the GEMM"
+    assert torch.equal(got.dequantize(torch.bfloat16), want.dequantize(torch.bfloat16))
+    assert torch.equal(got.dequantize(torch.float32), want.dequantize(torch.float32))  # from the bytes
+
+
+def test_a_weight_with_a_nan_takes_the_eager_path(compiled: None) -> None:
+    w = torch.randn(200, 300)
+    w[150, 7] = float("nan")
+    assert Q.quantize_weight_compiled(w, get_format("e4m3"), "w") is None
+
+
+def test_the_weight_batch_quantizes_compiled_with_the_eager_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer's FP8 weights after an optimizer step (workers/fp8/weights.py's CPU branch), with
+    power-of-two scales: compiled and eager give the same bytes, scales and BF16 operands, a fused
+    gate/up group's too (its operand the members' stacked)."""
+    from workers.fp8.fused import fuse_for_training
+    from workers.fp8.weights import WeightBatch
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = Fp8LinearConfig(power_of_two_scales=True)
+        m = torch.nn.Module()
+        m.gate_proj = Fp8Linear(256, 384, bias=False, config=cfg)  # fused: whole 128-row blocks
+        m.up_proj = Fp8Linear(256, 384, bias=False, config=cfg)
+        m.down_proj = Fp8Linear(384, 200, bias=False, config=cfg)  # a partial block
+        assert fuse_for_training(m) == 1
+        return m
+
+    results = []
+    for on in (True, False):
+        monkeypatch.setenv(cpu_compiled.CPU_COMPILE_ENV, "1" if on else "0")
+        monkeypatch.setattr(cpu_compiled, "_COMPILED", None)
+        m = model()
+        assert WeightBatch(m).quantize() == 3
+        layers = {n: getattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")}
+        assert all(isinstance(layer, Fp8Linear) for layer in layers.values())
+        fused = layers["gate_proj"].fused_train
+        assert fused is not None
+        group = fused[0]
+        weights = {n: layer.fp8_weight() for n, layer in layers.items()}
+        results.append({**weights, "group": group.fp8_weight()})
+    assert str(torch.bfloat16) in results[0]["group"]._memo  # stacked from the members' operands
+    for name, got in results[0].items():
+        want = results[1][name]
+        assert same_bytes(got.data, want.data) and torch.equal(got.scale, want.scale), name
+        assert torch.equal(got.dequantize(torch.bfloat16), want.dequantize(torch.bfloat16)), name
