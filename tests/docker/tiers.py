@@ -48,6 +48,7 @@ ALSO_RUNS: dict[str, list[str]] = {
 DISPATCH = {
     "fp8rl.cli": "app",
     "fp8rl.bench_cli": "bench_app",
+    "fp8rl.bench_kernels_cli": "bench_app",  # more bench commands, on fp8rl.bench_cli's app
     "fp8rl.model_cli": "model_app",
     "fp8rl.data_cli": "data_app",
     "fp8rl.client_cli": "client_app",
@@ -55,6 +56,7 @@ DISPATCH = {
 GROUP = {
     "fp8rl.cli": "",
     "fp8rl.bench_cli": "bench",
+    "fp8rl.bench_kernels_cli": "bench",
     "fp8rl.model_cli": "model",
     "fp8rl.data_cli": "data",
     "fp8rl.client_cli": "",  # its commands are at the top level
