@@ -119,15 +119,16 @@ def enabled() -> bool:
     return _COMPILED is not False
 
 
-def block_maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`_block_maxima` compiled, or None where the eager path must run: turned off, or
-    Inductor could not build here (then off for the rest of the process, with a warning)."""
+def _first_pass(index: int, x: torch.Tensor) -> Any:
+    """Compiled pass ``index`` of ``x`` (the maxima pass of an activation or a weight), or None
+    where the eager path must run: turned off, or Inductor could not build here (then off for the
+    rest of the process, with a warning). The casts run after it, so they find it built."""
     global _COMPILED
     if not enabled():
         return None
     assert isinstance(_COMPILED, tuple)
     try:
-        out: tuple[torch.Tensor, torch.Tensor] = _COMPILED[0](x.detach())
+        return _COMPILED[index](x.detach())
     except Exception as err:  # Inductor could not build here: eager from now on
         log.warning(
             "the compiled FP8 quantizer is off in this process (%s: %s); eager instead",
@@ -136,25 +137,17 @@ def block_maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         )
         _COMPILED = False
         return None
+
+
+def block_maxima(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`_block_maxima` compiled, or None where the eager path must run (:func:`_first_pass`)."""
+    out: tuple[torch.Tensor, torch.Tensor] | None = _first_pass(0, x)
     return out
 
 
 def weight_maxima(w: torch.Tensor) -> torch.Tensor | None:
-    """:func:`_weight_maxima` compiled, or None where the eager path must run (as :func:`block_maxima`)."""
-    global _COMPILED
-    if not enabled():
-        return None
-    assert isinstance(_COMPILED, tuple)
-    try:
-        out: torch.Tensor = _COMPILED[2](w.detach())
-    except Exception as err:  # Inductor could not build here: eager from now on
-        log.warning(
-            "the compiled FP8 quantizer is off in this process (%s: %s); eager instead",
-            type(err).__name__,
-            err,
-        )
-        _COMPILED = False
-        return None
+    """:func:`_weight_maxima` compiled, or None where the eager path must run (:func:`_first_pass`)."""
+    out: torch.Tensor | None = _first_pass(2, w)
     return out
 
 
