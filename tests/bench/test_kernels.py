@@ -23,6 +23,7 @@ def test_rates_are_computed_from_the_bytes_and_flops_by_hand() -> None:
     assert dual.tflops is None
 
 
+@pytest.mark.slow
 def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     rows = kernels.run("cpu", tokens=(1, 128), shapes=((256, 256),), replays=1)
     got = {(r.tokens, r.kind): r for r in rows}

@@ -43,6 +43,7 @@ def test_bad_sizes_are_refused_by_option() -> None:
         pt.report("tiny", "cpu", recipes=())
 
 
+@pytest.mark.slow
 def test_a_cpu_profile_finds_the_fp8_linears_only_in_fp8_e2e() -> None:
     text = pt.report(
         "tiny",

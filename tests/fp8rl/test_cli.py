@@ -316,6 +316,7 @@ def _tiny_bench_spec(tmp_path: Path, prompts: int, new_tokens: int) -> Path:
     return spec
 
 
+@pytest.mark.slow
 def test_bench_mismatch_compares_recipes_on_the_same_weights(tmp_path: Path) -> None:
     spec = _tiny_bench_spec(tmp_path, prompts=8, new_tokens=6)
     bad = runner.invoke(app, ["bench", "mismatch", str(spec), "--checkpoint", str(tmp_path)])
@@ -393,6 +394,7 @@ def test_run_refuses_an_engine_that_is_not_installed(tmp_path: Path, monkeypatch
     assert "resources.generator_engine=vllm" in result.output and "worker image" in result.output
 
 
+@pytest.mark.slow
 def test_bench_kernels_and_rollout_options() -> None:
     args = ["bench", "kernels", "--device", "cpu", "--tokens", "16", "--shapes", "128x256"]
     result = runner.invoke(app, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -18,6 +19,7 @@ precision: {recipe: %s, exact: true}
 """
 
 
+@pytest.mark.slow
 def test_layer_diff_under_exact_finds_nothing_that_differs(tmp_path: Path) -> None:
     for recipe in ("bf16", "fp8-e2e"):
         spec = tmp_path / f"{recipe}.yaml"
@@ -35,6 +37,7 @@ def test_layer_diff_under_exact_finds_nothing_that_differs(tmp_path: Path) -> No
         assert all(m[-1] == "yes" for m in modules)
 
 
+@pytest.mark.slow
 def test_layer_diff_names_the_layers_of_an_fp8_gen_job(tmp_path: Path) -> None:
     """fp8-gen: FP8 weights in the generator against a BF16 trainer, so the traced token's hidden
     states part: the line names both decoder layers, whose contributions add up to a positive
@@ -129,6 +132,7 @@ def _swap_rows(output: str) -> dict[int, tuple[float, float]]:
     return rows
 
 
+@pytest.mark.slow
 def test_layer_diff_swap_finds_the_layer_whose_fp8_copy_is_broken(tmp_path: Path) -> None:
     checkpoint = _broken_layer_checkpoint(tmp_path / "ckpt")
     spec = tmp_path / "gen.yaml"
@@ -146,6 +150,7 @@ def test_layer_diff_swap_finds_the_layer_whose_fp8_copy_is_broken(tmp_path: Path
     assert abs(rows[0][0] - (base - rows[0][1])) < 2e-3  # drop = base - gap with the layer moved
 
 
+@pytest.mark.slow
 def test_layer_diff_swap_skips_the_jobs_bf16_layers_and_refuses_bf16(tmp_path: Path) -> None:
     spec = tmp_path / "gen.yaml"
     spec.write_text(SWAP_SPEC % ("fp8-gen", "[1]"))

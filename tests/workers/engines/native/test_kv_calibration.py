@@ -125,6 +125,7 @@ def pair_mismatch(recipe: str, in_training: bool) -> tuple[float, NativeTrainer,
     return float(error), trainer, gen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "fp8-e2e"])
 def test_a_trainer_that_reads_kv_as_the_cache_holds_it_agrees_with_the_generator(recipe: str) -> None:
     # Without an FP8 cache this pair agrees exactly on CPU (docs/results.md). With one, the

@@ -133,6 +133,7 @@ def test_static_decode_runs_on_meta(fp8_kv: bool) -> None:
     assert tokens.shape == valid.shape == logps.shape == (4, 5) and tokens.device.type == "meta"
 
 
+@pytest.mark.slow
 def test_a_decode_step_compiles_as_one_graph() -> None:
     """``torch.compile(fullgraph=True)`` traces a whole greedy step (the model forward with the
     static cache, the in-place writes, the argmax) without a graph break, and computes what the
