@@ -168,6 +168,14 @@ def check_input(x: torch.Tensor, amax: torch.Tensor, block: tuple[int, int] | No
         raise_non_finite(x, where)
 
 
+def check_known_finite(shape: tuple[int, ...], block: tuple[int, int] | None, where: str) -> None:
+    """:func:`check_input` of a CPU call whose block maxima the caller has read and found finite
+    (the compiled quantizer's flag): the active guard counts the call, with no tensor work."""
+    guard = _ACTIVE.get()
+    if guard is not None:
+        guard.reserve(torch.device("cpu"), shape, block, where)
+
+
 def raise_non_finite(x: torch.Tensor, where: str) -> None:
     """Raise :class:`NonFiniteError` naming the first bad element of ``x`` (reads ``x``)."""
     bad = ~torch.isfinite(x)

@@ -43,7 +43,7 @@ from workers.fp8.block_ops import (
     scaled_cast_cpu,
 )
 from workers.fp8.formats import Fp8Format, get_format, to_float32
-from workers.fp8.guard import check_input
+from workers.fp8.guard import check_input, check_known_finite
 
 Block = tuple[int, int] | None
 
@@ -286,21 +286,17 @@ def quantize_dual(
 
 def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[Fp8Tensor, Fp8Tensor] | None:
     """:func:`quantize_dual` of power-of-two scales on the CPU through
-    :mod:`workers.fp8.cpu_compiled`: the eager path's bytes and scales, each result keeping its
-    BF16 dequantization (``x.T``'s bytes a transposed view of an ``[M, K]`` buffer). None where
-    the eager path must run: the compiled one is off or not built, or ``x`` has a NaN or inf
-    (the eager path reports it as before)."""
+    :mod:`workers.fp8.cpu_compiled` (one compiled call): the eager path's bytes and scales, each
+    result keeping its BF16 dequantization (``x.T``'s bytes a transposed view of an ``[M, K]``
+    buffer). None where the eager path must run: the compiled one is off or not built, or ``x``
+    has a NaN or inf (the eager path reports it as before)."""
     _check_quantizable(x)
-    x = x.detach()
-    maxima = cpu_compiled.block_maxima(x)
-    if maxima is None:
+    out = cpu_compiled.quantize_dual(x, f.max, f.dtype)
+    if out is None:
         return None
-    amax, amax_c = maxima  # [M, ceil(K/128)], [ceil(M/128), K]
-    scales = _dual_scales(x, amax, amax_c.t().contiguous(), f, True, where)
-    if scales is None:
-        return None
-    scale, scale_t = scales
-    q, d, q_c, d_c = cpu_compiled.cast_both(x, scale, scale_t.t().contiguous(), f.dtype)
+    scale, scale_t, q, d, q_c, d_c = out
+    check_known_finite(tuple(x.shape), TILE_1x128, where)  # the two calls' checks, in their order
+    check_known_finite((x.shape[1], x.shape[0]), TILE_1x128, where)
     bf16 = str(torch.bfloat16)  # the dequantize() memo's key
     rows = Fp8Tensor(q, scale, TILE_1x128, f, True, {bf16: d})
     cols = Fp8Tensor(q_c.t(), scale_t, TILE_1x128, f, True, {bf16: d_c.t()})
@@ -309,18 +305,18 @@ def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[
 
 def quantize_weight_compiled(w: torch.Tensor, f: Fp8Format, where: str) -> Fp8Tensor | None:
     """:func:`quantize` of a 2-D CPU weight in 128x128 blocks with power-of-two scales through
-    :mod:`workers.fp8.cpu_compiled`, its BF16 dequantization kept in the result's memo (the
-    ``emulate_bf16`` GEMMs' operand): the eager path's bytes and scales. None where the eager path
-    must run: off or not built, not a 2-D CPU tensor, or a NaN or inf (the eager path reports it)."""
+    :mod:`workers.fp8.cpu_compiled` (one compiled call), its BF16 dequantization kept in the
+    result's memo (the ``emulate_bf16`` GEMMs' operand): the eager path's bytes and scales. None
+    where the eager path must run: off or not built, not a 2-D CPU tensor, or a NaN or inf (the
+    eager path reports it)."""
     if w.device.type != "cpu" or w.dim() != 2:
         return None
     _check_quantizable(w)
-    amax = cpu_compiled.weight_maxima(w.detach())
-    if amax is None or not all_finite(amax):
+    out = cpu_compiled.quantize_weight(w, f.max, f.dtype)
+    if out is None:
         return None
-    check_input(w, amax, BLOCK_128x128, where)
-    scale = amax_to_scale(amax, f, True)
-    q, d = cpu_compiled.weight_cast(w.detach(), scale, f.dtype)
+    scale, q, d = out
+    check_known_finite(tuple(w.shape), BLOCK_128x128, where)
     return Fp8Tensor(q, scale, BLOCK_128x128, f, True, {str(torch.bfloat16): d})
 
 

@@ -9,8 +9,10 @@ the first build costs 5-20 s: they are ``slow``."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +61,36 @@ def test_the_compiled_quantizer_writes_the_eager_bytes_scales_and_bf16_values(
         assert torch.equal(g.t().dequantize(torch.bfloat16), w.t().dequantize(torch.bfloat16))
         assert torch.equal(g.dequantize(torch.float32), w.dequantize(torch.float32))  # from the bytes
     assert got[0]._memo, "the BF16 values are kept for the GEMM"
+
+
+def reference_pow2_scale(amax: float, fmt_max: float) -> float:
+    """2^ceil(log2(max(amax / fmt_max, float32's tiny))), the division rounded to float32 first:
+    by Python's float arithmetic, independent of torch."""
+    ratio = float(np.float32(np.float32(amax) / np.float32(fmt_max)))
+    ratio = max(ratio, float(np.finfo(np.float32).tiny))
+    mantissa, exponent = math.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_compiled_scales_are_powers_of_two_at_every_boundary(compiled: None, fmt: str) -> None:
+    """Block maxima at exactly fmt.max x 2^k (the scale stays 2^k), one float32 ulp either side
+    (2^k, 2^(k+1)), under fmt.max x float32's smallest normal (the smallest scale), zero, and
+    random ones; each row of ``x`` is one 1x128 tile whose maximum is that value."""
+    f = get_format(fmt)
+    exact = [f.max * 2.0**k for k in (-100, -20, -1, 0, 1, 30)]
+    near = [float(np.nextafter(np.float32(v), np.float32(sign * np.inf))) for v in exact for sign in (1, -1)]
+    tiny = [1e-40, 1e-44, 0.0]
+    rand = (torch.rand(20, dtype=torch.float64) * 2.0 ** torch.randint(-60, 60, (20,))).tolist()
+    maxima = [float(np.float32(v)) for v in exact + near + tiny + rand]
+    x = torch.zeros(len(maxima), 128)
+    x[:, 5] = torch.tensor(maxima)
+    x[::2, 5] *= -1  # |x| makes the maximum
+    got = Q._quantize_dual_compiled(x, f, "x")
+    assert got is not None
+    want = [reference_pow2_scale(v, f.max) for v in maxima]
+    assert got[0].scale[:, 0].tolist() == want
+    assert torch.equal(got[0].scale, Q._quantize_dual_cpu(x, f, True, "x")[0].scale)
 
 
 def test_a_nan_takes_the_eager_path_and_its_error(compiled: None) -> None:
