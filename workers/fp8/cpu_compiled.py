@@ -71,34 +71,36 @@ def _pow2_scales(amax: torch.Tensor, fmt_max: torch.Tensor) -> torch.Tensor:
     return ((bits + _EXPONENT_CARRY) & _EXPONENT_MASK).view(torch.float32)
 
 
-def _dual(x: torch.Tensor, fmt_max: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _dual(
+    x: torch.Tensor, fmt_max: torch.Tensor, exact_scale: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     """Both layouts of ``x [M, K]`` with power-of-two scales, in one compiled call:
-    ``(finite, scale [M, nK], scale_t [K, nM], q, d, q_c, d_c)``. ``finite``: every block maximum
-    is finite (else nothing else is meaningful). ``q``/``d``: the bytes of ``x`` in 1x128 tiles
-    along K and those bytes times their scale in BF16; ``q_c``/``d_c``: the same for ``x``'s 128x1
-    tiles (``x.T``'s 1x128 tiles) in ``x``'s layout, all ``[M, K]``. Zero padding never raises a
-    maximum."""
+    ``(ok, scale [M, nK], scale_t [K, nM], d, d_c)``. ``d``: ``x``'s FP8 values in 1x128 tiles
+    along K times their scale, in BF16; ``d_c``: the same for ``x``'s 128x1 tiles (``x.T``'s
+    1x128 tiles) in ``x``'s layout, both ``[M, K]``. The FP8 bytes are not written (the GEMMs read
+    the BF16 values; :class:`workers.fp8.quant.Fp8Tensor` makes them from these on first read).
+    ``ok``: every block maximum is finite, and every block is zero or has a scale of at least
+    ``exact_scale`` (then each nonzero FP8 value times its scale is a BF16 normal, so the BF16
+    values give the bytes back exactly); else nothing else is meaningful. Zero padding never
+    raises a maximum. The values go through ``dtype`` (the cast rounds as the eager one does)."""
     m, k = x.shape
     nk, nm = -(-k // _TILE), -(-m // _TILE)
     xf = x.float()
     a = xf.abs()
     amax = F.pad(a, (0, nk * _TILE - k)).reshape(m, nk, _TILE).amax(-1)  # [M, nK]
     amax_c = F.pad(a, (0, 0, 0, nm * _TILE - m)).reshape(nm, _TILE, k).amax(1)  # [nM, K]
-    finite = torch.isfinite(amax).all() & torch.isfinite(amax_c).all()
     scale, scale_c = _pow2_scales(amax, fmt_max), _pow2_scales(amax_c, fmt_max)
+    ok = torch.isfinite(amax).all() & torch.isfinite(amax_c).all()
+    ok = ok & ((amax == 0) | (scale >= exact_scale)).all() & ((amax_c == 0) | (scale_c >= exact_scale)).all()
     y = F.pad(xf, (0, nk * _TILE - k)).reshape(m, nk, _TILE) / scale.unsqueeze(-1)
-    q = y.to(dtype)
-    d = (q.float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+    d = (y.to(dtype).float() * scale.unsqueeze(-1)).to(torch.bfloat16)
     y_c = F.pad(xf, (0, 0, 0, nm * _TILE - m)).reshape(nm, _TILE, k) / scale_c.unsqueeze(1)
-    q_c = y_c.to(dtype)
-    d_c = (q_c.float() * scale_c.unsqueeze(1)).to(torch.bfloat16)
+    d_c = (y_c.to(dtype).float() * scale_c.unsqueeze(1)).to(torch.bfloat16)
     return (
-        finite,
+        ok,
         scale,
         scale_c.t().contiguous(),
-        q.reshape(m, nk * _TILE)[:, :k].contiguous(),
         d.reshape(m, nk * _TILE)[:, :k].contiguous(),
-        q_c.reshape(nm * _TILE, k)[:m].contiguous(),
         d_c.reshape(nm * _TILE, k)[:m].contiguous(),
     )
 
@@ -137,18 +139,17 @@ def enabled() -> bool:
     return _COMPILED is not False
 
 
-def _call(index: int, x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> Any:
+def _call(index: int, x: torch.Tensor, *args: Any) -> Any:
     """Compiled call ``index`` on ``x`` (an activation's two layouts, or a weight's blocks), or
-    None where the eager path must run: turned off, a block maximum that is NaN or inf (the eager
-    path reports it), or Inductor could not build here (then off for the rest of the process,
-    with a warning)."""
+    None where the eager path must run: turned off, its ``ok`` flag false (a block maximum that
+    is NaN or inf, which the eager path reports), or Inductor could not build here (then off for
+    the rest of the process, with a warning)."""
     global _COMPILED
     if not enabled():
         return None
     assert isinstance(_COMPILED, tuple)
-    limit = torch.full((), fmt_max, dtype=torch.float32)  # a tensor: an IEEE division, as eager
     try:
-        out = _COMPILED[index](x.detach(), limit, dtype)
+        out = _COMPILED[index](x.detach(), *args)
     except Exception as err:  # Inductor could not build here: eager from now on
         log.warning(
             "the compiled FP8 quantizer is off in this process (%s: %s); eager instead",
@@ -160,12 +161,20 @@ def _call(index: int, x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> An
     return out[1:] if bool(out[0]) else None
 
 
+def _scalar(value: float) -> torch.Tensor:
+    """A float32 0-d tensor: the compiled code divides by it (an IEEE division, as eager) and
+    compares with it, and Dynamo does not build again for another value."""
+    return torch.full((), value, dtype=torch.float32)
+
+
 def quantize_dual(
-    x: torch.Tensor, fmt_max: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """:func:`_dual` compiled, ``(scale, scale_t, q, d, q_c, d_c)``, or None where the eager path
-    must run (:func:`_call`)."""
-    out: tuple[torch.Tensor, ...] | None = _call(0, x, fmt_max, dtype)
+    x: torch.Tensor, fmt_max: float, min_subnormal: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`_dual` compiled, ``(scale, scale_t, d, d_c)``, or None where the eager path must run
+    (:func:`_call`; also a nonzero block whose scale is under ``2^-126 / min_subnormal``, the
+    format's smallest subnormal: its BF16 values could not give the bytes back)."""
+    exact = _scalar(torch.finfo(torch.float32).tiny / min_subnormal)
+    out: tuple[torch.Tensor, ...] | None = _call(0, x, _scalar(fmt_max), exact, dtype)
     return out  # type: ignore[return-value]
 
 
@@ -174,5 +183,5 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`_weight` compiled, ``(scale, q, d)``, or None where the eager path must run
     (:func:`_call`)."""
-    out: tuple[torch.Tensor, ...] | None = _call(1, w, fmt_max, dtype)
+    out: tuple[torch.Tensor, ...] | None = _call(1, w, _scalar(fmt_max), dtype)
     return out  # type: ignore[return-value]

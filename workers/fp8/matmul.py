@@ -81,7 +81,7 @@ def col_scales(b: Fp8Tensor) -> torch.Tensor:
 
 
 def _validate(a: Fp8Tensor, b: Fp8Tensor) -> None:
-    if a.data.dim() != 2 or b.data.dim() != 2:
+    if len(a.shape) != 2 or len(b.shape) != 2:
         raise ValueError(
             f"fp8_matmul needs 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}; "
             "flatten leading dimensions first"

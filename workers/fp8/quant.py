@@ -101,13 +101,13 @@ class Fp8Tensor:
         """``data * scale`` in ``dtype`` (computed in float32)."""
         if self._transpose_of is not None:  # a cached weight's transpose shares its memo
             return self._transpose_of.dequantize(dtype).t()
-        cache = self.cache_dequantized and self.data.device.type == "cpu"
+        cache = self.cache_dequantized and self.device.type == "cpu"
         key = "f32" if dtype == torch.float32 else str(dtype)  # kept per dtype asked for
         if cache and key in self._memo:
             return self._memo[key]
         if cache and "f32" in self._memo:
             out = self._memo["f32"]
-        elif self.block is not None and self.data.device.type == "cpu":
+        elif self.block is not None and self.device.type == "cpu":
             out = dequantize_blocks_cpu(self.data, self.scale, self.block)
         else:
             out = apply_block_scale(to_float32(self.data), self.scale, self.block, divide=False)
@@ -133,6 +133,63 @@ class Fp8Tensor:
     def with_dequant_cache(self) -> Fp8Tensor:
         """The same tensor, keeping its float32 dequantization once computed (for weights)."""
         return Fp8Tensor(self.data, self.scale, self.block, self.fmt, True)
+
+
+class _BytesOnDemand(Fp8Tensor):
+    """An :class:`Fp8Tensor` from the CPU's compiled quantizer (:func:`_quantize_dual_compiled`)
+    whose FP8 bytes are made on first read, from the BF16 values it keeps for the
+    ``emulate_bf16`` GEMMs (which never read the bytes): ``bf16 / scale`` cast to the format, the
+    bytes the eager quantizer writes, since the compiled call checked that every nonzero value
+    times its scale is a BF16 normal (exact). Shape, device and size need no bytes; ``t()`` is
+    the same kind of tensor, reading its parent's values."""
+
+    _shape: torch.Size
+    _bytes: torch.Tensor | None
+
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        scale: torch.Tensor,
+        fmt: Fp8Format,
+        memo: dict[str, torch.Tensor],
+        parent: _BytesOnDemand | None = None,
+    ) -> None:
+        object.__setattr__(self, "_shape", torch.Size(shape))
+        object.__setattr__(self, "_bytes", None)
+        super().__init__(None, scale, TILE_1x128, fmt, True, memo, parent)  # type: ignore[arg-type]
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._bytes is None:
+            if self._transpose_of is not None:
+                made = self._transpose_of.data.t()
+            else:
+                d = self._memo[str(torch.bfloat16)].float()
+                made = apply_block_scale(d, self.scale, TILE_1x128, divide=True).to(self.fmt.dtype)
+            object.__setattr__(self, "_bytes", made)
+        assert self._bytes is not None
+        return self._bytes
+
+    @data.setter
+    def data(self, value: torch.Tensor | None) -> None:  # the dataclass's __init__ (None)
+        object.__setattr__(self, "_bytes", value)
+
+    @property
+    def shape(self) -> torch.Size:
+        out: torch.Size = self._shape
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self._shape.numel() + self.scale.numel() * 4
+
+    def t(self) -> Fp8Tensor:
+        rows, cols = self._shape
+        return _BytesOnDemand((cols, rows), self.scale.t(), self.fmt, {}, self)
 
 
 def _check_block(block: Block, x: torch.Tensor) -> tuple[int, int] | None:
@@ -286,20 +343,23 @@ def quantize_dual(
 
 def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[Fp8Tensor, Fp8Tensor] | None:
     """:func:`quantize_dual` of power-of-two scales on the CPU through
-    :mod:`workers.fp8.cpu_compiled` (one compiled call): the eager path's bytes and scales, each
-    result keeping its BF16 dequantization (``x.T``'s bytes a transposed view of an ``[M, K]``
-    buffer). None where the eager path must run: the compiled one is off or not built, or ``x``
-    has a NaN or inf (the eager path reports it as before)."""
+    :mod:`workers.fp8.cpu_compiled` (one compiled call): the eager path's scales, each result
+    keeping its BF16 dequantization and making the eager path's bytes from it on first read
+    (:class:`_BytesOnDemand`; ``x.T``'s as a transposed view of an ``[M, K]`` tensor). None where
+    the eager path must run: the compiled one is off or not built, ``x`` has a NaN or inf (the
+    eager path reports it as before), or a nonzero block is so small that its BF16 values are
+    not exact."""
     _check_quantizable(x)
-    out = cpu_compiled.quantize_dual(x, f.max, f.dtype)
+    out = cpu_compiled.quantize_dual(x, f.max, f.min_subnormal, f.dtype)
     if out is None:
         return None
-    scale, scale_t, q, d, q_c, d_c = out
+    scale, scale_t, d, d_c = out
     check_known_finite(tuple(x.shape), TILE_1x128, where)  # the two calls' checks, in their order
     check_known_finite((x.shape[1], x.shape[0]), TILE_1x128, where)
     bf16 = str(torch.bfloat16)  # the dequantize() memo's key
-    rows = Fp8Tensor(q, scale, TILE_1x128, f, True, {bf16: d})
-    cols = Fp8Tensor(q_c.t(), scale_t, TILE_1x128, f, True, {bf16: d_c.t()})
+    m, k = x.shape
+    rows = _BytesOnDemand((m, k), scale, f, {bf16: d})
+    cols = _BytesOnDemand((k, m), scale_t, f, {bf16: d_c.t()})
     return rows, cols
 
 

@@ -75,12 +75,12 @@ def reference_pow2_scale(amax: float, fmt_max: float) -> float:
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_the_compiled_scales_are_powers_of_two_at_every_boundary(compiled: None, fmt: str) -> None:
     """Block maxima at exactly fmt.max x 2^k (the scale stays 2^k), one float32 ulp either side
-    (2^k, 2^(k+1)), under fmt.max x float32's smallest normal (the smallest scale), zero, and
-    random ones; each row of ``x`` is one 1x128 tile whose maximum is that value."""
+    (2^k, 2^(k+1)), zero (float32's smallest normal, the smallest scale), and random ones; each
+    row of ``x`` is one 1x128 tile whose maximum is that value."""
     f = get_format(fmt)
     exact = [f.max * 2.0**k for k in (-100, -20, -1, 0, 1, 30)]
     near = [float(np.nextafter(np.float32(v), np.float32(sign * np.inf))) for v in exact for sign in (1, -1)]
-    tiny = [1e-40, 1e-44, 0.0]
+    tiny = [0.0]  # the smallest scale; a nonzero block that small goes eager (the next test)
     rand = (torch.rand(20, dtype=torch.float64) * 2.0 ** torch.randint(-60, 60, (20,))).tolist()
     maxima = [float(np.float32(v)) for v in exact + near + tiny + rand]
     x = torch.zeros(len(maxima), 128)
@@ -91,6 +91,34 @@ def test_the_compiled_scales_are_powers_of_two_at_every_boundary(compiled: None,
     want = [reference_pow2_scale(v, f.max) for v in maxima]
     assert got[0].scale[:, 0].tolist() == want
     assert torch.equal(got[0].scale, Q._quantize_dual_cpu(x, f, True, "x")[0].scale)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_bytes_are_made_on_first_read_and_a_block_too_small_for_that_goes_eager(
+    compiled: None, fmt: str
+) -> None:
+    """The compiled call writes no FP8 bytes: the GEMMs' BF16 values come without them, and the
+    bytes made from those values on first read are the eager ones. A nonzero block whose values
+    times the scale fall under BF16's normals (maximum 1e-36: scale 2^-127..2^-120) cannot give
+    its bytes back from BF16, so it takes the eager path."""
+    f = get_format(fmt)
+    x = torch.randn(200, 300)
+    rows, cols = Q._quantize_dual_compiled(x, f, "x") or (None, None)
+    assert rows is not None and cols is not None
+    assert rows.shape == (200, 300) and cols.shape == (300, 200) and cols.t().shape == (200, 300)
+    rows.dequantize(torch.bfloat16), cols.t().dequantize(torch.bfloat16)
+    assert rows._bytes is None and cols._bytes is None  # type: ignore[attr-defined]
+    want = Q._quantize_dual_cpu(x, f, True, "x")
+    assert same_bytes(rows.data, want[0].data) and same_bytes(cols.data, want[1].data)
+    assert same_bytes(cols.t().data, want[1].data.t())
+    tiny = x.clone()
+    tiny[7, :128] *= 1e-36
+    assert Q._quantize_dual_compiled(tiny, f, "x") is None
+    got = Q.quantize_dual(tiny, f, power_of_two=True)
+    want = Q._quantize_dual_cpu(tiny, f, True, "x")
+    assert all(
+        same_bytes(g.data, w.data) and torch.equal(g.scale, w.scale) for g, w in zip(got, want, strict=True)
+    )
 
 
 def test_a_nan_takes_the_eager_path_and_its_error(compiled: None) -> None:
