@@ -8,10 +8,16 @@ transpose) and a dequantization (a table decode of every byte, a product, a cast
 SmolLM2's MLP those took ~7x the BF16 GEMMs they feed. Here Inductor (torch.compile's C++ backend)
 compiles one call that computes the block maxima, the scales (:func:`_pow2_scales`: the eager
 :func:`workers.fp8.quant.amax_to_scale`'s bits, in float32 bit arithmetic), and for each layout
-the FP8 bytes and ``bytes x scale`` in BF16, with one flag that says whether every maximum is
-finite. One call, not two with eager scale arithmetic between them: on SmolLM2's training step
-the ~25 small eager operations per quantization (scales, the finite guard's bookkeeping) and a
-second pass through Dynamo's guards cost about as much as the casts themselves.
+the FP8 values times their scale in BF16, with one flag that says whether every maximum is
+finite and every nonzero block's scale exact (below). It writes no FP8 byte: nothing on this path
+reads them (the GEMMs read the BF16 values), so the activation's tensors
+(:class:`workers.fp8.quant.Fp8Tensor`) make them from the BF16 values on first read, which is
+exact where every nonzero FP8 value times its power-of-two scale is a BF16 normal: a scale of at
+least 2^-126 over the format's smallest subnormal (2^-117 for E4M3, 2^-110 for E5M2), or a block
+of zeros. A nonzero block under that takes the eager path. One call, not two with eager scale
+arithmetic between them: on SmolLM2's training step the ~25 small eager operations per
+quantization (scales, the finite guard's bookkeeping) and a second pass through Dynamo's guards
+cost about as much as the casts themselves.
 :func:`workers.fp8.quant.quantize_dual` keeps the BF16 values in its tensors' dequantization
 memo, so the GEMMs read them without decoding a byte.
 
@@ -19,9 +25,7 @@ Bit for bit the eager :func:`workers.fp8.quant.quantize_dual` and ``dequantize(t
 the same IEEE operations on the same values (a max in any order, one division, one rounding
 cast, one exact product; ``tests/workers/fp8/test_cpu_compiled.py`` compares every byte, scale
 and BF16 value, over partial blocks, both formats and both input dtypes, and the scales at every
-power-of-two boundary against a float64 reference). One thing differs on purpose: ``x.T``'s
-bytes are a transposed view of a ``[M, K]`` buffer, not a contiguous ``[K, M]`` copy (nothing on
-the CPU reads them through their layout; the GEMM reads the memo).
+power-of-two boundary against a float64 reference; the bytes are made on first read there).
 
 A trainer's FP8 weights after each optimizer step (:mod:`workers.fp8.weights`, 128x128 blocks)
 take the same road, one call each: the bytes, the scales and the BF16 values the GEMMs read
