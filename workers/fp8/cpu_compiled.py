@@ -41,6 +41,7 @@ cache on disk serves later processes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -165,9 +166,11 @@ def _call(index: int, x: torch.Tensor, *args: Any) -> Any:
     return out[1:] if bool(out[0]) else None
 
 
+@functools.cache
 def _scalar(value: float) -> torch.Tensor:
-    """A float32 0-d tensor: the compiled code divides by it (an IEEE division, as eager) and
-    compares with it, and Dynamo does not build again for another value."""
+    """A float32 0-d tensor, made once per value (the compiled code only reads it): the compiled
+    code divides by it (an IEEE division, as eager) and compares with it, and Dynamo does not
+    build again for another value."""
     return torch.full((), value, dtype=torch.float32)
 
 
@@ -177,7 +180,7 @@ def quantize_dual(
     """:func:`_dual` compiled, ``(scale, scale_t, d, d_c)``, or None where the eager path must run
     (:func:`_call`; also a nonzero block whose scale is under ``2^-126 / min_subnormal``, the
     format's smallest subnormal: its BF16 values could not give the bytes back)."""
-    exact = _scalar(torch.finfo(torch.float32).tiny / min_subnormal)
+    exact = _scalar(_TINY / min_subnormal)
     out: tuple[torch.Tensor, ...] | None = _call(0, x, _scalar(fmt_max), exact, dtype)
     return out  # type: ignore[return-value]
 

@@ -138,23 +138,21 @@ class Fp8Tensor:
 class _BytesOnDemand(Fp8Tensor):
     """An :class:`Fp8Tensor` from the CPU's compiled quantizer (:func:`_quantize_dual_compiled`)
     whose FP8 bytes are made on first read, from the BF16 values it keeps for the
-    ``emulate_bf16`` GEMMs (which never read the bytes): ``bf16 / scale`` cast to the format, the
-    bytes the eager quantizer writes, since the compiled call checked that every nonzero value
-    times its scale is a BF16 normal (exact). Shape, device and size need no bytes; ``t()`` is
-    the same kind of tensor, reading its parent's values."""
+    ``emulate_bf16`` GEMMs (which never read the bytes): ``bf16 / scale`` cast to the format
+    (:func:`scaled_cast_cpu`, as the eager quantizer), its bytes since the compiled call checked
+    that every nonzero value times its scale is a BF16 normal (exact). Shape, device and size
+    need no bytes (the shape is the BF16 values', or the transposed parent's); ``t()`` is the
+    same kind of tensor, reading its parent's values."""
 
-    _shape: torch.Size
     _bytes: torch.Tensor | None
 
     def __init__(
         self,
-        shape: tuple[int, int],
         scale: torch.Tensor,
         fmt: Fp8Format,
         memo: dict[str, torch.Tensor],
         parent: _BytesOnDemand | None = None,
     ) -> None:
-        object.__setattr__(self, "_shape", torch.Size(shape))
         object.__setattr__(self, "_bytes", None)
         super().__init__(None, scale, TILE_1x128, fmt, True, memo, parent)  # type: ignore[arg-type]
 
@@ -164,8 +162,8 @@ class _BytesOnDemand(Fp8Tensor):
             if self._transpose_of is not None:
                 made = self._transpose_of.data.t()
             else:
-                d = self._memo[str(torch.bfloat16)].float()
-                made = apply_block_scale(d, self.scale, TILE_1x128, divide=True).to(self.fmt.dtype)
+                d = self._memo[str(torch.bfloat16)]
+                made = scaled_cast_cpu(d, self.scale, TILE_1x128, self.fmt, saturate=False)
             object.__setattr__(self, "_bytes", made)
         assert self._bytes is not None
         return self._bytes
@@ -176,8 +174,10 @@ class _BytesOnDemand(Fp8Tensor):
 
     @property
     def shape(self) -> torch.Size:
-        out: torch.Size = self._shape
-        return out
+        if self._transpose_of is not None:
+            rows, cols = self._transpose_of.shape
+            return torch.Size((cols, rows))
+        return self._memo[str(torch.bfloat16)].shape
 
     @property
     def device(self) -> torch.device:
@@ -185,11 +185,10 @@ class _BytesOnDemand(Fp8Tensor):
 
     @property
     def nbytes(self) -> int:
-        return self._shape.numel() + self.scale.numel() * 4
+        return self.shape.numel() + self.scale.numel() * 4
 
     def t(self) -> Fp8Tensor:
-        rows, cols = self._shape
-        return _BytesOnDemand((cols, rows), self.scale.t(), self.fmt, {}, self)
+        return _BytesOnDemand(self.scale.t(), self.fmt, {}, self)
 
 
 def _check_block(block: Block, x: torch.Tensor) -> tuple[int, int] | None:
@@ -357,9 +356,8 @@ def _quantize_dual_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> tuple[
     check_known_finite(tuple(x.shape), TILE_1x128, where)  # the two calls' checks, in their order
     check_known_finite((x.shape[1], x.shape[0]), TILE_1x128, where)
     bf16 = str(torch.bfloat16)  # the dequantize() memo's key
-    m, k = x.shape
-    rows = _BytesOnDemand((m, k), scale, f, {bf16: d})
-    cols = _BytesOnDemand((k, m), scale_t, f, {bf16: d_c.t()})
+    rows = _BytesOnDemand(scale, f, {bf16: d})
+    cols = _BytesOnDemand(scale_t, f, {bf16: d_c.t()})
     return rows, cols
 
 
