@@ -17,7 +17,8 @@ Each breach takes the next action of a fixed ladder that applies to the job, che
    with a BF16 generator beside an FP8 trainer, so both engines go to BF16).
 
 ``tighten-is`` changes no engine, so it cannot lower the mismatch the SLO judges: a breach takes it
-together with the next action (:func:`take`).
+together with the next action (:func:`take`). A breach takes ``actions_per_breach`` (1 by default)
+of the engine actions 2-4, in that order.
 
 A breach judges the steps since the last action only (the window starts again there), so one bad
 window does not climb the whole ladder. With ``relax``, the last action is undone once the SLO has
@@ -102,10 +103,24 @@ def layer_count(spec: JobSpec, worst: Sequence[int]) -> int:
 
 
 def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tuple[Actions, str] | None:
-    """``actions`` with the next action taken after ``step``, and what it does, in one line; None
-    when the ladder is spent. ``tighten-is`` changes no engine, so it cannot bring the metric back
-    under its bound (the SLO judges the engines' log-probabilities, not the update): it is taken
-    together with the next action that does, when one applies, in the ladder's order."""
+    """``actions`` with the breach after ``step`` answered, and what that does, in one line; None
+    when the ladder is spent. A breach takes ``mismatch_slo.actions_per_breach`` engine actions, in
+    the ladder's order, as far as the ladder goes. ``tighten-is`` changes no engine, so it cannot
+    bring the metric back under its bound (the SLO judges the engines' log-probabilities, not the
+    update): it is taken together with the next action that does, and does not count."""
+    done = _take_one(spec, actions, step, worst)
+    if done is None:
+        return None
+    for _ in range(spec.precision.mismatch_slo.actions_per_breach - 1):
+        more = _take_one(spec, done[0], step, worst)
+        if more is None:
+            break
+        done = more[0], f"{done[1]}; {more[1]}"
+    return done
+
+
+def _take_one(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tuple[Actions, str] | None:
+    """:func:`take` of one engine action (with ``tighten-is`` before it when that is next)."""
     action = next_action(spec, actions, worst)
     if action is None:
         return None
@@ -116,7 +131,7 @@ def take(spec: JobSpec, actions: Actions, step: int, worst: Sequence[int]) -> tu
     after = Actions((*actions.taken, action), layers, step)
     what = describe(spec, actions, after, action)
     if action in ENGINE_FREE:
-        more = take(spec, after, step, worst)
+        more = _take_one(spec, after, step, worst)
         if more is not None:
             return more[0], f"{what}; {more[1]}"
     return after, what

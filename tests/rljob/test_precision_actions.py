@@ -46,6 +46,25 @@ def test_the_ladder_runs_in_its_order_and_passes_over_what_does_not_apply() -> N
     assert [a for breach in climb(spec_of(), [3]) for a in breach] == list(LADDER)
 
 
+def test_a_breach_takes_actions_per_breach_engine_actions_in_the_ladders_order() -> None:
+    """With 2, the first breach takes tighten-is (uncounted) and two engine actions; the next
+    takes what is left; the ladder's end stops it early."""
+
+    def with_n(n: int, **kw: Any) -> JobSpec:
+        slo = {"action": "respond", "action_layers": 2, "actions_per_breach": n}
+        return parse_spec(helpers.tiny_spec(precision={"recipe": "fp8-gen", "mismatch_slo": slo, **kw}))
+
+    two = with_n(2, fp8_kv_cache=True)
+    assert climb(two, [3, 1, 0]) == [["tighten-is", "bf16-layers", "bf16-kv-cache"], ["bf16-generation"]]
+    assert climb(with_n(3, fp8_kv_cache=True), [3, 1, 0]) == [list(LADDER)]
+    assert climb(with_n(2, fp8_kv_cache=False), [3]) == [["tighten-is", "bf16-layers", "bf16-generation"]]
+    after, what = take(two, Actions(), 1, [7, 4, 1]) or (None, "")
+    assert after == Actions(("tighten-is", "bf16-layers", "bf16-kv-cache"), (7, 4), 1)
+    assert what.endswith("; bf16-kv-cache: the generators' KV cache from FP8 (E4M3) to BF16")
+    with pytest.raises(ValueError, match=r"mismatch_slo\.actions_per_breach"):
+        with_n(4)
+
+
 def test_the_first_breach_says_both_of_its_actions() -> None:
     after, what = take(spec_of(), Actions(), 2, [7, 4, 1]) or (None, "")
     assert after == Actions(("tighten-is", "bf16-layers"), (7, 4), 2)
