@@ -12,9 +12,10 @@ the FP8 values times their scale in BF16, with one flag that says whether every 
 finite and every nonzero block's scale exact (below). It writes no FP8 byte: nothing on this path
 reads them (the GEMMs read the BF16 values), so the activation's tensors
 (:class:`workers.fp8.quant.Fp8Tensor`) make them from the BF16 values on first read, which is
-exact where every nonzero FP8 value times its power-of-two scale is a BF16 normal: a scale of at
-least 2^-126 over the format's smallest subnormal (2^-117 for E4M3, 2^-110 for E5M2), or a block
-of zeros. A nonzero block under that takes the eager path. One call, not two with eager scale
+exact where every nonzero FP8 value times its power-of-two scale is a finite BF16 normal: a
+scale of at least 2^-126 over the format's smallest subnormal (2^-117 for E4M3, 2^-110 for E5M2)
+and at most the largest power of two whose product with the format's maximum BF16 holds (2^119,
+2^112), or a block of zeros. Any other block takes the eager path. One call, not two with eager scale
 arithmetic between them: on SmolLM2's training step the ~25 small eager operations per
 quantization (scales, the finite guard's bookkeeping) and a second pass through Dynamo's guards
 cost about as much as the casts themselves.
@@ -22,10 +23,12 @@ cost about as much as the casts themselves.
 memo, so the GEMMs read them without decoding a byte.
 
 Bit for bit the eager :func:`workers.fp8.quant.quantize_dual` and ``dequantize(torch.bfloat16)``:
-the same IEEE operations on the same values (a max in any order, one division, one rounding
-cast, one exact product; ``tests/workers/fp8/test_cpu_compiled.py`` compares every byte, scale
-and BF16 value, over partial blocks, both formats and both input dtypes, and the scales at every
-power-of-two boundary against a float64 reference; the bytes are made on first read there).
+the same IEEE operations on the same values (a max in any order, one division, done as a
+product by the scale's reciprocal, which is exact for a power of two, so it rounds the same real
+number; one rounding cast, one exact product; ``tests/workers/fp8/test_cpu_compiled.py``
+compares every byte, scale and BF16 value, over partial blocks, both formats, both input dtypes
+and extreme magnitudes, and the scales at every power-of-two boundary against a float64
+reference; the bytes are made on first read there).
 
 A trainer's FP8 weights after each optimizer step (:mod:`workers.fp8.weights`, 128x128 blocks)
 take the same road, one call each: the bytes, the scales and the BF16 values the GEMMs read
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from typing import Any
 
@@ -60,6 +64,7 @@ _COMPILED: tuple[Any, ...] | bool | None = None
 
 
 _TINY = torch.finfo(torch.float32).tiny
+_BF16_MAX = torch.finfo(torch.bfloat16).max
 _EXPONENT_CARRY, _EXPONENT_MASK = 0x7FFFFF, -0x800000  # float32: mantissa bits, sign and exponent
 
 
@@ -77,7 +82,11 @@ def _pow2_scales(amax: torch.Tensor, fmt_max: torch.Tensor) -> torch.Tensor:
 
 
 def _dual(
-    x: torch.Tensor, fmt_max: torch.Tensor, exact_scale: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor,
+    fmt_max: torch.Tensor,
+    exact_scale: torch.Tensor,
+    top_scale: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, ...]:
     """Both layouts of ``x [M, K]`` with power-of-two scales, in one compiled call:
     ``(ok, scale [M, nK], scale_t [K, nM], d, d_c)``. ``d``: ``x``'s FP8 values in 1x128 tiles
@@ -85,7 +94,8 @@ def _dual(
     1x128 tiles) in ``x``'s layout, both ``[M, K]``. The FP8 bytes are not written (the GEMMs read
     the BF16 values; :class:`workers.fp8.quant.Fp8Tensor` makes them from these on first read).
     ``ok``: every block maximum is finite, and every block is zero or has a scale of at least
-    ``exact_scale`` (then each nonzero FP8 value times its scale is a BF16 normal, so the BF16
+    ``exact_scale`` and at most ``top_scale`` (then each nonzero FP8 value times its scale is a
+    finite BF16 normal, so the BF16
     values give the bytes back exactly); else nothing else is meaningful. Zero padding never
     raises a maximum. The values go through ``dtype`` (the cast rounds as the eager one does)."""
     m, k = x.shape
@@ -96,7 +106,9 @@ def _dual(
     amax_c = F.pad(a, (0, 0, 0, nm * _TILE - m)).reshape(nm, _TILE, k).amax(1)  # [nM, K]
     scale, scale_c = _pow2_scales(amax, fmt_max), _pow2_scales(amax_c, fmt_max)
     ok = torch.isfinite(amax).all() & torch.isfinite(amax_c).all()
-    ok = ok & ((amax == 0) | (scale >= exact_scale)).all() & ((amax_c == 0) | (scale_c >= exact_scale)).all()
+    exact = ((amax == 0) | (scale >= exact_scale)) & (scale <= top_scale)
+    exact_c = ((amax_c == 0) | (scale_c >= exact_scale)) & (scale_c <= top_scale)
+    ok = ok & exact.all() & exact_c.all()
     # each element's scale as a view of the block scales (element (i, j) reads scale[i, j // 128] and
     # scale_c[i // 128, j]): the values are written in x's layout, with no padded copy to slice.
     # Not an index tensor (scale[:, arange(k) // 128]): on that, torch 2.13's Inductor splits the
@@ -104,8 +116,12 @@ def _dual(
     # divides the size); the bit-for-bit tests over partial blocks catch it.
     s = scale.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
     s_c = scale_c.unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
-    d = ((xf / s).to(dtype).float() * s).to(torch.bfloat16)
-    d_c = ((xf / s_c).to(dtype).float() * s_c).to(torch.bfloat16)
+    # x times 1/scale, not x / scale: a power of two in [2^-126, 2^127] has an exact reciprocal,
+    # so both are the rounding of the same real number (bit for bit), and a product is cheaper
+    r = (1.0 / scale).unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
+    r_c = (1.0 / scale_c).unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
+    d = ((xf * r).to(dtype).float() * s).to(torch.bfloat16)
+    d_c = ((xf * r_c).to(dtype).float() * s_c).to(torch.bfloat16)
     return ok, scale, scale_c.t().contiguous(), d, d_c
 
 
@@ -175,9 +191,12 @@ def quantize_dual(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`_dual` compiled, ``(scale, scale_t, d, d_c)``, or None where the eager path must run
     (:func:`_call`; also a nonzero block whose scale is under ``2^-126 / min_subnormal``, the
-    format's smallest subnormal: its BF16 values could not give the bytes back)."""
+    format's smallest subnormal, or over the largest power of two whose product with the format's
+    maximum is a finite BF16, 2^119 for E4M3 and 2^112 for E5M2: its BF16 values could not give
+    the bytes back)."""
     exact = _scalar(_TINY / min_subnormal)
-    out: tuple[torch.Tensor, ...] | None = _call(0, x, _scalar(fmt_max), exact, dtype)
+    top = _scalar(2.0 ** math.floor(math.log2(_BF16_MAX / fmt_max)))
+    out: tuple[torch.Tensor, ...] | None = _call(0, x, _scalar(fmt_max), exact, top, dtype)
     return out  # type: ignore[return-value]
 
 

@@ -63,6 +63,33 @@ def test_the_compiled_quantizer_writes_the_eager_bytes_scales_and_bf16_values(
     assert got[0]._memo, "the BF16 values are kept for the GEMM"
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_extreme_magnitudes_quantize_as_the_eager_division_does(compiled: None, fmt: str) -> None:
+    """The compiled call multiplies by each scale's reciprocal where the eager one divides by the
+    scale. Both round the same real number while the reciprocal is exact: block maxima from 1e30
+    down to 2^-80, beside values whose quotients fall among float32's subnormals or under the
+    format's smallest subnormal. A block whose largest FP8 value times its scale would overflow
+    BF16 (a maximum of 3.3e38: scale 2^120, over 2^119 for E4M3 and 2^112 for E5M2) cannot give
+    its bytes back from BF16 values, so it takes the eager path."""
+    f = get_format(fmt)
+    maxima = torch.tensor([1e30, 1e25, 1e10, 1.0, 1e-20, 2.0**-80])
+    x = maxima[:, None] * torch.exp2(-torch.randint(0, 160, (6, 200)).float()) * torch.randn(6, 200).sign()
+    x[:, 0] = x[:, 150] = maxima  # each row's two 1x128 tiles (the second partial) and a partial 128x1
+    got = Q._quantize_dual_compiled(x, f, "x")
+    assert got is not None
+    want = Q._quantize_dual_cpu(x, f, True, "x")
+    for g, w in zip(got, want, strict=True):
+        assert same_bytes(g.data, w.data) and torch.equal(g.scale, w.scale)
+        assert torch.equal(g.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16))
+    x[1, 0] = 3.3e38
+    assert Q._quantize_dual_compiled(x, f, "x") is None
+    got = Q.quantize_dual(x, f, power_of_two=True)
+    want = Q._quantize_dual_cpu(x, f, True, "x")
+    assert all(
+        same_bytes(g.data, w.data) and torch.equal(g.scale, w.scale) for g, w in zip(got, want, strict=True)
+    )
+
+
 def reference_pow2_scale(amax: float, fmt_max: float) -> float:
     """2^ceil(log2(max(amax / fmt_max, float32's tiny))), the division rounded to float32 first:
     by Python's float arithmetic, independent of torch."""
