@@ -95,9 +95,9 @@ def _dual(
     the BF16 values; :class:`workers.fp8.quant.Fp8Tensor` makes them from these on first read).
     ``ok``: every block maximum is finite, and every block is zero or has a scale of at least
     ``exact_scale`` and at most ``top_scale`` (then each nonzero FP8 value times its scale is a
-    finite BF16 normal, so the BF16
-    values give the bytes back exactly); else nothing else is meaningful. Zero padding never
-    raises a maximum. The values go through ``dtype`` (the cast rounds as the eager one does)."""
+    finite BF16 normal, so the BF16 values give the bytes back exactly); else nothing else is
+    meaningful. Zero padding never raises a maximum. The values go through ``dtype`` (the cast
+    rounds as the eager one does)."""
     m, k = x.shape
     nk, nm = -(-k // _TILE), -(-m // _TILE)
     xf = x.float()
@@ -109,19 +109,23 @@ def _dual(
     exact = ((amax == 0) | (scale >= exact_scale)) & (scale <= top_scale)
     exact_c = ((amax_c == 0) | (scale_c >= exact_scale)) & (scale_c <= top_scale)
     ok = ok & exact.all() & exact_c.all()
+
     # each element's scale as a view of the block scales (element (i, j) reads scale[i, j // 128] and
     # scale_c[i // 128, j]): the values are written in x's layout, with no padded copy to slice.
     # Not an index tensor (scale[:, arange(k) // 128]): on that, torch 2.13's Inductor splits the
     # loop at the division and drops the last partial block (its loop split does not check that 128
     # divides the size); the bit-for-bit tests over partial blocks catch it.
-    s = scale.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
-    s_c = scale_c.unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
+    def along_k(t: torch.Tensor) -> torch.Tensor:  # [M, nK] -> [M, K]
+        return t.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
+
+    def along_m(t: torch.Tensor) -> torch.Tensor:  # [nM, K] -> [M, K]
+        return t.unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
+
     # x times 1/scale, not x / scale: a power of two in [2^-126, 2^127] has an exact reciprocal,
-    # so both are the rounding of the same real number (bit for bit), and a product is cheaper
-    r = (1.0 / scale).unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
-    r_c = (1.0 / scale_c).unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
-    d = ((xf * r).to(dtype).float() * s).to(torch.bfloat16)
-    d_c = ((xf * r_c).to(dtype).float() * s_c).to(torch.bfloat16)
+    # so both are the rounding of the same real number (bit for bit), and a product is cheaper;
+    # the reciprocal is taken per block, not per element
+    d = ((xf * along_k(1.0 / scale)).to(dtype).float() * along_k(scale)).to(torch.bfloat16)
+    d_c = ((xf * along_m(1.0 / scale_c)).to(dtype).float() * along_m(scale_c)).to(torch.bfloat16)
     return ok, scale, scale_c.t().contiguous(), d, d_c
 
 

@@ -140,7 +140,7 @@ class _BytesOnDemand(Fp8Tensor):
     whose FP8 bytes are made on first read, from the BF16 values it keeps for the
     ``emulate_bf16`` GEMMs (which never read the bytes): ``bf16 / scale`` cast to the format
     (:func:`scaled_cast_cpu`, as the eager quantizer), its bytes since the compiled call checked
-    that every nonzero value times its scale is a BF16 normal (exact). Shape, device and size
+    that every nonzero value times its scale is a finite BF16 normal (exact). Shape, device and size
     need no bytes (the shape is the BF16 values', or the transposed parent's); ``t()`` is the
     same kind of tensor, reading its parent's values."""
 
