@@ -69,14 +69,20 @@ kube: $(STAMP)
 model: $(WORKER_STAMP)
 	$(VENV)/bin/fp8rl model fetch smollm2-135m-instruct
 
-# every tier on TEST_WORKERS pytest workers (the tests on the test cluster stay on one of them);
-# the 25 slowest tests are printed at the end (docs/development.md#tests)
+# every tier on TEST_WORKERS pytest workers, in two runs: the unit tier alone (so the tier rule's
+# 10 s measures each test on cores it does not share with a driver, Ray or vLLM), then the heavy
+# tiers (the tests on the test cluster stay on one worker); both run whatever the first gave, and
+# the 25 slowest heavy tests are printed at the end (docs/development.md#tests)
 TEST_WORKERS ?= 2
+UNIT_TIER := not slow and not model and not engines and not kube and not gpu
 test: $(ENGINES_STAMP) tools kube model
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "$(UNIT_TIER)" --durations=10; unit=$$?; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not ($(UNIT_TIER))" --durations=25; \
+	heavy=$$?; echo "make test: unit tier exit $$unit, heavy tiers exit $$heavy"; \
+	test $$unit -eq 0 && test $$heavy -eq 0
 
 test-fast: $(ENGINES_STAMP) tools kube
-	$(PY) -m pytest -m "not slow and not model and not engines and not kube" -x -q
+	$(PY) -m pytest -m "$(UNIT_TIER)" -x -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

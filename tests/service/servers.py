@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.driver_process import DriverProcess
 from tests.helpers import wait_for
 
 
@@ -91,6 +91,11 @@ def serve(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        for pid_file in data.glob("runs/*/*/driver.pid"):  # drivers run in sessions of their own
-            with contextlib.suppress(ValueError, KeyError, ProcessLookupError, PermissionError):
-                os.killpg(int(json.loads(pid_file.read_text())["pid"]), signal.SIGKILL)
+        # what is left of the drivers (each in a session of its own, with its local Ray): only a
+        # driver still running, as its pid record's start time says. The pid of one that ended long
+        # ago may be another test's process group by now (pids wrap, at 32768 by default), and a
+        # blind killpg would take that test's processes down with it (a Ray head, say)
+        for record in data.glob("runs/*/*/driver.pid"):
+            driver = DriverProcess.attach(record)
+            if driver is not None:
+                driver.kill()

@@ -21,6 +21,7 @@ from rljob.metrics import MetricsLog
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from rljob.status import JobStatus, Phase
+from service.driver_process import DriverProcess
 from service.local_executor import LocalExecutor, run_dir
 from service.main import create_app
 from service.settings import Settings
@@ -216,9 +217,11 @@ def test_a_restarted_service_reattaches_a_live_driver(tmp_path: Path) -> None:
     finally:
         second.shutdown()
         # this test process is the driver's parent: stop what is left of it (all of it, had the
-        # test failed early) and reap it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+        # test failed early; only while its pid record's start time matches, so never a process
+        # group that took over a reaped pid) and reap it
+        left = DriverProcess.attach(run.driver_pid)
+        if left is not None:
+            left.kill()
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
 

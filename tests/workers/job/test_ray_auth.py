@@ -72,8 +72,16 @@ def stop_processes_under(root: str) -> None:
 class Head:
     """A Ray head with token auth: ``url`` is its dashboard (the Jobs API)."""
 
-    def __init__(self, url: str, token: str, env: dict[str, str]) -> None:
-        self.url, self.token, self.env = url, token, env
+    def __init__(self, url: str, token: str, env: dict[str, str], proc: subprocess.Popen[bytes]) -> None:
+        self.url, self.token, self.env, self.proc = url, token, env, proc
+
+    def state(self) -> str:
+        """For a failure's message: whether ``ray start`` still runs, and the tails of its log and
+        the dashboard's (a dashboard that stopped answering says why there)."""
+        root = Path(self.env["RAY_TMPDIR"])
+        logs = [root / "ray-start.log", root / "session_latest" / "logs" / "dashboard.log"]
+        tails = [f"--- {p.name} ---\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.is_file()]
+        return "\n".join([f"\n--- ray start: exit {self.proc.poll()} (None: running) ---", *tails])
 
     def auth(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.token}"}
@@ -112,7 +120,7 @@ def head() -> Iterator[Head]:
     log = Path(root) / "ray-start.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    h = Head(f"http://127.0.0.1:{dashboard}", token, env)
+    h = Head(f"http://127.0.0.1:{dashboard}", token, env, proc)
     try:
         deadline = time.monotonic() + 180
         while True:  # the dashboard answers the version with the token once it is up
@@ -160,9 +168,9 @@ def test_ray_job_submit_takes_the_token_from_its_environment(head: Head) -> None
     without = clean_env(RAY_TMPDIR=head.env["RAY_TMPDIR"], HOME=head.env["RAY_TMPDIR"])
     refused = subprocess.run(cmd, env=without, capture_output=True, text=True, timeout=120, check=False)
     assert refused.returncode != 0, refused.stdout
-    assert "Missing authentication token" in refused.stderr, refused.stderr[-2000:]
+    assert "Missing authentication token" in refused.stderr, refused.stderr[-2000:] + head.state()
     done = subprocess.run(cmd, env=head.env, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:] + head.state()
 
 
 def test_fp8rl_run_starts_its_local_ray_with_token_auth_and_no_warning() -> None:
