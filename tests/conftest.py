@@ -49,6 +49,20 @@ def tiers_of(path: Path, fixtures: set[str]) -> list[str]:
     return tiers
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On a pytest-xdist worker, torch gets its share of the cores (2 cores, 2 workers: one thread
+    each), and so do the drivers and servers it starts (``OMP_NUM_THREADS``, unless set). Two
+    workers of torch's default (a thread per core each) oversubscribe the cores, and OpenMP
+    threads that wait on busy cores make each other crawl: measured on 2 cores, a SmolLM2
+    validation test beside the FP8 kernel tests took 82 s and they 58 s; with one thread each,
+    62 s and 20 s. The job's Ray actors share the cores out themselves (``resources.threads``)."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = torch.cuda.is_available()
