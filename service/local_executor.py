@@ -139,6 +139,16 @@ def _finished(job: Job, metrics: MetricsLog) -> bool:
     return bool(rows) and int(str(rows[-1]["step"])) >= job.spec.steps
 
 
+def over_memory_message(used: int, limit: int) -> str:
+    """Why a job over its resident-memory limit was stopped: ``used`` and ``limit`` in bytes, each
+    in MiB, the use rounded up (a use of a byte over a 200 MiB limit reads 201 MiB, never "200 MiB,
+    over its limit of 200 MiB")."""
+    return (
+        f"the job's processes used {-(-used // 2**20)} MiB, over its limit of {limit // 2**20} MiB "
+        "(max_resident_mb); ask for less (smaller batches, fewer actors) or a higher limit"
+    )
+
+
 class LocalExecutor:
     runs_locally = True
 
@@ -363,12 +373,7 @@ class LocalExecutor:
                 "it to go on from its last checkpoint",
             )
         elif limits.resident_bytes is not None and used is not None and used > limits.resident_bytes:
-            reason, message = (
-                Reason.OUT_OF_MEMORY,
-                f"the job's processes used {used // 2**20} MiB, over its limit of "
-                f"{limits.resident_bytes // 2**20} MiB (max_resident_mb); ask for less (smaller batches, "
-                "fewer actors) or a higher limit",
-            )
+            reason, message = Reason.OUT_OF_MEMORY, over_memory_message(used, limits.resident_bytes)
         else:
             return False
         with self._lock:
