@@ -85,8 +85,8 @@ def test_a_job_over_its_memory_limit_is_stopped_and_another_runs_on(
     assert "max_resident_mb" in hog.message
     used = int(hog.message.split("used ")[1].split(" MiB")[0])
     # over the limit, and no more than it held (400 MiB and the interpreter): the watch may catch
-    # it while it still touches its pages (CI at a516505 read "used 200 MiB, over its limit of
-    # 200 MiB", rounded down from just over 200)
+    # it while it still touches its pages (a clean clone at 2464e56 read "used 200 MiB, over its
+    # limit of 200 MiB", rounded down from just over 200)
     assert 200 < used < 1000, hog.message
     assert _phase(store, "fine") == "Succeeded"
     # what a driver writes is its tenant's alone (umask 077)
