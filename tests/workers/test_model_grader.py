@@ -7,6 +7,7 @@ its own Ray actor in a job (workers.job.grader_actors.model_scorer)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +127,12 @@ def test_the_model_grader_runs_on_a_ray_actor_of_its_own(tmp_path: Path) -> None
         [scorer] = g._scorers.values()
         actor = scorer.actor  # type: ignore[attr-defined]
         assert ray.get(actor.score.remote(["a"])) == [0.5]  # the model lives on the actor
-        g.close()  # and goes with the graders
+        g.close()  # and goes with the graders: ray.kill only asks Ray's control store, so a call
+        # sent at once may still be answered; within 30 s one must fail as the actor's death
+        deadline = time.monotonic() + 30.0
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.score.remote(["a"]))
+            while time.monotonic() < deadline:
+                ray.get(actor.score.remote(["a"]), timeout=30.0)
+                time.sleep(0.2)
     finally:
         ray.shutdown()

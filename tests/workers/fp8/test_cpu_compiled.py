@@ -73,7 +73,13 @@ def test_extreme_magnitudes_quantize_as_the_eager_division_does(compiled: None, 
     its bytes back from BF16 values, so it takes the eager path."""
     f = get_format(fmt)
     maxima = torch.tensor([1e30, 1e25, 1e10, 1.0, 1e-20, 2.0**-80])
-    x = maxima[:, None] * torch.exp2(-torch.randint(0, 160, (6, 200)).float()) * torch.randn(6, 200).sign()
+    # 2^-k for k in [0, 160): from k = 150 on that is float32's zero, so a 128x1 block (a column)
+    # could be all zeros and tiny values, whose scale is too small to take this path (the case of
+    # ..._a_block_too_small_for_that_goes_eager): the first row's k stays under 100, so every
+    # column's maximum is over 1
+    k = torch.randint(0, 160, (6, 200))
+    k[0] = torch.randint(0, 100, (200,))
+    x = maxima[:, None] * torch.exp2(-k.float()) * torch.randn(6, 200).sign()
     x[:, 0] = x[:, 150] = maxima  # each row's two 1x128 tiles (the second partial) and a partial 128x1
     got = Q._quantize_dual_compiled(x, f, "x")
     assert got is not None
