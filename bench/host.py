@@ -25,8 +25,8 @@ import torch
 from workers.fp8 import Fp8Linear, simulate
 from workers.fp8.dispatch import PROFILES, DeviceProfile
 from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
 from workers.fp8.matmul import fp8_matmul
-from workers.fp8.quant import Fp8Tensor, TILE_1x128
 
 SHAPES: tuple[tuple[int, int, int], ...] = ((1, 2048, 8192), (256, 2048, 8192), (4096, 8192, 2048))
 

@@ -17,12 +17,13 @@ from rljob.algorithms import RECIPES
 from workers.fp8.convert import AuditRow, Fp8Audit, convert_model
 from workers.fp8.dispatch import PROFILES, DeviceProfile, GemmPlan, parse_profile, plan_gemm, simulate
 from workers.fp8.formats import E4M3, E5M2, Fp8Format, get_format
+from workers.fp8.fp8_tensor import BLOCK_128x128, Fp8Tensor, TILE_1x128
 from workers.fp8.guard import FiniteGuard, NonFiniteError, finite_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, abs_percentile, quantize_kv
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.matmul import fp8_matmul, matmul_emulated, matmul_scaled_mm, plan_for
-from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, TILE_1x128, cast_to_fp8, quantize
+from workers.fp8.quant import cast_to_fp8, quantize
 
 __all__ = [
     "E4M3",

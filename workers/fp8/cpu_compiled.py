@@ -11,7 +11,7 @@ compiles one call that computes the block maxima, the scales (:func:`_pow2_scale
 the FP8 values times their scale in BF16, with one flag that says whether every maximum is
 finite and every nonzero block's scale exact (below). It writes no FP8 byte: nothing on this path
 reads them (the GEMMs read the BF16 values), so the activation's tensors
-(:class:`workers.fp8.quant.Fp8Tensor`) make them from the BF16 values on first read, which is
+(:class:`workers.fp8.fp8_tensor.Fp8Tensor`) make them from the BF16 values on first read, which is
 exact where every nonzero FP8 value times its power-of-two scale is a finite BF16 normal: a
 scale of at least 2^-126 over the format's smallest subnormal (2^-117 for E4M3, 2^-110 for E5M2)
 and at most the largest power of two whose product with the format's maximum BF16 holds (2^119,
@@ -92,7 +92,7 @@ def _dual(
     ``(ok, scale [M, nK], scale_t [K, nM], d, d_c)``. ``d``: ``x``'s FP8 values in 1x128 tiles
     along K times their scale, in BF16; ``d_c``: the same for ``x``'s 128x1 tiles (``x.T``'s
     1x128 tiles) in ``x``'s layout, both ``[M, K]``. The FP8 bytes are not written (the GEMMs read
-    the BF16 values; :class:`workers.fp8.quant.Fp8Tensor` makes them from these on first read).
+    the BF16 values; :class:`workers.fp8.fp8_tensor.Fp8Tensor` makes them from these on first read).
     ``ok``: every block maximum is finite, and every block is zero or has a scale of at least
     ``exact_scale`` and at most ``top_scale`` (then each nonzero FP8 value times its scale is a
     finite BF16 normal, so the BF16 values give the bytes back exactly); else nothing else is

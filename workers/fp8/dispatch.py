@@ -1,6 +1,6 @@
 """Which kernel runs an FP8 GEMM, decided from the device, the CUDA version and the operands.
 
-A GEMM ``a [M, K] @ b [K, N]`` of two :class:`~workers.fp8.quant.Fp8Tensor` runs as one of:
+A GEMM ``a [M, K] @ b [K, N]`` of two :class:`~workers.fp8.fp8_tensor.Fp8Tensor` runs as one of:
 
 ``cublas_blockwise``      ``torch.nn.functional.scaled_mm`` with DeepSeek-style 1x128 / 128x128
                           scales (cuBLAS): one call, no chunking.

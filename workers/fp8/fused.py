@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
-from workers.fp8.quant import Fp8Tensor
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.quant import Fp8Tensor
 
 WEIGHT_BLOCK: tuple[int, int] = (128, 128)
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv

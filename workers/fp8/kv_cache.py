@@ -39,8 +39,9 @@ from transformers import DynamicCache
 
 from rljob.spec import JobSpec
 from workers.fp8.formats import Fp8Format, get_format, to_float32
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.guard import check_input
-from workers.fp8.quant import Fp8Tensor, cast_to_fp8
+from workers.fp8.quant import cast_to_fp8
 
 KV_MARGIN = 1.0  # headroom above the calibrated amax, before the power-of-two rounding (module docstring)
 

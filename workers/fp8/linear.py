@@ -45,11 +45,9 @@ from torch import nn
 
 from workers.fp8.dispatch import GemmPlan, OperandSpec, plan_gemm, profile_of
 from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
-from workers.fp8.quant import (
-    Fp8Tensor,
-)
 
 
 class _Fp8LinearFn(torch.autograd.Function):

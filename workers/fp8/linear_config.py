@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from workers.fp8.fp8_tensor import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128
 from workers.fp8.matmul import Backend
-from workers.fp8.quant import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128, quantize
+from workers.fp8.quant import quantize
 
 # precision.fp8_format -> the gradients' FP8 format (activations and weights are always E4M3)
 GRAD_FORMATS = {"e4m3": "e4m3", "hybrid": "e5m2"}

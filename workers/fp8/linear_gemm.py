@@ -24,17 +24,10 @@ import torch.nn.functional as F
 
 from workers.fp8.dispatch import DeviceProfile, OperandSpec, plan_gemm, profile_of, triton_switch
 from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import Block, BLOCK_128x128, Fp8Tensor, TILE_1x128
 from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.matmul import cublas_b_scale, fp8_matmul, is_col_major
-from workers.fp8.quant import (
-    Block,
-    BLOCK_128x128,
-    Fp8Tensor,
-    TILE_1x128,
-    quantize,
-    quantize_dual,
-    quantize_rows,
-)
+from workers.fp8.quant import quantize, quantize_dual, quantize_rows
 
 
 def fprop_gemm(

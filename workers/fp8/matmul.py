@@ -26,7 +26,7 @@ import torch
 
 from workers.fp8.cpu_bf16 import bf16_matmul
 from workers.fp8.dispatch import Backend, GemmPlan, plan_gemm, profile_of
-from workers.fp8.quant import Fp8Tensor
+from workers.fp8.fp8_tensor import Fp8Tensor
 
 __all__ = [
     "Backend",

@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from workers.fp8.formats import Fp8Format, get_format
+from workers.fp8.fp8_tensor import BLOCK_128x128, Fp8Tensor
 from workers.fp8.fused import TrainFusedGroup
 from workers.fp8.guard import active_guard
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, quantize_weight_compiled, use_triton
+from workers.fp8.quant import quantize_weight_compiled, use_triton
 
 _DATA_ALIGN = 256  # bytes: where each unit's FP8 bytes start (cuBLAS wants 16)
 _SCALE_ALIGN = 4  # floats: where each unit's scales start (16 bytes)

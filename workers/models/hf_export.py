@@ -34,6 +34,7 @@ from rljob.run_dir import SPEC_RESOLVED, RunDir
 from rljob.spec import JobSpec, parse_spec
 from workers.engines.factory import native_trainer
 from workers.engines.models import apply_recipe, fp8_config, model_config
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.hf_checkpoint import (
     check_tp_partitions,
     checkpoint_tensors,
@@ -41,7 +42,6 @@ from workers.fp8.hf_checkpoint import (
     quantization_config,
     write_checkpoint,
 )
-from workers.fp8.quant import Fp8Tensor
 from workers.models.checkpoint import list_checkpoints, load_master_weights
 from workers.models.tokenizer import Tokenizer, build_tokenizer
 from workers.weight_sync.payload import export_weights, fp8_weight_names

@@ -14,7 +14,7 @@ Wire format of one sync, from the trainer (rank 0 of the sync group) to every ge
 Buckets live on the compute device (NCCL: the GPU, where the weights are; gloo: the CPU), and
 receivers unpack them there: no host round trip on a GPU.
 FP8 weights travel as the trainer's own data and scales; the generator wraps them back into
-:class:`~workers.fp8.quant.Fp8Tensor` and loads them without re-quantizing.
+:class:`~workers.fp8.fp8_tensor.Fp8Tensor` and loads them without re-quantizing.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from workers.fp8.formats import get_format
-from workers.fp8.quant import Fp8Tensor
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.weight_sync.data import Payload, SyncResult
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20

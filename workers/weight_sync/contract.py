@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.fp8.quant import Fp8Tensor
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.weight_sync.data import HeldWeight, KvHeld, WeightReport
 
 _MODULUS = 65521  # the largest prime below 2**16 (Adler-32's)

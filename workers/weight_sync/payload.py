@@ -19,9 +19,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
-from workers.fp8.quant import Fp8Tensor
 from workers.weight_sync.data import Payload
 
 

@@ -14,10 +14,11 @@ import torch
 from workers.fp8.cpu_bf16 import CPU_BF16_GEMM_ENV, detect_cpu_bf16_gemm
 from workers.fp8.dispatch import CPU, OperandSpec, parse_profile, plan_gemm
 from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import BLOCK_128x128, Fp8Tensor, TILE_1x128
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.matmul import fp8_matmul, matmul_bf16, matmul_emulated
-from workers.fp8.quant import BLOCK_128x128, Fp8Tensor, TILE_1x128, quantize
+from workers.fp8.quant import quantize
 
 U = 2.0**-24
 

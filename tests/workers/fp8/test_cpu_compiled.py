@@ -19,6 +19,7 @@ import torch
 from workers.fp8 import cpu_compiled, linear_gemm
 from workers.fp8 import quant as Q
 from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import BLOCK_128x128
 from workers.fp8.guard import NonFiniteError
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
@@ -274,7 +275,7 @@ def test_a_compiled_weight_is_the_eager_weight(
     w = w.to(dtype)
     got = Q.quantize_weight_compiled(w, get_format(fmt), "w")
     assert got is not None
-    want = Q.quantize(w, fmt, Q.BLOCK_128x128, power_of_two=True)
+    want = Q.quantize(w, fmt, BLOCK_128x128, power_of_two=True)
     assert same_bytes(got.data, want.data) and torch.equal(got.scale, want.scale)
     assert str(torch.bfloat16) in got._memo, "the BF16 values are kept for the GEMM"
     assert torch.equal(got.dequantize(torch.bfloat16), want.dequantize(torch.bfloat16))

@@ -17,8 +17,9 @@ from tests.workers.fp8 import reference as ref
 from workers.fp8 import convert_model
 from workers.fp8 import hf_checkpoint as hf
 from workers.fp8.formats import E4M3
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.quant import Fp8Tensor, quantize
+from workers.fp8.quant import quantize
 from workers.weight_sync.payload import export_weights
 
 F8 = torch.float8_e4m3fn

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.multiprocessing import start_processes  # type: ignore[attr-defined]
 
-from workers.fp8.quant import Fp8Tensor, quantize
+from workers.fp8.fp8_tensor import Fp8Tensor
+from workers.fp8.quant import quantize
 from workers.weight_sync.broadcast import BroadcastWeightSync, bucket_sizes, manifest_of, pack, unpack
 
 

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workers.fp8.quant import Fp8Tensor, quantize
+from workers.fp8.fp8_tensor import Fp8Tensor
+from workers.fp8.quant import quantize
 from workers.weight_sync.broadcast import CollectiveWeightSync
 from workers.weight_sync.channel import WeightChannel, channel_ranks, split_address
 from workers.weight_sync.data import SyncResult

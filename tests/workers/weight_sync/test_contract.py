@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.kv_cache import kv_scale_name
-from workers.fp8.quant import Fp8Tensor, quantize
+from workers.fp8.quant import quantize
 from workers.weight_sync.contract import (
     checksum,
     compare,

@@ -41,8 +41,8 @@ from workers.engines.megatron.config import (
     megatron_state_shapes,
 )
 from workers.engines.protocols import Rollouts
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear_config import Fp8LinearConfig
-from workers.fp8.quant import Fp8Tensor
 
 # -- names and layouts (full model) ------------------------------------------------------------------
 

@@ -327,7 +327,7 @@ def test_the_factory_builds_an_fp8_gen_trainer_that_sends_fp8_weights(no_group: 
     from workers.algo.mismatch import mismatch_metrics
     from workers.engines.factory import build_trainer
     from workers.engines.native.generator import NativeGenerator
-    from workers.fp8.quant import Fp8Tensor
+    from workers.fp8.fp8_tensor import Fp8Tensor
 
     spec = cpu_spec("llama", "fp8-gen")
     meg = build_trainer(spec, VOCAB, "cpu")

@@ -34,8 +34,8 @@ from workers.engines.megatron.trainer import MegatronTrainer  # noqa: E402
 from workers.engines.native.generator import NativeGenerator  # noqa: E402
 from workers.engines.native.trainer import NativeTrainer  # noqa: E402
 from workers.engines.protocols import Rollouts  # noqa: E402
+from workers.fp8.fp8_tensor import Fp8Tensor  # noqa: E402
 from workers.fp8.kv_cache import kv_scale_name  # noqa: E402
-from workers.fp8.quant import Fp8Tensor  # noqa: E402
 from workers.models.tokenizer import ByteTokenizer  # noqa: E402
 from workers.weight_sync.payload import fp8_weight_names  # noqa: E402
 

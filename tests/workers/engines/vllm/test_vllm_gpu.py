@@ -19,8 +19,8 @@ from rljob import parse_spec
 from tests.workers.engines.vllm.engine import Sender
 from workers.algo.mismatch import mismatch_metrics
 from workers.fp8.formats import E4M3
+from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.kv_cache import KvScales
-from workers.fp8.quant import Fp8Tensor
 from workers.models.tokenizer import ByteTokenizer
 from workers.weight_sync.contract import compare, sent_report
 
