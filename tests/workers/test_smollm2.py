@@ -91,12 +91,25 @@ def test_step0_validation_reproduces_transformers_generate(
     ]
 
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.bfloat16).eval()
-    theirs_ok = []
-    for p, ids in zip(problems, prompts, strict=True):  # one at a time: no padding questions
+    theirs_ok = [False] * len(problems)
+    by_length: dict[int, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        by_length.setdefault(len(ids), []).append(i)
+    for length, rows in by_length.items():  # a batch per prompt length: no padding questions
         out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=list(tok.eos_ids)
+            torch.tensor([prompts[i] for i in rows]),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=list(tok.eos_ids),
+            pad_token_id=tok.pad_id,
         )
-        theirs_ok.append(task.grade(tok.decode(out[0, len(ids) :].tolist()), p).correct)
+        for row, i in enumerate(rows):
+            response = out[row, length:].tolist()
+            for stop, t in enumerate(response):  # a row that ended waits, padded, for the batch
+                if t in tok.eos_ids:
+                    response = response[: stop + 1]
+                    break
+            theirs_ok[i] = task.grade(tok.decode(response), problems[i]).correct
 
     differ = sum(a != b for a, b in zip(ours_ok, theirs_ok, strict=True))
     print(f"native {sum(ours_ok)}/{len(problems)} right, transformers {sum(theirs_ok)}, differ {differ}")
