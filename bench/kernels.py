@@ -22,6 +22,9 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
   along M, one read of ``x``; Triton on CUDA), GB/s of bytes read plus written: what fp8-e2e
   training pays per linear input and output gradient beyond BF16's GEMMs; ``quantize_dual_f32t``
   the same kernel with ``x.T``'s tile transposed in float32 before the cast (CUDA only);
+  ``quantize_dual_pow2`` the same call with power-of-two scales (``precision.power_of_two_scales``):
+  on a CPU the compiled quantizer (``workers/fp8/cpu_compiled.py``, unless ``FP8RL_CPU_COMPILE=0``),
+  which writes both layouts' BF16 values instead of bytes (its GB/s counts the bytes all the same);
 - ``small_m``: the Triton block-FP8 GEMM for at most 64 tokens (``workers/fp8/triton_gemm.py``,
   split-K), BF16 activation in: its time *includes* the activation's quantization, so compare it
   with ``blockwise`` + ``quantize`` (the table's last ratio does).
@@ -47,9 +50,9 @@ TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
 KINDS: tuple[str, ...] = (
     "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "quantize_dual", "quantize_dual_f32t",
-    "small_m",
+    "quantize_dual_pow2", "small_m",
 )  # fmt: skip
-QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t")
+QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t", "quantize_dual_pow2")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
 
 
@@ -148,6 +151,10 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
         elif kind == "quantize_dual":  # as training calls it (linear_gemm.train_forward)
             calls.append(partial(quantize_dual, x, "e4m3", rows_multiple=16, pad_tokens=True))
+        elif kind == "quantize_dual_pow2":  # power-of-two scales: on a CPU the compiled path
+            calls.append(
+                partial(quantize_dual, x, "e4m3", power_of_two=True, rows_multiple=16, pad_tokens=True)
+            )
         elif kind == "quantize_dual_f32t":  # the same kernel, x.T's tile transposed before the cast
             if device.type != "cuda":
                 raise ValueError("the dual-layout Triton kernel runs on CUDA only")
@@ -202,8 +209,8 @@ def format_table(rows: Sequence[KernelRow]) -> str:
     for r in rows:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
-    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t); "]
-    lines[0] += "bf16 TFLOP/s; (blockwise + quantize) / small_m"
+    lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t, "]
+    lines[0] += "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m"
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
         cells = []

@@ -27,11 +27,23 @@ def bench_kernels(
             "on its own vs the batched call, on this model preset (e.g. 1b; empty: skip)"
         ),
     ] = "",
+    kinds: Annotated[
+        str, typer.Option(help="the kinds to time, comma-separated (empty: all; bf16 is the baseline)")
+    ] = "",
 ) -> None:
     """Time per call of each GEMM kind (BF16 mm, blockwise, rowwise, tensorwise FP8, wgrad) and of
     the activation quantizer, per token count; GPU time from CUDA-graph replay."""
     from bench import kernels
     from bench.common import pick_device
+
+    def parse_kinds() -> tuple[str, ...]:
+        names = tuple(k.strip() for k in kinds.split(",") if k.strip()) or kernels.KINDS
+        unknown = [k for k in names if k not in kernels.KINDS]
+        if unknown:
+            raise ValueError(
+                f"--kinds {kinds!r}: {', '.join(unknown)} unknown; choose from {', '.join(kernels.KINDS)}"
+            )
+        return names
 
     def parse() -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
         try:
@@ -48,7 +60,7 @@ def bench_kernels(
     def report() -> str:
         ms, ks = parse()
         dev = str(pick_device(device))
-        table = kernels.report(dev, tokens=ms, shapes=ks)
+        table = kernels.report(dev, tokens=ms, shapes=ks, kinds=parse_kinds())
         return table + ("\n\n" + kernels.weight_quantization(weights, dev) if weights else "")
 
     echo_report(report)

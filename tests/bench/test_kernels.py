@@ -29,7 +29,7 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     got = {(r.tokens, r.kind): r for r in rows}
     assert set(got) == {(m, k) for m in (1, 128) for k in kernels.KINDS}
     assert got[(1, "wgrad")].us is None and "multiple of 128" in got[(1, "wgrad")].note
-    for kind in ("bf16", "rowwise", "tensorwise", "quantize", "quantize_dual"):  # what a CPU runs
+    for kind in ("bf16", "rowwise", "tensorwise", "quantize", "quantize_dual", "quantize_dual_pow2"):
         assert all((got[(m, kind)].us or 0.0) > 0 for m in (1, 128))
     # the dual Triton kernel's other transpose exists on CUDA only: refused here, saying so
     note = got[(128, "quantize_dual_f32t")].note

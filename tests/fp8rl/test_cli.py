@@ -402,6 +402,11 @@ def test_bench_kernels_and_rollout_options() -> None:
     assert result.output.splitlines()[1].split()[:3] == ["128", "256", "16"]
     bad = runner.invoke(app, ["bench", "kernels", "--shapes", "128"])
     assert bad.exit_code == 2 and "--shapes '128'" in bad.output
+    result = runner.invoke(app, [*args, "--kinds", "bf16,quantize_dual_pow2"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].split()[3:7] == ["bf16", "us", "quantize_dual_pow2", "us"]
+    bad = runner.invoke(app, ["bench", "kernels", "--kinds", "bf16,int4"])
+    assert bad.exit_code == 2 and "--kinds 'bf16,int4': int4 unknown; choose from bf16," in bad.output
     bad = runner.invoke(app, ["bench", "rollout", "--device", "cpu", "--decode", "graph"])
     assert bad.exit_code == 2 and "--decode graph needs a CUDA GPU" in bad.output
     bad = runner.invoke(app, ["bench", "rollout", "--device", "cpu", "--kv-cache", "int8"])
