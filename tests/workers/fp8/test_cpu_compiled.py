@@ -24,7 +24,7 @@ from workers.fp8.guard import NonFiniteError
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("seed")]  # random inputs: the seed is printed
 
 
 @pytest.fixture
