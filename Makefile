@@ -181,7 +181,7 @@ $(SMOLLM2_KV_RUNS): runs/compare-smollm2-fp8kv-%: $(WORKER_STAMP)
 # breaks its SLO, with precision.mismatch_slo.action alert-only and respond, respond-x2 (two engine
 # actions per breach: actions_per_breach 2) and respond-tail0 (respond held to tail_fraction 0: no step
 # above the tail bound allowed), on SLO_SEEDS for SLO_STEPS steps; then `fp8rl report`. Resumes like
-# `make compare`.
+# `make compare`. A variant may end in -l<N>: action_layers N (e.g. SLO_ACTIONS=respond-x2-l4).
 SLO_SEEDS ?= 0 1 2
 SLO_STEPS ?= 10
 SLO_ACTIONS ?= alert-only respond respond-x2 respond-tail0
@@ -191,9 +191,11 @@ compare-slo: $(SLO_RUNS)
 	$(VENV)/bin/fp8rl report $(SLO_RUNS) -o runs/compare-slo-report.png
 
 $(SLO_RUNS): runs/compare-slo-%: $(WORKER_STAMP)
-	mkdir -p runs; name=$*; variant=$${name%-seed*}; action=$${variant%-tail0}; action=$${action%-x2}; \
-	tail=$$(case $$variant in *-tail0) echo "--set precision.mismatch_slo.tail_fraction=0";; \
-		*-x2) echo "--set precision.mismatch_slo.actions_per_breach=2";; esac); \
+	mkdir -p runs; name=$*; variant=$${name%-seed*}; layers=$${variant##*-l}; \
+	action=$$(case $$variant in alert-only*) echo alert-only;; *) echo respond;; esac); \
+	tail=$$(case $$variant in *-tail0*) echo "--set precision.mismatch_slo.tail_fraction=0";; esac; \
+		case $$variant in *-x2*) echo "--set precision.mismatch_slo.actions_per_breach=2";; esac; \
+		case $$variant in *-l[0-9]*) echo "--set precision.mismatch_slo.action_layers=$$layers";; esac); \
 	model=$$($(VENV)/bin/fp8rl model fetch smollm2-135m-instruct | tail -1) && \
 	$(VENV)/bin/fp8rl run examples/smollm2-addition.yaml --recipe fp8-gen --seed $${name##*-seed} \
 		--output $@ --steps $(SLO_STEPS) --resume --no-progress --set model.name=$$model \
