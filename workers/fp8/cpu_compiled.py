@@ -30,8 +30,10 @@ compares every byte, scale and BF16 value, over partial blocks, both formats, bo
 and extreme magnitudes, and the scales at every power-of-two boundary against a float64
 reference; the bytes are made on first read there).
 
-A trainer's FP8 weights after each optimizer step (:mod:`workers.fp8.weights`, 128x128 blocks)
-take the same road, one call each: the bytes, the scales and the BF16 values the GEMMs read
+An activation that one GEMM reads (generation's FP8 linears, and dgrad's output gradient where
+that is quantized alone) takes the rows half of the same call (:func:`_rows`,
+:func:`workers.fp8.quant.quantize_rows`). A trainer's FP8 weights after each optimizer step
+(:mod:`workers.fp8.weights`, 128x128 blocks) take the same road, one call each: the bytes, the scales and the BF16 values the GEMMs read
 (:func:`workers.fp8.quant.quantize_weight_compiled`; a fused group's operand is its members'
 stacked), the eager quantizer's bytes and scales.
 
@@ -153,6 +155,28 @@ def _weight(
     return finite, scale, q, (q.float() * s).to(torch.bfloat16)
 
 
+def _rows(
+    x: torch.Tensor,
+    fmt_max: torch.Tensor,
+    exact_scale: torch.Tensor,
+    top_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` in 1x128 tiles along K with power-of-two scales, in one compiled call (a
+    GEMM's first operand where no second layout is needed: generation, and the output gradient
+    of dgrad): ``(ok, scale [M, nK], d)``, as the rows half of :func:`_dual`."""
+    m, k = x.shape
+    nk = -(-k // _TILE)
+    xf = x.float()
+    amax = F.pad(xf.abs(), (0, nk * _TILE - k)).reshape(m, nk, _TILE).amax(-1)  # [M, nK]
+    scale = _pow2_scales(amax, fmt_max)
+    exact = ((amax == 0) | (scale >= exact_scale)) & (scale <= top_scale)
+    ok = torch.isfinite(amax).all() & exact.all()
+    s = scale.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]  # a view, as in _dual
+    inv = (1.0 / scale).unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
+    return ok, scale, ((xf * inv).to(dtype).float() * s).to(torch.bfloat16)
+
+
 def enabled() -> bool:
     """Whether the compiled quantizer may run (``FP8RL_CPU_COMPILE``, default on; read once)."""
     global _COMPILED
@@ -160,13 +184,14 @@ def enabled() -> bool:
         value = os.environ.get(CPU_COMPILE_ENV, "1").strip()
         if value not in ("0", "1"):
             raise ValueError(f"{CPU_COMPILE_ENV}={value!r}: use 1 (compile, the default) or 0 (eager)")
-        passes = (_dual, _weight)
+        passes = (_dual, _weight, _rows)
         _COMPILED = tuple(torch.compile(f, dynamic=True) for f in passes) if value == "1" else False
     return _COMPILED is not False
 
 
 def _call(index: int, x: torch.Tensor, *args: Any) -> Any:
-    """Compiled call ``index`` on ``x`` (an activation's two layouts, or a weight's blocks), or
+    """Compiled call ``index`` on ``x`` (an activation's two layouts, a weight's blocks, or an
+    activation's rows), or
     None where the eager path must run: turned off, its ``ok`` flag false (a block maximum that
     is NaN or inf, which the eager path reports), or Inductor could not build here (then off for
     the rest of the process, with a warning)."""
@@ -207,6 +232,17 @@ def quantize_dual(
     top = _scalar(2.0 ** math.floor(math.log2(_BF16_MAX / fmt_max)))
     out: tuple[torch.Tensor, ...] | None = _call(0, x, _scalar(fmt_max), exact, top, dtype)
     return None if out is None else out[:4]  # type: ignore[return-value]
+
+
+def quantize_rows(
+    x: torch.Tensor, fmt_max: float, min_subnormal: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`_rows` compiled, ``(scale, d)``, or None where the eager path must run (as
+    :func:`quantize_dual`)."""
+    exact = _scalar(_TINY / min_subnormal)
+    top = _scalar(2.0 ** math.floor(math.log2(_BF16_MAX / fmt_max)))
+    out: tuple[torch.Tensor, ...] | None = _call(2, x, _scalar(fmt_max), exact, top, dtype)
+    return out  # type: ignore[return-value]
 
 
 def quantize_weight(

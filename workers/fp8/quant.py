@@ -150,7 +150,25 @@ def quantize_rows(
     if x.is_cuda and x.dim() == 2 and use_triton():
         rows = -(-x.shape[0] // rows_multiple) * rows_multiple
         return _quantize_triton(x.detach(), f, power_of_two, True, where, rows)
+    if power_of_two and x.device.type == "cpu" and x.dim() == 2 and x.numel() > 0:
+        q = _quantize_rows_compiled(x, f, where)  # None: the eager path below
+        if q is not None:
+            return q
     return quantize(x, f, TILE_1x128, power_of_two=power_of_two, where=where)
+
+
+def _quantize_rows_compiled(x: torch.Tensor, f: Fp8Format, where: str) -> Fp8Tensor | None:
+    """:func:`quantize_rows` of power-of-two scales on the CPU through
+    :mod:`workers.fp8.cpu_compiled` (one compiled call), as :func:`_quantize_dual_compiled`'s
+    first layout: the eager path's scales, the BF16 values kept for the ``emulate_bf16`` GEMM
+    and the bytes made from them on first read; None where the eager path must run."""
+    _check_quantizable(x)
+    out = cpu_compiled.quantize_rows(x, f.max, f.min_subnormal, f.dtype)
+    if out is None:
+        return None
+    scale, d = out
+    check_known_finite(tuple(x.shape), TILE_1x128, where)
+    return LazyBytesFp8Tensor(scale, f, {str(torch.bfloat16): d})
 
 
 def quantize_dual(

@@ -19,7 +19,7 @@ import torch
 from workers.fp8 import cpu_compiled, linear_gemm
 from workers.fp8 import quant as Q
 from workers.fp8.formats import get_format
-from workers.fp8.fp8_tensor import BLOCK_128x128
+from workers.fp8.fp8_tensor import BLOCK_128x128, TILE_1x128
 from workers.fp8.guard import NonFiniteError
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
@@ -163,6 +163,64 @@ def test_a_nan_takes_the_eager_path_and_its_error(compiled: None) -> None:
         NonFiniteError, match=r"layers\.3: input: input of shape \(70, 300\) has 1 NaN.*\(5, 17\)"
     ):
         Q.quantize_dual(x, "e4m3", power_of_two=True, where="layers.3: input")  # the eager path names it
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (1, 130), (64, 576), (3, 1)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compiled_rows_are_the_eager_rows(
+    compiled: None, shape: tuple[int, int], fmt: str, dtype: torch.dtype
+) -> None:
+    """A GEMM's first operand alone (generation's activations, dgrad's output gradient): the
+    eager 1x128 quantizer's scales, its bytes made on first read, and their BF16 values."""
+    x = torch.randn(*shape) * torch.exp2(torch.randint(-20, 12, shape).float())
+    x[: shape[0] // 3, : shape[1] // 2] = 0
+    x = x.to(dtype)
+    got = Q.quantize_rows(x, fmt, power_of_two=True)
+    assert got._bytes is None  # type: ignore[attr-defined]
+    assert got.dequantize(torch.bfloat16) is got._memo[str(torch.bfloat16)]  # the GEMM's operand, kept
+    want = Q.quantize(x, fmt, TILE_1x128, power_of_two=True)  # the eager quantizer of 1x128 tiles
+    assert torch.equal(got.scale, want.scale) and same_bytes(got.data, want.data)
+    assert torch.equal(got.dequantize(torch.bfloat16), want.dequantize(torch.bfloat16))
+
+
+def test_rows_too_small_or_not_finite_take_the_eager_path(compiled: None) -> None:
+    f = get_format("e4m3")
+    x = torch.randn(70, 300)
+    tiny = x.clone()
+    tiny[7, :128] *= 1e-36
+    assert Q._quantize_rows_compiled(tiny, f, "x") is None
+    got, want = (
+        Q.quantize_rows(tiny, f, power_of_two=True),
+        Q.quantize(tiny, f, TILE_1x128, power_of_two=True),
+    )
+    assert torch.equal(got.scale, want.scale) and same_bytes(got.data, want.data)
+    x[5, 17] = float("nan")
+    assert Q._quantize_rows_compiled(x, f, "x") is None
+    with pytest.raises(
+        NonFiniteError, match=r"layers\.3: input: input of shape \(70, 300\) has 1 NaN.*\(5, 17\)"
+    ):
+        Q.quantize_rows(x, f, power_of_two=True, where="layers.3: input")
+    assert Q.quantize_rows(torch.zeros(0, 128), f, power_of_two=True).shape == (0, 128)
+    assert cpu_compiled._COMPILED not in (None, False)  # none of these turned it off
+
+
+def test_an_fp8_layer_generates_alike_compiled_and_eager(
+    compiled: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation's forward reads the activation's BF16 values from the compiled call: the same
+    outputs bit for bit as the eager quantizer's."""
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(
+        torch.nn.Linear(576, 384, bias=False), Fp8LinearConfig(power_of_two_scales=True)
+    )
+    x = torch.randn(37, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = layer(x)
+        assert cpu_compiled._COMPILED not in (None, False)
+        eager(monkeypatch)
+        y0 = layer(x)
+    assert torch.equal(y, y0)
 
 
 def test_a_bad_switch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
