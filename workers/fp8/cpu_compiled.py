@@ -33,9 +33,9 @@ reference; the bytes are made on first read there).
 An activation that one GEMM reads (generation's FP8 linears, and dgrad's output gradient where
 that is quantized alone) takes the rows half of the same call (:func:`_rows`,
 :func:`workers.fp8.quant.quantize_rows`). A trainer's FP8 weights after each optimizer step
-(:mod:`workers.fp8.weights`, 128x128 blocks) take the same road, one call each: the bytes, the scales and the BF16 values the GEMMs read
-(:func:`workers.fp8.quant.quantize_weight_compiled`; a fused group's operand is its members'
-stacked), the eager quantizer's bytes and scales.
+(:mod:`workers.fp8.weights`, 128x128 blocks) take the same road, one call each: the bytes, the
+scales and the BF16 values the GEMMs read (:func:`workers.fp8.quant.quantize_weight_compiled`; a
+fused group's operand is its members' stacked), the eager quantizer's bytes and scales.
 
 Used where it pays and is safe: a 2-D CPU tensor, power-of-two scales, every value finite (a
 NaN or inf takes the eager path, which reports it exactly as before). ``FP8RL_CPU_COMPILE=0``
