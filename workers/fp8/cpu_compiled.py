@@ -83,6 +83,56 @@ def _pow2_scales(amax: torch.Tensor, fmt_max: torch.Tensor) -> torch.Tensor:
     return ((bits + _EXPONENT_CARRY) & _EXPONENT_MASK).view(torch.float32)
 
 
+def _within(
+    amax: torch.Tensor, scale: torch.Tensor, exact_scale: torch.Tensor, top_scale: torch.Tensor
+) -> torch.Tensor:
+    """Whether every block maximum is finite, and every block is zero or has a scale of at least
+    ``exact_scale`` and at most ``top_scale`` (a 0-d bool tensor)."""
+    exact = ((amax == 0) | (scale >= exact_scale)) & (scale <= top_scale)
+    return torch.isfinite(amax).all() & exact.all()
+
+
+def _values(xf: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``xf``'s FP8 values (cast to ``dtype``) times their scale, in BF16; ``scale`` is each
+    element's block scale as a view. ``xf`` times 1/scale, not ``xf / scale``: a power of two in
+    [2^-126, 2^127] has an exact reciprocal, so both are the rounding of the same real number (bit
+    for bit), and a product is cheaper."""
+    return ((xf * (1.0 / scale)).to(dtype).float() * scale).to(torch.bfloat16)
+
+
+# Each element's scale as a view of the block scales (element (i, j) reads scale[i, j // 128], or
+# scale_c[i // 128, j]): the values are written in x's layout, with no padded copy to slice. Not
+# an index tensor (scale[:, arange(k) // 128]): on that, torch 2.13's Inductor splits the loop at
+# the division and drops the last partial block (its loop split does not check that 128 divides
+# the size); the bit-for-bit tests over partial blocks catch it.
+def _along_k(t: torch.Tensor, m: int, k: int) -> torch.Tensor:  # [M, nK] -> [M, K]
+    nk = t.shape[1]
+    return t.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
+
+
+def _along_m(t: torch.Tensor, m: int, k: int) -> torch.Tensor:  # [nM, K] -> [M, K]
+    nm = t.shape[0]
+    return t.unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
+
+
+def _rows(
+    x: torch.Tensor,
+    fmt_max: torch.Tensor,
+    exact_scale: torch.Tensor,
+    top_scale: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` in 1x128 tiles along K with power-of-two scales, in one compiled call (a
+    GEMM's first operand where no second layout is needed: generation, and the output gradient
+    of dgrad), and the first half of :func:`_dual`: ``(ok, scale [M, nK], d)``, as there."""
+    m, k = x.shape
+    nk = -(-k // _TILE)
+    xf = x.float()
+    amax = F.pad(xf.abs(), (0, nk * _TILE - k)).reshape(m, nk, _TILE).amax(-1)  # [M, nK]
+    scale = _pow2_scales(amax, fmt_max)
+    return _within(amax, scale, exact_scale, top_scale), scale, _values(xf, _along_k(scale, m, k), dtype)
+
+
 def _dual(
     x: torch.Tensor,
     fmt_max: torch.Tensor,
@@ -92,43 +142,23 @@ def _dual(
 ) -> tuple[torch.Tensor, ...]:
     """Both layouts of ``x [M, K]`` with power-of-two scales, in one compiled call:
     ``(ok, scale [M, nK], scale_t [K, nM], d, d_c, scale_c [nM, K])``. ``d``: ``x``'s FP8 values
-    in 1x128 tiles along K times their scale, in BF16; ``d_c``: the same for ``x``'s 128x1 tiles
-    (``x.T``'s 1x128 tiles) in ``x``'s layout, both ``[M, K]``; ``scale_c``: ``scale_t``
-    untransposed (see the end). The FP8 bytes are not written (the GEMMs read
-    the BF16 values; :class:`workers.fp8.fp8_tensor.Fp8Tensor` makes them from these on first read).
+    in 1x128 tiles along K times their scale, in BF16 (:func:`_rows`); ``d_c``: the same for
+    ``x``'s 128x1 tiles (``x.T``'s 1x128 tiles) in ``x``'s layout, both ``[M, K]``; ``scale_c``:
+    ``scale_t`` untransposed (see the end). The FP8 bytes are not written (the GEMMs read the BF16
+    values; :class:`workers.fp8.fp8_tensor.Fp8Tensor` makes them from these on first read).
     ``ok``: every block maximum is finite, and every block is zero or has a scale of at least
     ``exact_scale`` and at most ``top_scale`` (then each nonzero FP8 value times its scale is a
     finite BF16 normal, so the BF16 values give the bytes back exactly); else nothing else is
     meaningful. Zero padding never raises a maximum. The values go through ``dtype`` (the cast
     rounds as the eager one does)."""
     m, k = x.shape
-    nk, nm = -(-k // _TILE), -(-m // _TILE)
+    nm = -(-m // _TILE)
+    ok, scale, d = _rows(x, fmt_max, exact_scale, top_scale, dtype)
     xf = x.float()
-    a = xf.abs()
-    amax = F.pad(a, (0, nk * _TILE - k)).reshape(m, nk, _TILE).amax(-1)  # [M, nK]
-    amax_c = F.pad(a, (0, 0, 0, nm * _TILE - m)).reshape(nm, _TILE, k).amax(1)  # [nM, K]
-    scale, scale_c = _pow2_scales(amax, fmt_max), _pow2_scales(amax_c, fmt_max)
-    ok = torch.isfinite(amax).all() & torch.isfinite(amax_c).all()
-    exact = ((amax == 0) | (scale >= exact_scale)) & (scale <= top_scale)
-    exact_c = ((amax_c == 0) | (scale_c >= exact_scale)) & (scale_c <= top_scale)
-    ok = ok & exact.all() & exact_c.all()
-
-    # each element's scale as a view of the block scales (element (i, j) reads scale[i, j // 128] and
-    # scale_c[i // 128, j]): the values are written in x's layout, with no padded copy to slice.
-    # Not an index tensor (scale[:, arange(k) // 128]): on that, torch 2.13's Inductor splits the
-    # loop at the division and drops the last partial block (its loop split does not check that 128
-    # divides the size); the bit-for-bit tests over partial blocks catch it.
-    def along_k(t: torch.Tensor) -> torch.Tensor:  # [M, nK] -> [M, K]
-        return t.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
-
-    def along_m(t: torch.Tensor) -> torch.Tensor:  # [nM, K] -> [M, K]
-        return t.unsqueeze(1).expand(nm, _TILE, k).reshape(nm * _TILE, k)[:m]
-
-    # x times 1/scale, not x / scale: a power of two in [2^-126, 2^127] has an exact reciprocal,
-    # so both are the rounding of the same real number (bit for bit), and a product is cheaper;
-    # the reciprocal is taken per block, not per element
-    d = ((xf * along_k(1.0 / scale)).to(dtype).float() * along_k(scale)).to(torch.bfloat16)
-    d_c = ((xf * along_m(1.0 / scale_c)).to(dtype).float() * along_m(scale_c)).to(torch.bfloat16)
+    amax_c = F.pad(xf.abs(), (0, 0, 0, nm * _TILE - m)).reshape(nm, _TILE, k).amax(1)  # [nM, K]
+    scale_c = _pow2_scales(amax_c, fmt_max)
+    ok = ok & _within(amax_c, scale_c, exact_scale, top_scale)
+    d_c = _values(xf, _along_m(scale_c, m, k), dtype)
     # scale_c [nM, K] is an output of its own (unused by the caller) so that Inductor writes it
     # once: otherwise d_c's loop, which reads only the transposed copy's source, recomputes each
     # element's scale from amax_c (a division, a clamp, two bit casts through scalar loops) and
@@ -153,28 +183,6 @@ def _weight(
     s = scale[:, None, :, None].expand(nn_, _TILE, nk, _TILE).reshape(nn_ * _TILE, nk * _TILE)[:n, :k]
     q = (wf / s).to(dtype)
     return finite, scale, q, (q.float() * s).to(torch.bfloat16)
-
-
-def _rows(
-    x: torch.Tensor,
-    fmt_max: torch.Tensor,
-    exact_scale: torch.Tensor,
-    top_scale: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` in 1x128 tiles along K with power-of-two scales, in one compiled call (a
-    GEMM's first operand where no second layout is needed: generation, and the output gradient
-    of dgrad): ``(ok, scale [M, nK], d)``, as the rows half of :func:`_dual`."""
-    m, k = x.shape
-    nk = -(-k // _TILE)
-    xf = x.float()
-    amax = F.pad(xf.abs(), (0, nk * _TILE - k)).reshape(m, nk, _TILE).amax(-1)  # [M, nK]
-    scale = _pow2_scales(amax, fmt_max)
-    exact = ((amax == 0) | (scale >= exact_scale)) & (scale <= top_scale)
-    ok = torch.isfinite(amax).all() & exact.all()
-    s = scale.unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]  # a view, as in _dual
-    inv = (1.0 / scale).unsqueeze(-1).expand(m, nk, _TILE).reshape(m, nk * _TILE)[:, :k]
-    return ok, scale, ((xf * inv).to(dtype).float() * s).to(torch.bfloat16)
 
 
 def enabled() -> bool:
@@ -220,6 +228,15 @@ def _scalar(value: float) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32)
 
 
+@functools.cache
+def _bounds(fmt_max: float, min_subnormal: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The format's maximum and the scale bounds of an activation's compiled call, as the 0-d
+    tensors it reads: ``2^-126 / min_subnormal`` and the largest power of two whose product with
+    ``fmt_max`` is a finite BF16."""
+    top = 2.0 ** math.floor(math.log2(_BF16_MAX / fmt_max))
+    return _scalar(fmt_max), _scalar(_TINY / min_subnormal), _scalar(top)
+
+
 def quantize_dual(
     x: torch.Tensor, fmt_max: float, min_subnormal: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -228,9 +245,7 @@ def quantize_dual(
     format's smallest subnormal, or over the largest power of two whose product with the format's
     maximum is a finite BF16, 2^119 for E4M3 and 2^112 for E5M2: its BF16 values could not give
     the bytes back)."""
-    exact = _scalar(_TINY / min_subnormal)
-    top = _scalar(2.0 ** math.floor(math.log2(_BF16_MAX / fmt_max)))
-    out: tuple[torch.Tensor, ...] | None = _call(0, x, _scalar(fmt_max), exact, top, dtype)
+    out: tuple[torch.Tensor, ...] | None = _call(0, x, *_bounds(fmt_max, min_subnormal), dtype)
     return None if out is None else out[:4]  # type: ignore[return-value]
 
 
@@ -239,9 +254,7 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`_rows` compiled, ``(scale, d)``, or None where the eager path must run (as
     :func:`quantize_dual`)."""
-    exact = _scalar(_TINY / min_subnormal)
-    top = _scalar(2.0 ** math.floor(math.log2(_BF16_MAX / fmt_max)))
-    out: tuple[torch.Tensor, ...] | None = _call(2, x, _scalar(fmt_max), exact, top, dtype)
+    out: tuple[torch.Tensor, ...] | None = _call(2, x, *_bounds(fmt_max, min_subnormal), dtype)
     return out  # type: ignore[return-value]
 
 
