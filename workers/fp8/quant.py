@@ -150,7 +150,7 @@ def quantize_rows(
     if x.is_cuda and x.dim() == 2 and use_triton():
         rows = -(-x.shape[0] // rows_multiple) * rows_multiple
         return _quantize_triton(x.detach(), f, power_of_two, True, where, rows)
-    if power_of_two and x.device.type == "cpu" and x.dim() == 2 and x.numel() > 0:
+    if power_of_two and x.device.type == "cpu" and x.dim() == 2:
         q = _quantize_rows_compiled(x, f, where)  # None: the eager path below
         if q is not None:
             return q
