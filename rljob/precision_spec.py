@@ -43,6 +43,15 @@ class PrecisionSpec(StrictModel):
         "values; false: the trainer attends over BF16 K/V (NeMo RL's choice) and importance sampling "
         "corrects the difference (docs/precision.md: FP8 KV cache).",
     )
+    kv_calibration_sequences: int = Field(
+        64,
+        ge=0,
+        le=65536,
+        description="With fp8_kv_cache: how many of a step's sequences (per trainer, evenly spaced over its "
+        "rows) the trainer runs its K/V-scale calibration forward on after each update; 0: all of them. "
+        "The scales are the amax of those sequences' K and V, rounded up to a power of two, which leaves "
+        "1-2x of headroom for the rest (docs/precision.md: FP8 KV cache).",
+    )
     keep_bf16_layers: tuple[LayerCount, LayerCount] = Field(
         (0, 0), description="(first, last): decoder layers kept in BF16 at each end."
     )

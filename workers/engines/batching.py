@@ -73,3 +73,14 @@ def even_split(n_groups: int, group_size: int, parts: int) -> list[int]:
     """Rows per worker when ``n_groups`` groups are shared by ``parts`` workers (groups never split)."""
     base, extra = divmod(n_groups, parts)
     return [(base + (1 if i < extra else 0)) * group_size for i in range(parts)]
+
+
+def spaced_rows(batch: Rollouts, count: int) -> Rollouts:
+    """At most ``count`` rows of a host batch, evenly spaced over it (row ``i * B // count``, so
+    every prompt group of a step is represented, not only the first ones); the whole batch when
+    ``count`` is 0 or at least its ``B`` rows."""
+    n = batch.prompt_ids.shape[0]
+    if count <= 0 or count >= n:
+        return batch
+    index = torch.tensor([i * n // count for i in range(count)], dtype=torch.long)
+    return Rollouts(*(t.index_select(0, index.to(t.device)) for t in batch))

@@ -17,7 +17,8 @@ fixed before the values arrive: one float32 scale per layer for K and one for V 
   rounding (vLLM's CPU cache writer) store exactly what a round to nearest would
   (:func:`workers.engines.vllm.kv_scales.round_kv_to_nearest`).
 - **Where**: the trainer calibrates on the prompts of the first rollout before the first sync, and
-  after every update on the step's sequences, and sends the scales with the weights; both
+  after every update on the step's sequences (at most ``precision.kv_calibration_sequences`` of
+  them, evenly spaced), and sends the scales with the weights; both
   generators use them until the next sync. With ``precision.fp8_kv_cache_in_training`` the
   trainer's forward reads K and V rounded with the same scales (:class:`KvRoundingCache`), so
   trainer and generator attend over the same values. A generator that never received scales

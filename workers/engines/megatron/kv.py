@@ -1,6 +1,7 @@
 """FP8 KV-cache scales for vLLM from the Megatron trainer.
 
-After each step's update, one more forward over the step's rows observes every layer's K (after
+After each step's update, one more forward over the step's rows (at most
+``precision.kv_calibration_sequences`` of them, evenly spaced) observes every layer's K (after
 RoPE) and V at the real tokens through pre-hooks on the core attention (Transformer Engine's
 ``TEDotProductAttention`` on a GPU, Megatron's local ``DotProductAttention`` on the CPU: both are
 called as ``(query, key, value, attention_mask, ...)`` with ``[s, b, heads, d]`` tensors), and the

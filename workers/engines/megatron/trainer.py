@@ -37,6 +37,7 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units_tensor
+from workers.engines.batching import spaced_rows
 from workers.engines.megatron.convert import hf_payload, hf_to_megatron, megatron_to_hf
 from workers.engines.megatron.kv import MegatronKvCalibration
 from workers.engines.megatron.model import MegatronModel
@@ -136,7 +137,7 @@ class MegatronTrainer:
                     seen[mb["start"] : mb["start"] + mb["rows"]] = d["old"]
                 grad_norm = torch.maximum(grad_norm, self.model.step())
             if self.kv is not None:  # K/V of the updated weights, for vLLM's FP8 KV cache
-                self.kv.calibrate(full, data)
+                self._calibrate(full)
         sched.from_last_stage(loss_sums)
         sched.from_last_stage(is_max, dist.ReduceOp.MAX)
         sched.from_last_stage(seen)
@@ -179,11 +180,19 @@ class MegatronTrainer:
 
     def calibrate_kv(self, batch: Rollouts) -> None:
         """K/V-cache scales of the current weights, observed on ``batch`` (every trainer calls it
-        with its rows); sent with the next export. A no-op without an FP8 KV cache on vLLM."""
+        with its rows; at most ``precision.kv_calibration_sequences`` of the replica's); sent with
+        the next export. A no-op without an FP8 KV cache on vLLM."""
         if self.kv is None:
             return
         full, _, _, _ = self.schedule.replica_batch(batch, [])
-        self.kv.calibrate(full, self.schedule.data(full))
+        self._calibrate(full)
+
+    def _calibrate(self, full: Rollouts) -> None:
+        """Calibrate on at most ``precision.kv_calibration_sequences`` of a replica's rows, evenly
+        spaced (the same rows on every rank of the model-parallel group: ``full`` is theirs too)."""
+        assert self.kv is not None
+        rows = spaced_rows(full, self.spec.precision.kv_calibration_sequences)
+        self.kv.calibrate(rows, self.schedule.data(rows))
 
     def export_weights(self, fp8_names: list[str] | tuple[str, ...] = ()) -> Payload:
         """The payload the generators load, on trainer 0 (``{}`` on the others; all must call).

@@ -4,8 +4,9 @@ vLLM 0.32 computes KV-cache scales at most once, and the weights change every RL
 scales would go stale. As NeMo RL does, the trainer calibrates them instead (for the native
 generator too, so that both engines and the trainer's forward use the same scales): after its
 update, and before the first sync on the first step's prompts, it runs a forward pass (no
-gradients), observes every decoder layer's K (after RoPE, what the cache stores) and V at the real
-tokens, and turns them into per-layer scales (:class:`~workers.fp8.kv_cache.KvScaleCalibrator`'s
+gradients; over at most ``precision.kv_calibration_sequences`` of the rows, evenly spaced),
+observes every decoder layer's K (after RoPE, what the cache stores) and V at the real tokens,
+and turns them into per-layer scales (:class:`~workers.fp8.kv_cache.KvScaleCalibrator`'s
 rule); the scales travel with the weights under :func:`~workers.fp8.kv_cache.kv_scale_name`.
 
 Only real tokens count: the rows of padding are dropped with an index built from the host's copy

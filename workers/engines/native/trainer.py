@@ -29,7 +29,7 @@ import torch.distributed as dist
 from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
-from workers.engines.batching import positions
+from workers.engines.batching import positions, spaced_rows
 from workers.engines.exact import is_exact
 from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.layer_diff import ExactMismatchError, Trace, trace_forward
@@ -262,13 +262,15 @@ class NativeTrainer:
 
     @torch.no_grad()
     def calibrate_kv(self, batch: Rollouts) -> None:
-        """K/V-cache scales of the current weights, observed on ``batch`` (a host batch) and
-        max-reduced over the trainers; sent with the next export. A no-op unless this trainer
+        """K/V-cache scales of the current weights, observed on ``batch`` (a host batch; at most
+        ``precision.kv_calibration_sequences`` of its rows, evenly spaced) and max-reduced over the
+        trainers; sent with the next export. A no-op unless this trainer
         calibrates for vLLM's FP8 KV cache (:func:`~workers.fp8.kv_cache.calibrates_kv`)."""
         if self.kv_calibrator is None:
             return
         self.kv_calibrator.reset()
-        observe_kv(self.model, batch, self.kv_calibrator, self.spec.optimizer.micro_batch_size)
+        rows = spaced_rows(batch, self.spec.precision.kv_calibration_sequences)
+        observe_kv(self.model, rows, self.kv_calibrator, self.spec.optimizer.micro_batch_size)
         scales = self.kv_calibrator.scales()
         both = self._all_reduce(torch.stack([scales.k, scales.v]), dist.ReduceOp.MAX)  # [2, layers]
         self.kv_scales = KvScales(both[0], both[1], scales.fmt)

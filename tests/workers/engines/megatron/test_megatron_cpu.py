@@ -264,6 +264,40 @@ def test_kv_scales_equal_the_native_calibration(group: Any) -> None:
     assert float((lp - plain).abs().max()) > 1e-3
 
 
+def test_kv_scales_of_the_evenly_spaced_rows(group: Any) -> None:
+    """``precision.kv_calibration_sequences`` = 3 of 8 rows: rows i * 8 // 3 = 0, 2 and 5 (worked
+    by hand); the scales are the native calibration's on exactly those rows."""
+    from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
+    from workers.engines.protocols import Rollouts
+    from workers.fp8.kv_cache import KvScaleCalibrator
+
+    spec = cpu_spec(
+        "llama",
+        precision={"recipe": "bf16", "fp8_kv_cache": True, "kv_calibration_sequences": 3},
+        resources={"generator_engine": "vllm"},
+    )
+    state = hf_state(random_hf_model(spec))
+    batch = fixed_batch(seed=2)
+    rows = torch.tensor([0, 2, 5])
+    # a token only the other rows hold gets an embedding that makes layer 0's K large: scales
+    # that saw those rows differ from these
+    ids = torch.cat([batch.prompt_ids * batch.prompt_mask, batch.response_ids], 1)
+    kept = set(ids[rows].flatten().tolist())
+    token = next(t for t in ids[[1, 3, 4, 6, 7]].flatten().tolist() if t not in kept)
+    k_row = state["model.layers.0.self_attn.k_proj.weight"][0]
+    state["model.embed_tokens.weight"][token] = k_row / k_row.norm()
+    meg = megatron(spec, state)
+    meg.calibrate_kv(batch)
+    payload = meg.export_weights(())
+    nat = native(cpu_spec("llama"), state)
+    expected, everything = KvScaleCalibrator(2), KvScaleCalibrator(2)
+    observe_kv(nat.model, Rollouts(*(t[rows] for t in batch)), expected, 3, compute_dtype=F32)
+    observe_kv(nat.model, batch, everything, 3, compute_dtype=F32)
+    assert float(everything.scales().k[0]) > float(expected.scales().k[0])
+    for name, scale in kv_scale_payload(expected.scales()).items():
+        torch.testing.assert_close(payload[name], scale, rtol=1e-5, atol=0)
+
+
 def test_no_calibration_without_an_fp8_kv_cache(group: Any) -> None:
     meg = megatron(cpu_spec("llama", precision={"recipe": "bf16", "fp8_kv_cache": False}))
     assert meg.kv is None

@@ -14,7 +14,7 @@ from rljob import JobSpec, parse_spec
 from rljob import metrics as m
 from tests.helpers import TWO_LAYER_MODEL
 from workers.algo.mismatch import mismatch_metrics
-from workers.engines.batching import left_pad
+from workers.engines.batching import left_pad, spaced_rows
 from workers.engines.native.generator import NativeGenerator
 from workers.engines.native.trainer import NativeTrainer
 from workers.engines.protocols import Rollouts
@@ -99,6 +99,32 @@ def test_scales_are_from_the_amax_of_real_tokens_after_the_update() -> None:
         assert float(got_k) == k and float(got_v) == v, (i, float(got_k), k, float(got_v), v)
 
 
+def test_the_calibration_reads_only_the_evenly_spaced_rows_it_is_given() -> None:
+    # precision.kv_calibration_sequences = 2 of 3 rows: rows 0 * 3 // 2 = 0 and 1 * 3 // 2 = 1.
+    # Row 2 alone holds token 70, made to give layer 0 a K far larger than the other rows', so
+    # scales that saw row 2 differ from those that did not.
+    s = spec().model_copy(deep=True)
+    s.precision.kv_calibration_sequences = 2
+    trainer = NativeTrainer(s, TOK.vocab_size)
+    with torch.no_grad():
+        k_row = trainer.model.model.layers[0].self_attn.k_proj.weight[0]
+        trainer.model.model.embed_tokens.weight[70] = k_row / k_row.norm()
+    b = batch()
+    trainer.train_step(b, torch.tensor([1.0, 0.0, 1.0]), 1.0)
+    payload = trainer.export_weights()
+    kept = Rollouts(*(t[:2] for t in b))
+    expected, everything = reference_scales(trainer, kept), reference_scales(trainer, b)
+    assert everything[0][0] > expected[0][0]  # row 2 would have raised layer 0's K scale
+    got = [(float(payload[kv_scale_name(i, "k")]), float(payload[kv_scale_name(i, "v")])) for i in range(2)]
+    assert got == expected
+    # 0: every row, the same scales as the reference over the whole batch
+    s.precision.kv_calibration_sequences = 0
+    trainer.spec = s
+    trainer.calibrate_kv(b)
+    assert trainer.kv_scales is not None
+    assert list(zip(trainer.kv_scales.k.tolist(), trainer.kv_scales.v.tolist(), strict=True)) == everything
+
+
 def test_every_generator_with_an_fp8_kv_cache_gets_scales_and_only_then() -> None:
     for s, sent in ((spec("native"), True), (spec("vllm"), True), (spec("vllm", fp8_kv_cache=False), False)):
         trainer = NativeTrainer(s, TOK.vocab_size)
@@ -139,3 +165,13 @@ def test_a_trainer_that_reads_kv_as_the_cache_holds_it_agrees_with_the_generator
     assert same == 1.0
     apart, _, _ = pair_mismatch(recipe, in_training=False)
     assert apart > 1.0
+
+
+def test_spaced_rows_spreads_its_rows_over_the_batch() -> None:
+    ids = torch.arange(10).reshape(10, 1)
+    b = Rollouts(ids, torch.ones(10, 1), ids + 100, torch.ones(10, 1), torch.zeros(10, 1))
+    # rows i * 10 // 4 for i = 0..3, worked by hand: 0, 2 (2.5), 5, 7 (7.5)
+    four = spaced_rows(b, 4)
+    assert four.prompt_ids.flatten().tolist() == [0, 2, 5, 7]
+    assert four.response_ids.flatten().tolist() == [100, 102, 105, 107]  # every field, the same rows
+    assert spaced_rows(b, 0) is b and spaced_rows(b, 10) is b and spaced_rows(b, 64) is b
