@@ -6,13 +6,14 @@
 #   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
 #
 # part 1 (about 2 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
-# pytest -m gpu with the Triton switches off and then on, the kernel microbenchmark and the host
+# pytest -m gpu with the Triton switches off and then on (FP8RL_WGRAD_GEMM among them), the kernel microbenchmark and the host
 # overhead of one linear.
 # part 2 (about 6 minutes): bench rollout of the 1B preset, 64 sequences x 2048 new tokens, graph
 # loop with the Triton decode attention and the fused E4M3 KV write, BF16/FP8 weights x BF16/E4M3
 # KV; the training profile of the 1B (bf16 against fp8-e2e, per kernel); the decode attention
 # alone at four shapes; the kernels at training's token counts; the 8b-4l rollout at 256 x 1024;
-# bench fp8 (train) on the 8B-shaped layers at 4096 tokens; then one RL step per recipe of the 1B
+# bench fp8 (train) on the 8B-shaped layers at 4096 tokens, with cuBLAS's wgrad and the Triton
+# one; then one RL step per recipe of the 1B
 # preset (64 x 8 x 64) and of the 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16
 # and the E4M3 KV cache).
 # Without a part, both run (about 10 minutes: one call of a 15-minute lease).
@@ -29,8 +30,8 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
     stamp "part 1: machine, probe, pytest (Triton switches off), kernels, overhead"
     $py -m bench.gpu_check --quick --out "$dir/check.md" \
         --sections machine,probe,plan,pytest,kernels,overhead >>"$dir/session.log" 2>&1
-    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton"
-    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton \
+    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton"
+    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton \
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
@@ -51,6 +52,9 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench fp8, forward + backward of the 8B-shaped layers at 4096 tokens"
     $py -m fp8rl.cli bench fp8 --shapes 4096x4096x14336,4096x14336x4096 --mode train --device cuda \
         >"$dir/fp8-train-8b-layers.txt" 2>>"$dir/session.log"
+    stamp "part 2: the same with the Triton wgrad GEMM (FP8RL_WGRAD_GEMM=triton)"
+    FP8RL_WGRAD_GEMM=triton $py -m fp8rl.cli bench fp8 --shapes 4096x4096x14336,4096x14336x4096 --mode train \
+        --device cuda >"$dir/fp8-train-8b-layers-wgrad-triton.txt" 2>>"$dir/session.log"
     stamp "part 2: bench step 1b"
     $py -m fp8rl.cli bench step --model 1b --device cuda --prompts 64 --group-size 8 \
         --new-tokens 64 --steps 1 --no-baseline >"$dir/step-1b.txt" 2>>"$dir/session.log"

@@ -15,7 +15,10 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
 - ``rowwise``: one scale per row of ``a`` and per column of ``w`` (torchao's float8 rowwise);
 - ``tensorwise``: one scale per operand;
 - ``wgrad``: the weight gradient ``dy.T @ x`` (contraction over the M tokens), 1x128 x 1x128
-  blockwise, for M a multiple of 128;
+  blockwise, for M a multiple of 128; ``wgrad_triton`` the same product by the Triton kernel
+  (``workers/fp8/triton_wgrad.py``, float32 promotion per 128 tokens; CUDA only, any M), which
+  training takes with ``FP8RL_WGRAD_GEMM=triton`` (the table's ``wgrad ratios``: BF16's ``mm``
+  and cuBLAS's wgrad over it);
 - ``quantize``: the 1x128 activation quantizer (Triton on CUDA), reported as GB/s of bytes read
   plus written;
 - ``quantize_dual``: training's quantizer of both layouts (``x`` tiled 1x128 along K and ``x.T``
@@ -49,8 +52,8 @@ TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 # the 1B preset's MLP (hidden 2048 -> 8192 -> 2048) and Llama-3-8B's (4096 -> 14336)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
 KINDS: tuple[str, ...] = (
-    "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "quantize", "quantize_dual", "quantize_dual_f32t",
-    "quantize_dual_pow2", "small_m",
+    "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "wgrad_triton", "quantize", "quantize_dual",
+    "quantize_dual_f32t", "quantize_dual_pow2", "small_m",
 )  # fmt: skip
 QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t", "quantize_dual_pow2")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
@@ -147,6 +150,15 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             b = quantize(x.t().contiguous(), "e4m3", (1, 128)).t()  # [M, K] in 128x1 tiles
             a, b = lay_out(a, b, 128)
             calls.append(partial(blockwise_scaled_mm, a, b, torch.bfloat16))
+        elif kind == "wgrad_triton":  # the same product from training's layouts: dy.T and x.T, 1x128
+            if device.type != "cuda":
+                raise ValueError("the Triton wgrad GEMM runs on CUDA only")
+            from workers.fp8.triton_wgrad import wgrad_gemm
+
+            dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+            a = quantize(dy.t().contiguous(), "e4m3", (1, 128))  # [N, M]
+            b = quantize(x.t().contiguous(), "e4m3", (1, 128))  # [K, M]
+            calls.append(partial(wgrad_gemm, a.data, a.scale, b.data, b.scale, torch.bfloat16))
         elif kind == "quantize":
             calls.append(partial(quantize_rows, x, "e4m3", rows_multiple=16))
         elif kind == "quantize_dual":  # as training calls it (linear_gemm.train_forward)
@@ -210,7 +222,9 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
     lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t, "]
-    lines[0] += "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m"
+    lines[0] += (
+        "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m; wgrad ratios (bf16, cuBLAS) / triton"
+    )
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
         cells = []
@@ -233,8 +247,9 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         tf = f"{base.tflops:.0f}" if base is not None and base.tflops is not None else "-"
         small = _small_m_ratio(by_kind)
         lines.append(
-            f"{k:>6} {n:>6} {m:>5} " + " ".join(cells) + f"   {' '.join(ratios)}; {gbs}; {tf}; {small}"
-        )
+            f"{k:>6} {n:>6} {m:>5} " + " ".join(cells)
+            + f"   {' '.join(ratios)}; {gbs}; {tf}; {small}; {_wgrad_ratios(by_kind)}"
+        )  # fmt: skip
     lines += [f"{kind}: {note}" for kind, note in notes.items()]
     return "\n".join(lines)
 
@@ -250,6 +265,18 @@ def _small_m_ratio(by_kind: dict[str, KernelRow]) -> str:
     if us[0] is None or us[1] is None or not us[2]:
         return "-"
     return f"{(us[0] + us[1]) / us[2]:.2f}x"
+
+
+def _wgrad_ratios(by_kind: dict[str, KernelRow]) -> str:
+    """BF16's ``mm`` and cuBLAS's blockwise wgrad, each over the Triton wgrad GEMM (same shape)."""
+    triton_row = by_kind.get("wgrad_triton")
+    if triton_row is None or not triton_row.us:
+        return "-"
+    out = []
+    for kind in ("bf16", "wgrad"):
+        row = by_kind.get(kind)
+        out.append(f"{row.us / triton_row.us:.2f}x" if row is not None and row.us else "-")
+    return " ".join(out)
 
 
 def report(device: str = "cuda", **options: object) -> str:

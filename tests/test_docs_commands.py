@@ -434,7 +434,7 @@ def test_scripts_makefiles_and_example_comments_are_read_and_set_keys_checked() 
     assert [line.split(" in `")[0] for line in found] == [
         "Makefile:3: --set precision.kv_cache: the spec has no field precision.kv_cache"
         " (there: bf16_layers, exact, fp8_format, fp8_kv_cache, fp8_kv_cache_in_training, keep_bf16_layers,"
-        " master_dtype, mismatch_slo, power_of_two_scales, recipe)",
+        " kv_calibration_sequences, master_dtype, mismatch_slo, power_of_two_scales, recipe)",
         "Makefile:3: `fp8rl run` has no option --nope (not in its --help)",
         "gpu.sh:2: `fp8rl bench step` has no option --set-nothing (not in its --help)",
         f"ex.yaml:2: --set rollout.size: the spec has no field rollout.size (there: "

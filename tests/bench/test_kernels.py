@@ -34,6 +34,7 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     # the dual Triton kernel's other transpose exists on CUDA only: refused here, saying so
     note = got[(128, "quantize_dual_f32t")].note
     assert note == "refused: ValueError: the dual-layout Triton kernel runs on CUDA only"
+    assert got[(1, "wgrad_triton")].note == "refused: ValueError: the Triton wgrad GEMM runs on CUDA only"
     # cuBLAS's blockwise scaling exists on CUDA only: refused here, with torch's message
     assert got[(128, "blockwise")].us is None and got[(128, "blockwise")].note.startswith("refused: ")
     table = kernels.format_table(rows)
@@ -65,3 +66,16 @@ def test_weight_quantization_times_both_ways_on_the_tiny_preset() -> None:
     parts = times.split()
     each, batched, ratio = float(parts[2]), float(parts[5]), float(parts[-1].rstrip("x"))
     assert each > 0 and batched > 0 and ratio == pytest.approx(each / batched, abs=0.01)
+
+
+def test_the_triton_wgrad_gemm_is_compared_with_bf16_and_cublas_wgrad() -> None:
+    row = {
+        "bf16": kernels.KernelRow(4096, 256, 256, "bf16", us=9.0),
+        "wgrad": kernels.KernelRow(4096, 256, 256, "wgrad", us=7.5),
+        "wgrad_triton": kernels.KernelRow(4096, 256, 256, "wgrad_triton", us=6.0),
+    }
+    assert kernels._wgrad_ratios(row) == "1.50x 1.25x"  # 9 / 6 and 7.5 / 6, by hand
+    assert (
+        kernels._wgrad_ratios({**row, "wgrad": kernels.KernelRow(4096, 256, 256, "wgrad", None)}) == "1.50x -"
+    )
+    assert kernels._wgrad_ratios({"bf16": row["bf16"]}) == "-"

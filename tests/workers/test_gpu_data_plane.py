@@ -191,6 +191,29 @@ def test_small_m_gemm_is_the_quantized_product(seed: int, m: int, k_n: tuple[int
     assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, got.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("m_n_k", [(300, 256, 384), (4736, 2048, 8192), (4096, 14336, 4096)])
+def test_wgrad_gemm_is_the_quantized_product(seed: int, m_n_k: tuple[int, int, int]) -> None:
+    """The Triton wgrad GEMM against float64 of the torch quantizer's bytes (the Triton one's on a
+    GPU), element by element: within float32 sums across the 128-token chunks and, inside one,
+    Hopper's FP8 accumulator, taken as keeping 14 bits (DeepSeek-V3's report, section 3.3.2:
+    u = 2^-13 over 128 products); a BF16 output is the float32 one rounded to nearest."""
+    from workers.fp8.quant import quantize
+    from workers.fp8.triton_wgrad import wgrad_gemm
+
+    m, n, k = m_n_k
+    dy = (torch.randn(m, n, device="cuda") * torch.rand(1, n, device="cuda") * 10).to(torch.bfloat16)
+    x = (torch.randn(m, k, device="cuda") * torch.rand(1, k, device="cuda")).to(torch.bfloat16)
+    g, xt = quantize(dy.t().contiguous(), "e4m3", (1, 128)), quantize(x.t().contiguous(), "e4m3", (1, 128))
+    got = wgrad_gemm(g.data, g.scale, xt.data, xt.scale, torch.float32)
+    g64, x64 = g.dequantize(torch.float64), xt.dequantize(torch.float64)
+    want, magnitudes = g64 @ x64.t(), g64.abs() @ x64.abs().t()
+    chunks = -(-m // 128)
+    bound = (128 * 2**-13 + (chunks + 2) * 2**-24) * magnitudes
+    assert bool(((got.double() - want).abs() <= bound).all())
+    bf16 = wgrad_gemm(g.data, g.scale, xt.data, xt.scale, torch.bfloat16)
+    assert torch.equal(bf16, got.to(torch.bfloat16))
+
+
 def test_a_gpu_trainer_fuses_its_projections_and_keeps_the_gradients() -> None:
     """On CUDA the trainer runs q/k/v and gate/up as one FP8 GEMM each way: its loss and gradients
     are those of the separate layers (same FP8 bytes; the GPU's FP8 accumulation at most)."""

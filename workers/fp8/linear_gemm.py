@@ -9,7 +9,8 @@ their FP8 weight, and the training forward and backward that run them.
   at most :data:`SMALL_M_MAX` tokens the Triton GEMM of :mod:`workers.fp8.triton_gemm` where
   ``FP8RL_SMALL_M_GEMM=triton`` asks for it.
 - :func:`train_forward` / :func:`train_backward`: what autograd runs; x and dy quantized once
-  for both layouts (:func:`workers.fp8.quant.quantize_dual`), wgrad from the FP8 ``x.T``.
+  for both layouts (:func:`workers.fp8.quant.quantize_dual`), wgrad from the FP8 ``x.T`` (with
+  ``FP8RL_WGRAD_GEMM=triton`` on CUDA, the Triton GEMM of :mod:`workers.fp8.triton_wgrad`).
 
 The numerics, layouts and kernels are described in :mod:`workers.fp8.linear`.
 """
@@ -69,7 +70,10 @@ class _Bound:
     its result (the FP8 linear's hot path: a decode step calls fprop ~100 times, a training step
     each layer's fprop and dgrad once per micro-batch)."""
 
-    __slots__ = ("b", "backend", "bf16_exact", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q")
+    __slots__ = (
+        "b", "backend", "bf16_exact", "blockwise", "out_dtype", "plan", "profile", "small_m", "w_q",
+        "wgrad_triton",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -113,6 +117,16 @@ class _Bound:
             and cfg.forward_fmt == "e4m3"
             and not cfg.power_of_two_scales
             and cfg.rows_multiple == 1
+        )
+        # training's weight gradient (forward binding only): the Triton 1x128 x 1x128 GEMM
+        # (workers.fp8.triton_wgrad), where asked for and both operands will be E4M3 1x128 tiles
+        self.wgrad_triton = (
+            not dgrad
+            and cfg.forward_fmt == "e4m3"
+            and cfg.grad_fmt == "e4m3"
+            and cfg.activation_block == TILE_1x128
+            and cfg.grad_block == TILE_1x128
+            and wgrad_gemm_enabled(w_q.device)
         )
 
     def small_m_gemm(self, x2d: torch.Tensor, where: str) -> torch.Tensor:
@@ -159,6 +173,14 @@ def small_m_gemm_enabled(device: torch.device) -> bool:
     return triton_switch("FP8RL_SMALL_M_GEMM", "cublas", "triton", device, instead)
 
 
+def wgrad_gemm_enabled(device: torch.device) -> bool:
+    """``FP8RL_WGRAD_GEMM=triton``: training's weight gradient runs the Triton 1x128 x 1x128 GEMM
+    (:mod:`workers.fp8.triton_wgrad`) on CUDA (or under Triton's interpreter on the CPU, for
+    tests); ``cublas`` (the default until a GPU has measured it) leaves it to the dispatch. Read
+    when a weight's forward GEMM is bound."""
+    return triton_switch("FP8RL_WGRAD_GEMM", "cublas", "triton", device, "the dispatch's GEMM (fp8_matmul)")
+
+
 class BoundGemm:
     """Holds the :class:`_Bound` forward GEMM (or, with ``dgrad``, the dgrad GEMM) of a layer's or
     a fused group's current FP8 weight; bound again when the weight object, the device profile,
@@ -182,6 +204,10 @@ class BoundGemm:
 
     def release(self) -> None:
         self._bound = None
+
+    def wgrad_triton(self) -> bool:
+        """Whether the weight gradient of the GEMM bound last runs the Triton kernel."""
+        return self._bound is not None and self._bound.wgrad_triton
 
 
 def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig, where: str) -> Fp8Tensor:
@@ -253,6 +279,7 @@ def train_forward(
         where = f"{owner.name}: input (wgrad copy)"
         ctx.x_t = quantize(x2d.t(), cfg.forward_fmt, cfg.activation_block, power_of_two=p2, where=where)
     y = fprop_gemm(x2d, owner.fprop_gemm, w_q, bias, cfg, owner.name, x_q)
+    ctx.wgrad_triton = wgrad and owner.fprop_gemm.wgrad_triton()
     ctx.owner = owner
     ctx.w_q = w_q
     ctx.x_dtype = x2d.dtype
@@ -285,12 +312,18 @@ def train_backward(
         if g_t is None:
             g_t = quantize(grad_y.t(), cfg.grad_fmt, cfg.grad_block, power_of_two=p2, where=where)  # [N, M]
         x_t = ctx.x_t
-        if x_t.shape[1] != g_t.shape[1]:  # x.T padded, dy.T not: the GEMM pads both again
-            x_t = Fp8Tensor(x_t.data[:, : g_t.shape[1]], x_t.scale, x_t.block, x_t.fmt)
-        # float32 accumulation, written in the master weight's dtype by the kernel itself
-        grad_w = fp8_matmul(
-            g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype, bf16_exact=cfg.bf16_exact
-        )
+        if ctx.wgrad_triton and g_t.block == TILE_1x128 and x_t.block == TILE_1x128:
+            from workers.fp8.triton_wgrad import wgrad_gemm
+
+            # over the tokens both hold (x.T's padded ones are left out), float32 per 128 tokens
+            grad_w = wgrad_gemm(g_t.data, g_t.scale, x_t.data, x_t.scale, ctx.w_dtype)
+        else:
+            if x_t.shape[1] != g_t.shape[1]:  # x.T padded, dy.T not: the GEMM pads both again
+                x_t = Fp8Tensor(x_t.data[:, : g_t.shape[1]], x_t.scale, x_t.block, x_t.fmt)
+            # float32 accumulation, written in the master weight's dtype by the kernel itself
+            grad_w = fp8_matmul(
+                g_t, x_t.t(), backend=cfg.backend, out_dtype=ctx.w_dtype, bf16_exact=cfg.bf16_exact
+            )
     if need_db:
         grad_b = grad_y.to(torch.float32).sum(dim=0)  # [N]
     return grad_x, grad_w, grad_b

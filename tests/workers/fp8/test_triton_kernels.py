@@ -1,7 +1,7 @@
-"""The Triton quantizers (workers/fp8/triton_quant.py) and the small-M GEMM (triton_gemm.py) on the
-CPU: their arithmetic under Triton's interpreter (in a fresh interpreter: ``triton_kernel_checks.py``),
-and their compilation for SM90 (``tests/workers/triton_sm90.py``). Their speed only a GPU shows
-(``make gpu-check``, kernels)."""
+"""The Triton quantizers (workers/fp8/triton_quant.py), the small-M GEMM (triton_gemm.py) and the
+wgrad GEMM (triton_wgrad.py) on the CPU: their arithmetic under Triton's interpreter (in a fresh
+interpreter: ``triton_kernel_checks.py``), and their compilation for SM90
+(``tests/workers/triton_sm90.py``). Their speed only a GPU shows (``make gpu-check``, kernels)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FP8RL_SMALL_M_GEMM": "triton", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env |= {"FP8RL_SMALL_M_GEMM": "triton", "FP8RL_WGRAD_GEMM": "triton"}
     out = subprocess.run(
         [sys.executable, "-m", "tests.workers.fp8.triton_kernel_checks"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 6
+    assert out.stdout.count("ok ") == 8
 
 
 COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}
@@ -175,3 +176,33 @@ def test_the_kv_write_switch_is_off_by_default_and_checked(
     (said,) = [r.getMessage() for r in caplog.records if "FP8RL_KV_WRITE" in r.getMessage()]
     assert said.startswith("FP8RL_KV_WRITE=triton is set, but the tensors are on the CPU")
     assert said.endswith("the torch KV-cache write runs instead")
+
+
+@pytest.mark.parametrize("out", ["*fp32", "*bf16"])
+def test_the_wgrad_gemm_compiles_for_sm90_to_fp8_wgmma_without_spilling(out: str) -> None:
+    """E4M3 by E4M3 on Hopper's FP8 tensor cores (both operands K-major: the tokens contiguous),
+    a 128x128 float32 accumulator without spills, and a BF16 output rounded to nearest."""
+    import re
+
+    from workers.fp8 import triton_wgrad
+
+    sig = {"g_ptr": "*fp8e4nv", "gs_ptr": "*fp32", "x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "out_ptr": out}
+    ints = ("n_rows", "k_cols", "m_len", "n_chunks", "stride_gn", "stride_gm", "stride_gsn", "stride_gsc")
+    sig |= dict.fromkeys(
+        (*ints, "stride_xk", "stride_xm", "stride_xsk", "stride_xsc", "stride_on", "stride_ok"), "i32"
+    )
+    consts = {"BLOCK_N": 128, "BLOCK_K": 128, "CHUNK": triton_wgrad.CHUNK}
+    ptx = compile_sm90(triton_wgrad._wgrad_kernel, sig, consts, num_warps=8)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx), "no FP8 wgmma"
+    assert "st.local" not in ptx and "ld.local" not in ptx
+    assert ("cvt.rn.bf16x2.f32" in ptx) == (out == "*bf16")
+
+
+def test_the_wgrad_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.fp8.linear_gemm import wgrad_gemm_enabled
+
+    monkeypatch.delenv("FP8RL_WGRAD_GEMM", raising=False)
+    assert not wgrad_gemm_enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_WGRAD_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="FP8RL_WGRAD_GEMM='cutlass'"):
+        wgrad_gemm_enabled(torch.device("cuda"))

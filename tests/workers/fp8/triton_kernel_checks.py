@@ -19,6 +19,7 @@ from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
 from workers.fp8.quant import quantize
 from workers.fp8.triton_gemm import small_m_gemm
 from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual, quantize_128x128_many
+from workers.fp8.triton_wgrad import wgrad_gemm
 
 E4M3 = ("e4m3", 448.0, torch.float8_e4m3fn)
 E5M2 = ("e5m2", 57344.0, torch.float8_e5m2)
@@ -228,6 +229,94 @@ def fp8_linear_takes_the_small_m_gemm_when_asked() -> None:
         raise AssertionError("a NaN input went through the small-M GEMM unreported")
 
 
+def float64_wgrad(g: torch.Tensor, x: torch.Tensor, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dequant(q(dy.T)) @ dequant(q(x.T)).T`` and the same product of magnitudes, in float64,
+    for ``g = dy.T [N, M]`` and ``x = x.T [K, M]`` quantized 1x128 by the one-layout kernel
+    (``kernel``) or by torch's quantizer, which a CPU layer uses (the interpreter's FP8 casts
+    differ from it on a few values)."""
+    if kernel:
+        (gd, gs), (xd, xs) = (quantize_1x128(t, *E4M3, False, None, t.shape[0]) for t in (g, x))
+    else:
+        (gd, gs), (xd, xs) = ((q.data, q.scale) for q in (quantize(t, "e4m3", (1, 128)) for t in (g, x)))
+    g64 = gd.double() * gs.double().repeat_interleave(128, dim=1)[:, : g.shape[1]]
+    x64 = xd.double() * xs.double().repeat_interleave(128, dim=1)[:, : x.shape[1]]
+    return g64 @ x64.t(), g64.abs() @ x64.abs().t()
+
+
+def float32_sum_bound(tokens: int, magnitudes: torch.Tensor) -> torch.Tensor:
+    """``g_n sum |dy_i x_i|``, ``n = M + 2 + chunks`` (workers/fp8/triton_wgrad.py's docstring)."""
+    n = tokens + 2 + -(-tokens // 128)
+    u = 2.0**-24
+    return n * u / (1 - n * u) * magnitudes
+
+
+def wgrad_gemm_is_the_quantized_product() -> None:
+    """M not a multiple of 128 and of one chunk, N and K not multiples of the tile, x.T padded
+    with zero tokens beyond dy.T's, a column-major scale: each element within the float32
+    summation bound of the float64 product of the same bytes; a BF16 output is the float32 one
+    converted (within one BF16 step here); an E5M2 operand is refused by name."""
+    g = torch.Generator().manual_seed(3)
+    for m, n, k, pad, col_major_scale in (
+        (300, 256, 384, 0, False),
+        (100, 130, 200, 28, True),
+        (640, 128, 128, 0, False),
+    ):
+        dy = (torch.randn(m, n, generator=g) * torch.logspace(-2, 1, n)).to(torch.bfloat16)
+        x = (torch.randn(m, k, generator=g) * torch.logspace(1, -3, k)).to(torch.bfloat16)
+        gt, xt = dy.t().contiguous(), x.t().contiguous()
+        want, magnitudes = float64_wgrad(gt, xt)
+        gd, gs = quantize_1x128(gt, *E4M3, False, None, n)
+        xd, xs = quantize_1x128(torch.nn.functional.pad(xt, (0, pad)), *E4M3, False, None, k)
+        if col_major_scale:
+            gs = gs.t().contiguous().t()
+        tile = (64, 128) if pad else (128, 128)
+        got = wgrad_gemm(gd, gs, xd, xs, torch.float32, tile)
+        err = (got.double() - want).abs()
+        assert bool((err <= float32_sum_bound(m, magnitudes)).all()), (m, n, k, float(err.max()))
+        # the interpreter's float32 -> BF16 conversion truncates (a GPU's rounds to nearest: the
+        # SM90 compilation check and the GPU test): within one BF16 step of the float32 result
+        bf16 = wgrad_gemm(gd, gs, xd, xs, torch.bfloat16, tile)
+        assert bf16.dtype == torch.bfloat16
+        assert bool(((bf16.double() - got.double()).abs() <= 2**-7 * got.double().abs()).all())
+    try:
+        wgrad_gemm(gd.view(torch.float8_e5m2), gs, xd, xs, torch.float32)
+    except ValueError as err:
+        assert "E4M3 operands only" in str(err), str(err)
+    else:
+        raise AssertionError("an E5M2 operand went through the E4M3 kernel")
+
+
+def fp8_linear_takes_the_wgrad_gemm_when_asked() -> None:
+    """``FP8RL_WGRAD_GEMM=triton``: an FP8 layer's weight gradient in training is the kernel's,
+    within the float32 bound of the float64 product of dy.T's and x.T's bytes; the input
+    gradient is unchanged (the dgrad GEMM's)."""
+    assert os.environ.get("FP8RL_WGRAD_GEMM") == "triton"
+    torch.manual_seed(4)
+    layer = Fp8Linear(256, 384, bias=False, dtype=torch.float32)
+    x = torch.randn(200, 256, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(200, 384, dtype=torch.bfloat16)
+    layer(x).backward(dy)
+    assert layer.fprop_gemm._bound is not None and layer.fprop_gemm._bound.wgrad_triton
+    want, magnitudes = float64_wgrad(dy.t().contiguous(), x.detach().t().contiguous(), kernel=False)
+    assert layer.weight.grad is not None and x.grad is not None
+    err = (layer.weight.grad.double() - want).abs()  # float32 master: the kernel writes float32
+    assert bool((err <= float32_sum_bound(200, magnitudes)).all()), float(err.max())
+    dx = x.grad
+    os.environ["FP8RL_WGRAD_GEMM"] = "cublas"
+    try:
+        again = Fp8Linear(256, 384, bias=False, dtype=torch.float32)
+        again.load_state_dict(layer.state_dict())
+        x2 = x.detach().clone().requires_grad_(True)
+        again(x2).backward(dy)
+        assert again.weight.grad is not None and x2.grad is not None
+        assert again.fprop_gemm._bound is not None and not again.fprop_gemm._bound.wgrad_triton
+        assert torch.equal(x2.grad, dx)  # dgrad: the same GEMM either way
+        err2 = (again.weight.grad.double() - want).abs()  # and the dispatch's wgrad: the same bound
+        assert bool((err2 <= float32_sum_bound(200, magnitudes)).all()), float(err2.max())
+    finally:
+        os.environ["FP8RL_WGRAD_GEMM"] = "triton"
+
+
 def kv_write_is_the_torch_write() -> None:
     """The fused decode KV write against the static cache's torch path (quantize, index_copy_),
     through StaticKvCache itself, on values that are E4M3 numbers times the scale (and beyond 448
@@ -279,6 +368,8 @@ CHECKS = (
     small_m_gemm_is_the_quantized_product,
     fp8_linear_takes_the_small_m_gemm_when_asked,
     kv_write_is_the_torch_write,
+    wgrad_gemm_is_the_quantized_product,
+    fp8_linear_takes_the_wgrad_gemm_when_asked,
 )
 
 if __name__ == "__main__":
