@@ -11,10 +11,17 @@ from typing import Any
 from rljob.resource import RAY_AUTH_MODE_ENV, RAY_GROUP_RESOURCES, RAY_GROUPS_ENV
 from rljob.spec import JobSpec
 
+# glibc's malloc for a CPU actor: freed memory kept (trim threshold 64 GiB) and no mmap of its own
+# for large blocks, so the tensors of every step reuse the pages of the last instead of faulting
+# in fresh ones (docs/benchmarks.md: a SmolLM2 job's CPU steps 1.29x faster); read at process start only
+CPU_MALLOC_TUNABLES = "glibc.malloc.trim_threshold=68719476736:glibc.malloc.mmap_max=0"
+CPU_MALLOC_ENV = "FP8RL_CPU_MALLOC"
+
 
 def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:
     """Ray options of a generator or trainer actor. In a RayJob built by the operator
-    (``FP8RL_RAY_GROUPS=1``) each also asks for its worker group's custom resource."""
+    (``FP8RL_RAY_GROUPS=1``) each also asks for its worker group's custom resource. An actor
+    without a GPU starts with :data:`CPU_MALLOC_TUNABLES` (:func:`cpu_malloc_env`)."""
     res = spec.resources
     gpus: float = res.gpus_per_generator if role == "generation" else res.gpus_per_trainer
     if res.share_gpu:  # every actor on the one GPU
@@ -22,7 +29,25 @@ def actor_options(spec: JobSpec, role: str) -> dict[str, Any]:
     opts: dict[str, Any] = {"num_cpus": res.cpus_per_actor, "num_gpus": gpus}
     if os.environ.get(RAY_GROUPS_ENV) == "1":
         opts["resources"] = {RAY_GROUP_RESOURCES[role]: 1}
+    env = cpu_malloc_env() if gpus == 0 else {}
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
     return opts
+
+
+def cpu_malloc_env() -> dict[str, str]:
+    """The environment a CPU actor's process starts with beyond its node's: ``GLIBC_TUNABLES`` for
+    glibc's malloc (:data:`CPU_MALLOC_TUNABLES`), unless ``FP8RL_CPU_MALLOC=default`` turns it off
+    or ``GLIBC_TUNABLES`` is already set (the actors inherit that one). Elsewhere than glibc the
+    variable is ignored."""
+    wanted = os.environ.get(CPU_MALLOC_ENV, "tuned")
+    if wanted not in ("tuned", "default"):
+        raise ValueError(
+            f"{CPU_MALLOC_ENV}={wanted!r}: use tuned (default) or default (glibc's own malloc settings)"
+        )
+    if wanted == "default" or "GLIBC_TUNABLES" in os.environ:
+        return {}
+    return {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}
 
 
 def collective_backend(spec: JobSpec) -> str:

@@ -125,6 +125,34 @@ def test_share_gpu_splits_the_gpu_and_uses_gloo() -> None:
     assert collective_backend(parse_spec({})) == "gloo"  # CPUs
 
 
+def test_cpu_actors_start_with_glibc_malloc_tunables_and_gpu_actors_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workers.job.ray_cluster import CPU_MALLOC_TUNABLES, actor_options
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("FP8RL_CPU_MALLOC", raising=False)
+    cpu = parse_spec({})
+    want = {"env_vars": {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}}
+    assert actor_options(cpu, "training")["runtime_env"] == want
+    assert actor_options(cpu, "generation")["runtime_env"] == want
+    gpu = parse_spec({"resources": {"gpus_per_generator": 1}})  # a GPU generator, a CPU trainer
+    assert "runtime_env" not in actor_options(gpu, "generation")
+    assert actor_options(gpu, "training")["runtime_env"] == want
+    shared = parse_spec({"resources": {"share_gpu": True, "gpus_per_generator": 1, "gpus_per_trainer": 1}})
+    assert "runtime_env" not in actor_options(shared, "training")
+    monkeypatch.setenv("FP8RL_CPU_MALLOC", "default")  # off: glibc's own settings
+    assert "runtime_env" not in actor_options(cpu, "training")
+    monkeypatch.setenv("FP8RL_CPU_MALLOC", "tuned")
+    monkeypatch.setenv(
+        "GLIBC_TUNABLES", "glibc.malloc.arena_max=2"
+    )  # the user's own: inherited, not replaced
+    assert "runtime_env" not in actor_options(cpu, "training")
+    monkeypatch.setenv("FP8RL_CPU_MALLOC", "jemalloc")
+    with pytest.raises(ValueError, match="FP8RL_CPU_MALLOC='jemalloc': use tuned"):
+        actor_options(cpu, "training")
+
+
 def test_a_model_the_engines_cannot_run_is_refused_before_anything_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,6 +44,46 @@ def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
     return parse_spec(helpers.tiny_spec(**{**sections, **extra}))
 
 
+class _MallocProbe:
+    """Inside an actor: its ``GLIBC_TUNABLES`` and whether a 100 MiB ``malloc`` grew the heap
+    (glibc without mmap for large blocks) or was mapped on its own (glibc's default)."""
+
+    def probe(self) -> tuple[str | None, bool]:
+        import ctypes
+        import os
+
+        def heap_mib() -> int:
+            for line in Path("/proc/self/maps").read_text().splitlines():
+                if line.endswith("[heap]"):
+                    start, end = line.split()[0].split("-")
+                    return (int(end, 16) - int(start, 16)) >> 20
+            return 0
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        before = heap_mib()
+        block = libc.malloc(100 << 20)
+        grew = heap_mib() - before >= 100
+        libc.free(ctypes.c_void_p(block))
+        return os.environ.get("GLIBC_TUNABLES"), grew
+
+
+@pytest.mark.slow  # Ray starts an actor process for a runtime_env: 10 s and more (tests/conftest.py)
+def test_a_cpu_actor_runs_with_the_malloc_tunables_in_effect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set through Ray's runtime_env, the variable is there when the actor's process starts (glibc
+    reads it only then): a large block comes from the heap, where a plain actor maps it apart."""
+    from workers.job.ray_cluster import CPU_MALLOC_TUNABLES, actor_options
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("FP8RL_CPU_MALLOC", raising=False)
+    tuned: Any = ray.remote(**actor_options(tiny_spec("bf16"), "training"))(_MallocProbe).remote()
+    plain: Any = ray.remote(num_cpus=0)(_MallocProbe).remote()
+    assert tuple(ray.get(tuned.probe.remote(), timeout=120)) == (CPU_MALLOC_TUNABLES, True)
+    assert tuple(ray.get(plain.probe.remote(), timeout=120)) == (None, False)
+    for actor in (tuned, plain):
+        ray.kill(actor)
+
+
 def run_until_a_crash(spec: JobSpec, out: Path, step: int) -> list[Mapping[str, Any]]:
     """Run ``spec`` until the line of ``step`` is written, then crash (as a worker dying there
     would); the lines seen before the crash."""
