@@ -1,4 +1,5 @@
-"""Runs the jobs of the embedded default: one driver process per job (``driver_command``).
+"""Runs the jobs of the embedded default: one driver process per job
+(:func:`service.local_runs.driver_command`).
 
 Each job gets a run directory ``<data_dir>/runs/<tenant>/<name>/`` (``rljob.run_dir.RunDir``)
 with ``job.json`` (the spec), ``driver.log`` and what the driver writes (``metrics.jsonl``,
@@ -31,11 +32,9 @@ resumable. Nothing stays Running forever.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +48,6 @@ from rljob.metrics import MetricsLog
 from rljob.mismatch_slo import condition_of
 from rljob.paths import path_problems, shown_home, tenant_home
 from rljob.precision_actions import condition_of as precision_condition_of
-from rljob.run_dir import RunDir, driver_argv
 from rljob.status import (
     EXIT_OUT_OF_MEMORY,
     EXIT_TOO_MANY_FAULTS,
@@ -72,6 +70,7 @@ from service.driver_process import (
     sessions_memory,
     tenant_environment,
 )
+from service.local_runs import driver_command, fault_condition, finished, over_memory_message, run_dir
 from service.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -93,60 +92,6 @@ class _Running:
     faults_seen: int = 0  # bytes of faults.jsonl already in the job's condition
     started: float = 0.0  # wall clock at start: rows stamped before it are an earlier driver's
     first_started: float = 0.0  # wall clock when this run of the job began (restarts keep it)
-
-
-def run_dir(data_dir: Path, tenant: str, name: str) -> RunDir:
-    """The run directory of a local job: ``<data_dir>/runs/<tenant>/<name>``."""
-    return RunDir(data_dir / "runs" / tenant / name)
-
-
-def driver_command(run: RunDir, job: Job, resume: bool) -> list[str]:
-    """The driver process of ``job``: the service's own interpreter, and no Prometheus server
-    (drivers on one machine would fight for the port; the service reads ``metrics.jsonl``)."""
-    return driver_argv(
-        run.job_spec,
-        run.root,
-        job=job.name,
-        namespace=job.tenant,
-        resume=resume,
-        metrics_port=None,
-        python=sys.executable,
-    )
-
-
-def fault_condition(faults: Path) -> tuple[str, str] | None:
-    """The ``FaultsRecovered`` condition's reason and message from a run's ``faults.jsonl``: the
-    last fault and the restarts of each role so far (None: no fault)."""
-    if not faults.exists():
-        return None
-    entries = [json.loads(line) for line in faults.read_text().splitlines() if line.strip()]
-    if not entries:
-        return None
-    last = entries[-1]
-    where = f"step {last['step']}" if last["step"] else "the job's start"
-    counts = {role: sum(e["role"] == role for e in entries) for role in ("generator", "trainer")}
-    message = (
-        f"{last['role']} {last['index']} {last['what']} during {last['call']} in {where}: "
-        f"{last['action']} ({last['seconds']:.1f} s); restarts so far: "
-        f"{counts['generator']} generator, {counts['trainer']} trainer"
-    )
-    reason = Reason.GENERATOR_RESTARTED if last["role"] == "generator" else Reason.TRAINER_RESTARTED
-    return reason, message
-
-
-def _finished(job: Job, metrics: MetricsLog) -> bool:
-    rows = metrics.rows()
-    return bool(rows) and int(str(rows[-1]["step"])) >= job.spec.steps
-
-
-def over_memory_message(used: int, limit: int) -> str:
-    """Why a job over its resident-memory limit was stopped: ``used`` and ``limit`` in bytes, each
-    in MiB, the use rounded up (a use of a byte over a 200 MiB limit reads 201 MiB, never "200 MiB,
-    over its limit of 200 MiB")."""
-    return (
-        f"the job's processes used {-(-used // 2**20)} MiB, over its limit of {limit // 2**20} MiB "
-        "(max_resident_mb); ask for less (smaller batches, fewer actors) or a higher limit"
-    )
 
 
 class LocalExecutor:
@@ -202,7 +147,7 @@ class LocalExecutor:
                 self._procs[(job.tenant, job.name)] = _Running(
                     job, proc, run.driver_log, metrics, started=began, first_started=began
                 )
-        elif _finished(job, metrics):
+        elif finished(job, metrics):
             self._move(job, Phase.SUCCEEDED, Reason.COMPLETED, "finished while the control plane was down")
         else:
             self._move(
@@ -420,7 +365,7 @@ class LocalExecutor:
             return
         if current is Phase.SUSPENDED or current is Phase.CANCELLED:
             return
-        if code == 0 or (code == UNKNOWN_EXIT and _finished(r.job, r.metrics)):
+        if code == 0 or (code == UNKNOWN_EXIT and finished(r.job, r.metrics)):
             self._move(r.job, Phase.SUCCEEDED, Reason.COMPLETED, f"finished step {r.seen_step}")
         elif code == EXIT_OUT_OF_MEMORY:
             limit = self.limits(r.job.tenant).memory_bytes
@@ -492,7 +437,3 @@ class LocalExecutor:
                 self._start_queued()
             except Exception:
                 log.exception("starting queued jobs failed; trying again at the next poll")
-
-
-def read_metrics(data_dir: Path, job: Job) -> list[dict[str, object]]:
-    return MetricsLog(run_dir(data_dir, job.tenant, job.name).metrics).rows()

@@ -17,7 +17,7 @@ from rljob.jobs import Job
 from rljob.run_dir import RunDir, driver_argv
 from rljob.spec import JobSpec
 from rljob.status import JobStatus
-from service.local_executor import driver_command, run_dir
+from service.local_runs import driver_command, run_dir
 from workers.job import driver
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from rljob.jobs import JobNotFound
 from rljob.status import ACTIVE
 from service.deps import JOB, ExecutorDep, SettingsDep, StoreDep, TenantDep
 from service.executor import Executor
-from service.local_executor import read_metrics, run_dir
+from service.local_runs import read_metrics, run_dir
 from service.problems import ProblemError
 
 router = APIRouter(prefix="/v1/jobs", tags=["runs"])

@@ -16,7 +16,8 @@ import pytest
 from rljob import parse_spec
 from rljob.run_dir import RunDir
 from service.driver_process import DriverLimits, sessions_memory
-from service.local_executor import LocalExecutor, over_memory_message, run_dir
+from service.local_executor import LocalExecutor
+from service.local_runs import over_memory_message, run_dir
 from service.settings import Settings, auto_cpus, auto_resident_mb
 from service.store import SqlJobStore
 from tests.helpers import wait_for

@@ -24,7 +24,8 @@ import pytest
 
 from rljob import parse_spec
 from rljob.run_dir import RunDir
-from service.local_executor import LocalExecutor, run_dir
+from service.local_executor import LocalExecutor
+from service.local_runs import run_dir
 from service.sandbox import Sandbox
 from service.store import SqlJobStore
 from tests.helm.tools import tool

@@ -22,7 +22,8 @@ from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from rljob.status import JobStatus, Phase
 from service.driver_process import DriverProcess
-from service.local_executor import LocalExecutor, run_dir
+from service.local_executor import LocalExecutor
+from service.local_runs import run_dir
 from service.main import create_app
 from service.settings import Settings
 from service.store import SqlJobStore

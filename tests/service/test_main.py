@@ -96,7 +96,7 @@ def test_a_relative_data_dir_gives_drivers_absolute_paths(
     """``--data-dir fp8rl-data`` (the default) names the directory under the service's working
     directory; drivers run in the tenant's directory, so the paths they get must be absolute or
     they name files that are not there."""
-    from service.local_executor import driver_command, run_dir
+    from service.local_runs import driver_command, run_dir
 
     monkeypatch.chdir(tmp_path)
     settings = Settings(data_dir=Path("fp8rl-data"))

@@ -13,7 +13,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from rljob.metrics import ACTOR_RESTARTS, FAULT_KEYS
 from rljob.spec import parse_spec
-from service.local_executor import fault_condition
+from service.local_runs import fault_condition
 from tests import helpers
 from workers.job.actor_group import classify
 from workers.job.prom_exporter import PromExporter
