@@ -109,14 +109,18 @@ def test_small_m_gemm_compiles_for_sm90_on_the_tensor_cores(block_m: int) -> Non
     assert "st.local" not in ptx
 
 
-def test_the_small_m_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.fp8.linear_gemm import small_m_gemm_enabled
+@pytest.mark.parametrize("variable", ["FP8RL_SMALL_M_GEMM", "FP8RL_WGRAD_GEMM"])
+def test_the_gemm_switches_are_off_by_default_and_checked(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    from workers.fp8.linear_gemm import small_m_gemm_enabled, wgrad_gemm_enabled
 
-    monkeypatch.delenv("FP8RL_SMALL_M_GEMM", raising=False)
-    assert not small_m_gemm_enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_SMALL_M_GEMM", "cutlass")
-    with pytest.raises(ValueError, match="FP8RL_SMALL_M_GEMM='cutlass'"):
-        small_m_gemm_enabled(torch.device("cuda"))
+    enabled = small_m_gemm_enabled if variable == "FP8RL_SMALL_M_GEMM" else wgrad_gemm_enabled
+    monkeypatch.delenv(variable, raising=False)
+    assert not enabled(torch.device("cuda"))
+    monkeypatch.setenv(variable, "cutlass")
+    with pytest.raises(ValueError, match=f"{variable}='cutlass'"):
+        enabled(torch.device("cuda"))
 
 
 def test_the_small_m_switch_says_once_per_cause_why_it_falls_back(
@@ -196,13 +200,3 @@ def test_the_wgrad_gemm_compiles_for_sm90_to_fp8_wgmma_without_spilling(out: str
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx), "no FP8 wgmma"
     assert "st.local" not in ptx and "ld.local" not in ptx
     assert ("cvt.rn.bf16x2.f32" in ptx) == (out == "*bf16")
-
-
-def test_the_wgrad_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workers.fp8.linear_gemm import wgrad_gemm_enabled
-
-    monkeypatch.delenv("FP8RL_WGRAD_GEMM", raising=False)
-    assert not wgrad_gemm_enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_WGRAD_GEMM", "cutlass")
-    with pytest.raises(ValueError, match="FP8RL_WGRAD_GEMM='cutlass'"):
-        wgrad_gemm_enabled(torch.device("cuda"))

@@ -173,11 +173,16 @@ def grouped_weight_pass_is_the_quantizer() -> None:
     assert int(code) == (7 + 1) * 2**32 + 2, int(code)
 
 
+def float64_tiles(data: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """FP8 ``data [rows, cols]`` in 1x128 tiles times its ``scale [rows, ceil(cols/128)]``, in
+    float64 (each product exact: not the float32 of ``Fp8Tensor.dequantize``)."""
+    return data.double() * scale.double().repeat_interleave(128, dim=1)[:, :cols]
+
+
 def float64_product(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """``dequant(q(x)) @ dequant(W).T`` in float64, ``q`` the one-layout quantizer kernel."""
     m, k = x.shape
-    data, scale = quantize_1x128(x, *E4M3, False, None, m)
-    xa = data.double() * scale.double().repeat_interleave(128, dim=1)[:, :k]
+    xa = float64_tiles(*quantize_1x128(x, *E4M3, False, None, m), k)
     wd = w.double() * w_scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], :k]
     return xa @ wd.t()
 
@@ -238,8 +243,7 @@ def float64_wgrad(g: torch.Tensor, x: torch.Tensor, kernel: bool = True) -> tupl
         (gd, gs), (xd, xs) = (quantize_1x128(t, *E4M3, False, None, t.shape[0]) for t in (g, x))
     else:
         (gd, gs), (xd, xs) = ((q.data, q.scale) for q in (quantize(t, "e4m3", (1, 128)) for t in (g, x)))
-    g64 = gd.double() * gs.double().repeat_interleave(128, dim=1)[:, : g.shape[1]]
-    x64 = xd.double() * xs.double().repeat_interleave(128, dim=1)[:, : x.shape[1]]
+    g64, x64 = float64_tiles(gd, gs, g.shape[1]), float64_tiles(xd, xs, x.shape[1])
     return g64 @ x64.t(), g64.abs() @ x64.abs().t()
 
 
