@@ -9,7 +9,7 @@
 # pytest -m gpu with the Triton switches off and then on (FP8RL_WGRAD_GEMM among them), the kernel microbenchmark and the host
 # overhead of one linear.
 # part 2 (about 6 minutes): bench rollout of the 1B preset, 64 sequences x 2048 new tokens, graph
-# loop with the Triton decode attention and the fused E4M3 KV write, BF16/FP8 weights x BF16/E4M3
+# loop with the Triton decode attention and RoPE + the KV write in one launch, BF16/FP8 weights x BF16/E4M3
 # KV; the training profile of the 1B (bf16 against fp8-e2e, per kernel); the decode attention
 # alone at four shapes; the kernels at training's token counts; the 8b-4l rollout at 256 x 1024;
 # bench fp8 (train) on the 8B-shaped layers at 4096 tokens, with cuBLAS's wgrad and the Triton
@@ -35,7 +35,7 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
-    stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, the fused E4M3 KV write (FP8RL_KV_WRITE=triton)"
+    stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, RoPE + the KV write in one launch (FP8RL_KV_WRITE=triton)"
     FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench rollout --model 1b --device cuda --prompts 64 \
         --new-tokens 2048 --repeat 1 --decode graph-triton >"$dir/rollout-1b-64x2048-kvwrite.txt" 2>>"$dir/session.log"
     stamp "part 2: bench profile-train 1b (the kernels fp8-e2e training spends beyond bf16's)"
@@ -46,7 +46,7 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench kernels at training's token counts (quantize_dual, wgrad at M 4736, 14336 -> 4096)"
     $py -m fp8rl.cli bench kernels --device cuda --tokens 256,4096,4736 \
         --shapes 2048x8192,8192x2048,4096x14336,14336x4096 >"$dir/kernels-train.txt" 2>>"$dir/session.log"
-    stamp "part 2: bench rollout 8b-4l, 256 x 1024, graph-triton, the fused E4M3 KV write"
+    stamp "part 2: bench rollout 8b-4l, 256 x 1024, graph-triton, RoPE + the KV write in one launch"
     FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench rollout --model 8b-4l --device cuda --prompts 256 \
         --new-tokens 1024 --repeat 1 --decode graph-triton >"$dir/rollout-8b-4l-256x1024.txt" 2>>"$dir/session.log"
     stamp "part 2: bench fp8, forward + backward of the 8B-shaped layers at 4096 tokens"

@@ -379,6 +379,74 @@ def test_fused_kv_write_is_the_torch_write_bit_for_bit(seed: int, scale: float) 
     assert bool((buf[:, :, others].view(torch.uint8) == 0x55).all())
 
 
+@pytest.mark.parametrize("store", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fused_rope_kv_write_is_hugging_faces_rope_and_the_torch_write_bit_for_bit(
+    seed: int, store: torch.dtype
+) -> None:
+    """``rope_write_kv`` (RoPE of q and k, the K/V write, one launch) against Hugging Face's
+    ``apply_rotary_pos_emb`` and the static cache's torch write (quantize_kv, then the position's
+    bytes) on the GPU, bit for bit: the hardware's BF16 rounding and E4M3 cast, no host sync."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from workers.fp8.kv_cache import quantize_kv
+    from workers.fp8.triton_kv import rope_write_kv
+
+    b, hq, hkv, d, length, pos = 64, 32, 8, 128, 40, 23
+    cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d)
+    rope = LlamaRotaryEmbedding(cfg).cuda()  # float32 frequencies of the host, as build_policy keeps them
+    q = (torch.randn(b, 1, hq * d, device="cuda") * torch.logspace(-2, 2, hq * d, device="cuda")).bfloat16()
+    k = (torch.randn(b, 1, hkv * d, device="cuda") * 3).bfloat16()
+    v = (torch.randn(b, 1, hkv * d, device="cuda") * 3).bfloat16()
+    cos, sin = rope(q, torch.randint(0, 8192, (b, 1), device="cuda"))
+    k_scale, v_scale = torch.tensor(0.037, device="cuda"), torch.tensor(2.0**-5, device="cuda")
+    k_buf = torch.zeros(b, hkv, length, d, dtype=store, device="cuda")
+    v_buf = torch.zeros_like(k_buf)
+    at = torch.tensor([pos], device="cuda")
+    with no_host_sync():
+        got = rope_write_kv(
+            q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), cos[:, 0], sin[:, 0],
+            k_scale, v_scale, at, k_buf, v_buf,
+        )  # fmt: skip
+    want_q, want_k = apply_rotary_pos_emb(
+        q.view(b, 1, hq, d).transpose(1, 2), k.view(b, 1, hkv, d).transpose(1, 2), cos, sin
+    )
+    v_heads = v.view(b, 1, hkv, d).transpose(1, 2)
+    assert torch.equal(got, want_q[:, :, 0])
+    if store == torch.bfloat16:
+        assert torch.equal(k_buf[:, :, pos], want_k[:, :, 0])
+        assert torch.equal(v_buf[:, :, pos], v_heads[:, :, 0])
+    else:
+        for buf, x, scale in ((k_buf, want_k, k_scale), (v_buf, v_heads, v_scale)):
+            want = quantize_kv(x, scale).data[:, :, 0]
+            assert torch.equal(buf[:, :, pos].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8_kv", [False, True])
+def test_graph_decode_with_fused_rope_is_the_unfused_step_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, fp8_kv: bool
+) -> None:
+    """CUDA graphs, the Triton attention, and RoPE + the K/V write in one launch: the same tokens
+    and log-probs as the same graphs with Hugging Face's RoPE and the separate write."""
+    from workers.engines.native import decode_attention
+
+    monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "triton")
+    monkeypatch.setenv("FP8RL_KV_WRITE", "triton")
+    s = spec("fp8-e2e", fp8_kv_cache=fp8_kv)
+    ids, mask = left_pad(PROMPTS, TOK.pad_id)
+    gens = [NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cuda") for _ in range(2)]
+    payload = NativeTrainer(s, TOK.vocab_size, "cuda").export_weights(fp8_weight_names(gens[0].model))
+    runs = []
+    for gen, rope in zip(gens, (True, False), strict=True):
+        gen.load_weights(payload)
+        static = gen.static
+        assert static is not None and static.fused_rope and static.impl == decode_attention.ATTENTION_NAME
+        static.fused_rope = rope
+        runs.append(gen.generate_on_device(ids.cuda(), mask.cuda(), 24, 1.0, 1.0, 0))
+    for got, want in zip(*runs, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_random_init_model_is_built_on_the_gpu_with_the_hosts_rope() -> None:
     from workers.engines.models import build_policy
 

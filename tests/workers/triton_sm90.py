@@ -14,13 +14,15 @@ from triton.compiler import ASTSource
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> str:
+def compile_sm90(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4, fp_fusion: bool = True
+) -> str:
     """The PTX of ``fn`` compiled (to a cubin) for SM90: ``signature`` types every argument
-    (``"constexpr"`` for the ``constexprs``)."""
+    (``"constexpr"`` for the ``constexprs``); ``fp_fusion`` as the launch's ``enable_fp_fusion``."""
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=SM90, options={"num_warps": num_warps}
-    )
+    options = {"num_warps": num_warps, "enable_fp_fusion": fp_fusion}
+    source = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    kernel = triton.compile(source, target=SM90, options=options)
     assert kernel.asm.get("cubin"), "ptxas produced no cubin"
     ptx: str = kernel.asm["ptx"]
     return ptx

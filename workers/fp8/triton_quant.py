@@ -17,6 +17,7 @@ checks the bytes and scales against the torch path on the GPU. Imported only on 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -28,6 +29,30 @@ _TILE = 128
 # (measured on an H200, 2026-11-29: 0.67-0.79 TB/s against 2.2-2.9 TB/s for one layout), or before
 # it, as float32 ("f32": built after that run, timed by the kernel bench's quantize_dual_f32t rows)
 DUAL_TRANSPOSE = "fp8"
+
+# On a GPU a kernel rounds float32 to BF16 with the hardware's conversion (to nearest, ties to
+# even). Triton's interpreter (the CPU tests) truncates on .to(bfloat16), so there the same values
+# are made with bit operations (:func:`bf16_bits`): kernels take ``HW=HW_BF16`` as a constexpr.
+HW_BF16 = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def bf16_bits(x):
+    """float32 ``x`` rounded to the nearest BF16 value (ties to even), kept as float32: torch's
+    ``.to(torch.bfloat16)`` for finite values, done on the bits (Triton's interpreter truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_value(x, HW: tl.constexpr):
+    """float32 ``x`` rounded to BF16 (nearest, ties to even), as float32: the hardware conversion
+    on a GPU, :func:`bf16_bits` in the interpreter."""
+    if HW:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return bf16_bits(x)
 
 
 @triton.jit

@@ -161,6 +161,50 @@ def test_the_kv_write_compiles_for_sm90_to_byte_stores_without_spilling() -> Non
     assert "div.rn.f32" in ptx and "st.local" not in ptx
 
 
+@pytest.mark.parametrize("cache", ["*fp8e4nv", "*bf16"])
+def test_the_rope_kv_write_compiles_for_sm90_with_rounded_bf16_and_no_spills(cache: str) -> None:
+    """The fused RoPE + K/V write's GPU branch: BF16 rounded to nearest by the hardware (the
+    interpreter's checks use bit operations instead), IEEE division and the E4M3 cast for an FP8
+    cache, no register spills at head_dim 128 with 16 heads a program."""
+    from workers.fp8 import triton_kv
+
+    ptrs = ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr")
+    sig = dict.fromkeys(ptrs, "*bf16") | {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "pos_ptr": "*i64"}
+    sig |= {"q_out_ptr": "*bf16", "k_buf_ptr": cache, "v_buf_ptr": cache}
+    ints = ("length", "stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_vb", "stride_vh")
+    sig |= dict.fromkeys((*ints, "stride_cb", "stride_sb"), "i32")
+    fp8 = cache == "*fp8e4nv"
+    consts: dict[str, object] = {"HQ": 32, "HKV": 8, "HALF": 64, "BLOCK_H": 16, "BLOCK_HALF": 64, "FP8": fp8}
+    consts |= {"FMT_MAX": 448.0, "E4M3": True, "HW": True}
+    fused = compile_sm90(triton_kv._rope_write_kv, sig, consts)  # what a default launch would build
+    assert "fma.rn.bf16" in fused, "the contraction the launch's enable_fp_fusion=False is there to stop"
+    ptx = compile_sm90(triton_kv._rope_write_kv, sig, consts, fp_fusion=False)  # as rope_write_kv launches
+    # each product rounded to BF16 on its own (mul.rn.bf16: the exact product, rounded to nearest
+    # even), then the sum (add/sub.rn.bf16: the exact sum, rounded; torch's float32 sum of two BF16
+    # values rounds to the same BF16): torch's three roundings, no fused multiply-add skipping one
+    assert "fma" not in ptx and "mul.rn.bf16" in ptx and "add.rn.bf16" in ptx
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx) == fp8
+    assert "st.local" not in ptx
+
+
+def test_the_rope_kv_write_refuses_what_it_cannot_write() -> None:
+    from workers.fp8.triton_kv import rope_write_kv
+
+    def call(d: int = 8, dtype: torch.dtype = torch.bfloat16, buf: torch.dtype = torch.bfloat16) -> None:
+        q, k = torch.zeros(2, 4, d, dtype=dtype), torch.zeros(2, 2, d, dtype=dtype)
+        cos = torch.zeros(2, d, dtype=dtype)
+        cache = torch.zeros(2, 2, 5, d, dtype=buf)
+        one = torch.tensor(1.0)
+        rope_write_kv(q, k, k, cos, cos, one, one, torch.tensor([0]), cache, cache.clone())
+
+    with pytest.raises(ValueError, match="even D"):
+        call(d=7)
+    with pytest.raises(ValueError, match="must be BF16"):
+        call(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"contiguous BF16 or FP8, got torch\.float32"):
+        call(buf=torch.float32)
+
+
 def test_the_kv_write_switch_is_off_by_default_and_checked(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

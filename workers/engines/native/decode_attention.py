@@ -27,9 +27,12 @@ arithmetic is checked against a float64 reference under Triton's interpreter on 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 ATTENTION_NAME = "fp8rl_decode"  # registered below; models.BOOL_MASKS lists it (a bool mask)
 BLOCK_N = 32  # keys per tile
@@ -131,25 +134,37 @@ def attention(
     ctx = _ACTIVE
     if ctx is None or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-    cache, seen = ctx
-    layer = int(module.layer_idx)
-    k_scale, v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-    out = decode_attention(
-        query[:, :, 0], cache.k[layer], cache.v[layer], seen, cache.index + 1, scaling, k_scale, v_scale
-    )
+    out = _attend(ctx, int(module.layer_idx), query[:, :, 0], scaling)
     return out[:, None], None  # [B, 1, Hq, D], as HF's attention functions return
 
 
-_ACTIVE: tuple[Any, torch.Tensor] | None = None
+def _attend(ctx: _Context, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    cache = ctx.cache
+    k_scale, v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
+    return decode_attention(
+        query, cache.k[layer], cache.v[layer], ctx.seen, cache.index + 1, scaling, k_scale, v_scale
+    )
+
+
+@dataclass(frozen=True)
+class _Context:
+    cache: Any  # a StaticKvCache
+    seen: torch.Tensor
+    rope: bool  # RoPE and the K/V write in one launch (fuse_rope)
+
+
+_ACTIVE: _Context | None = None
 
 
 class active:
     """Inside the block, decode steps of ``cache`` (a StaticKvCache) attend through this kernel,
-    with ``seen [B, T]`` as the mask. Host state only: read while a step is issued (or captured)."""
+    with ``seen [B, T]`` as the mask; with ``rope`` (and the model's attention modules given to
+    :func:`fuse_rope`), their RoPE and K/V write run in one launch too. Host state only: read while
+    a step is issued (or captured)."""
 
-    def __init__(self, cache: Any, seen: torch.Tensor) -> None:
-        self.ctx = (cache, seen)
+    def __init__(self, cache: Any, seen: torch.Tensor, rope: bool = False) -> None:
+        self.ctx = _Context(cache, seen, rope)
 
     def __enter__(self) -> None:
         global _ACTIVE
@@ -158,6 +173,52 @@ class active:
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
         _ACTIVE = self.prev
+
+
+# the attention modules whose projections, RoPE and attention fuse_rope knows (Qwen3's q/k norms,
+# partial rotary and the like are not among them: those keep Hugging Face's forward)
+ROPE_MODULES = ("LlamaAttention", "Qwen2Attention")
+
+
+def fuse_rope(model: nn.Module) -> int:
+    """Give the model's attention modules a decode-step forward that applies RoPE to q and k and
+    writes K and V into the static cache in one Triton launch
+    (:func:`workers.fp8.triton_kv.rope_write_kv`), then attends through this kernel: inside
+    :func:`active` with ``rope``, for one new token per sequence. Everything else (the prefill, the
+    eager loop, the trainer) runs Hugging Face's forward as before. The rotated q and K are those
+    of ``apply_rotary_pos_emb`` bit for bit, so the step computes what the unfused one computes.
+    Returns how many modules it took (0: none of :data:`ROPE_MODULES`)."""
+    taken = 0
+    module: Any
+    for module in model.modules():
+        if type(module).__name__ not in ROPE_MODULES or hasattr(module, "fp8rl_hf_forward"):
+            continue
+        module.fp8rl_hf_forward = module.forward
+        module.forward = partial(_rope_forward, module)
+        taken += 1
+    return taken
+
+
+def _rope_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+    ctx = _ACTIVE
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    rope = kwargs.get("position_embeddings")
+    if ctx is None or not ctx.rope or hidden is None or hidden.shape[1] != 1 or rope is None:
+        return module.fp8rl_hf_forward(*args, **kwargs)
+    from workers.fp8.triton_kv import rope_write_kv
+
+    cache, layer, d = ctx.cache, int(module.layer_idx), int(module.head_dim)
+    b = hidden.shape[0]
+    cos, sin = rope  # [B, 1, D]
+    q = module.q_proj(hidden).view(b, -1, d)  # [B, Hq, D]: the projections' outputs, not copied
+    k = module.k_proj(hidden).view(b, -1, d)
+    v = module.v_proj(hidden).view(b, -1, d)
+    k_buf, v_buf = cache.k[layer], cache.v[layer]
+    q = rope_write_kv(
+        q, k, v, cos[:, 0], sin[:, 0], cache.k_scale[layer], cache.v_scale[layer], cache.index, k_buf, v_buf
+    )
+    out = _attend(ctx, layer, q, float(module.scaling))  # [B, Hq, D]
+    return module.o_proj(out.reshape(b, 1, -1)), None
 
 
 def register() -> None:

@@ -12,6 +12,9 @@ captured once in a CUDA graph and replayed: one launch per token instead of hund
 - The mask is a ``[B, T]`` "seen" buffer, one column switched on per step; position ids, the last
   token, "finished" and the outputs (tokens, log-probs, valid flags) are buffers written in place
   at a step counter on the device.
+- ``FP8RL_KV_WRITE=triton`` writes each step's K/V in one Triton launch; beside the Triton
+  attention (``FP8RL_DECODE_ATTENTION=triton``) RoPE joins that launch
+  (:func:`~workers.engines.native.decode_attention.fuse_rope`, bit for bit Hugging Face's).
 - Sampling is the eager path's exponential race (:func:`sample_top_p`) with its generator
   registered on the graph, so a replay draws fresh numbers and ``manual_seed`` re-seeds it.
 - One capture per (batch, prompt length rounded up to 16, new tokens, temperature, top-p),
@@ -231,6 +234,14 @@ class StaticDecoder:
             cfg._attn_implementation = decode_attention.ATTENTION_NAME
         self.impl = str(cfg._attn_implementation)
         self.dtype = model.get_input_embeddings().weight.dtype  # type: ignore[operator]
+        # FP8RL_KV_WRITE=triton beside the Triton attention: a decode step's RoPE and K/V write in
+        # one launch (decode_attention.fuse_rope; BF16 or E4M3 cache); tests may turn it off
+        self.fused_rope = (
+            self.kernel_attention
+            and self.dtype == torch.bfloat16
+            and fused_kv_write(device)
+            and decode_attention.fuse_rope(model) > 0
+        )
         self.sessions: OrderedDict[DecodeShape, _Session] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
 
@@ -337,7 +348,8 @@ class StaticDecoder:
         if self.impl not in BOOL_MASKS:  # additive, as attention_mask_4d builds it for eager attention
             zero = torch.zeros((), dtype=self.dtype, device=mask.device)
             mask = torch.where(mask, zero, torch.finfo(self.dtype).min)
-        with decode_attention.active(cache, s.seen) if self.kernel_attention else nullcontext():
+        fused = decode_attention.active(cache, s.seen, self.fused_rope)
+        with fused if self.kernel_attention else nullcontext():
             out = self.model(
                 input_ids=s.tok[:, None],
                 attention_mask=mask,

@@ -3,30 +3,22 @@ run: Triton is absent on some CPU machines)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.fp8.triton_quant import HW_BF16, bf16_bits
+
 # -1e30 below stands for minus infinity: exp() and max() of a fully masked tile stay free of NaN
 
 # On a GPU the kernels round to BF16 with the hardware's conversion (round to nearest even) and
 # multiply BF16 tiles on the tensor cores with float32 accumulation. Triton's interpreter (the CPU
 # tests) truncates on .to(bfloat16) and has no BF16 dot, so there the same values are made with
-# bit operations and multiplied as float32 (exact for BF16 operands): the interpreter's branch is
-# the one the CPU checks against float64, the hardware branch is checked against it on a GPU.
-HW_BF16 = os.environ.get("TRITON_INTERPRET") != "1"
-
-
-@triton.jit
-def _bf16(x):
-    """float32 ``x`` rounded to the nearest BF16 value (ties to even), kept as float32: torch's
-    ``.to(torch.bfloat16)`` for finite values, done on the bits (Triton's interpreter truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+# bit operations (HW_BF16 False) and multiplied as float32 (exact for BF16 operands): the
+# interpreter's branch is the one the CPU checks against float64, the hardware branch is checked
+# against it on a GPU.
 
 
 @triton.jit
@@ -154,11 +146,11 @@ def _foldable(scale):
 @triton.jit
 def _round_bf16(x, HW: tl.constexpr):
     """float32 ``x`` rounded to BF16 (nearest, ties to even): a BF16 tensor on a GPU (the hardware
-    conversion), the same values as float32 in the interpreter (:func:`_bf16`)."""
+    conversion), the same values as float32 in the interpreter (``bf16_bits``)."""
     if HW:
         return x.to(tl.bfloat16)
     else:
-        return _bf16(x)
+        return bf16_bits(x)
 
 
 @triton.jit

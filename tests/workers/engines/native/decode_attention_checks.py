@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 import triton
@@ -158,6 +159,96 @@ def static_decode_through_the_kernel_samples_what_the_trainer_scores() -> None:
     assert float(metrics["mismatch/token_mult_prob_error"]) < 1.02, metrics
 
 
+def rope_write_is_hugging_faces_rope_then_the_write() -> None:
+    """The fused RoPE + K/V write (workers/fp8/triton_kv.rope_write_kv) against Hugging Face's
+    ``apply_rotary_pos_emb`` and the cache write: the rotated queries and a BF16 cache's K and V
+    bit for bit; an E4M3 cache's bytes against :func:`write_kv` of Hugging Face's rotated K (kernel
+    bytes against kernel bytes: the interpreter's FP8 cast differs from torch's on a few values).
+    GQA groups of 1, 3 and 4, a head_dim that is not a power of two, positions far apart (large
+    angles), batch strides of a sliced projection, and nothing written outside the position."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from workers.fp8.triton_kv import rope_write_kv, write_kv
+
+    g = torch.Generator().manual_seed(5)
+    for b, hq, hkv, d in ((3, 6, 2, 64), (2, 4, 4, 32), (1, 12, 3, 48), (5, 8, 2, 128)):
+        length, pos = 13, (7 * b) % 13
+        cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=d)
+        # one fused projection, sliced: q, k and v have the batch stride of all three
+        qkv = (torch.randn(b, 1, (hq + 2 * hkv) * d, generator=g) * 4).bfloat16()
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        at = torch.tensor([[3], [900], [41], [2047], [0]])[:b]
+        cos, sin = LlamaRotaryEmbedding(cfg)(q, at)  # [B, 1, D] BF16
+        want_q, want_k = apply_rotary_pos_emb(
+            q.view(b, 1, hq, d).transpose(1, 2), k.view(b, 1, hkv, d).transpose(1, 2), cos, sin
+        )  # [B, H, 1, D]
+        v_heads = v.view(b, 1, hkv, d).transpose(1, 2)
+        index = torch.tensor([pos])
+        for store in (torch.bfloat16, torch.float8_e4m3fn):
+            k_buf = torch.full((b, hkv, length, d), 0x55, dtype=torch.uint8).view(store)
+            if store == torch.bfloat16:
+                k_buf = torch.full((b, hkv, length, d), 0x5555, dtype=torch.int16).view(store)
+            v_buf = k_buf.clone()
+            k_scale, v_scale = torch.tensor(0.03), torch.tensor(2.0**-4)
+            got_q = rope_write_kv(
+                q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d), cos[:, 0], sin[:, 0],
+                k_scale, v_scale, index, k_buf, v_buf,
+            )  # fmt: skip
+            assert torch.equal(got_q, want_q[:, :, 0]), (b, hq, hkv, d)
+            if store == torch.bfloat16:
+                want_k_bytes, want_v_bytes = want_k[:, :, 0], v_heads[:, :, 0]
+            else:
+                ref_k, ref_v = k_buf.clone(), v_buf.clone()
+                write_kv(want_k, k_scale, index, ref_k)
+                write_kv(v_heads, v_scale, index, ref_v)
+                want_k_bytes, want_v_bytes = ref_k[:, :, pos], ref_v[:, :, pos]
+            for buf, want in ((k_buf, want_k_bytes), (v_buf, want_v_bytes)):
+                raw = buf.view(torch.uint8 if store != torch.bfloat16 else torch.int16)
+                assert torch.equal(raw[:, :, pos], want.view(raw.dtype)), (store, b, hq, hkv, d)
+                others = torch.ones(length, dtype=torch.bool)
+                others[pos] = False
+                assert bool((raw[:, :, others] == (0x55 if raw.dtype == torch.uint8 else 0x5555)).all())
+
+
+def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
+    """The static decode loop with ``FP8RL_KV_WRITE=triton`` beside the Triton attention: its
+    steps' RoPE and K/V write run in one launch (one per layer and step, counted), and it samples
+    the same tokens with the same log-probs as the same loop with Hugging Face's RoPE and the
+    separate write, bit for bit, for a BF16 and an E4M3 cache, greedy and sampled."""
+    from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
+    from workers.engines.batching import left_pad
+    from workers.engines.native.generator import NativeGenerator
+    from workers.fp8 import triton_kv
+
+    os.environ["FP8RL_DECODE_ATTENTION"] = "triton"
+    os.environ["FP8RL_KV_WRITE"] = "triton"
+    calls = [0]
+    fused = triton_kv.rope_write_kv
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls[0] += 1
+        return fused(*args, **kwargs)
+
+    triton_kv.rope_write_kv = counted
+    ids, mask = left_pad(PROMPTS, TOK.pad_id)
+    for recipe, fp8_kv, temperature in (("bf16", False, 0.0), ("fp8-e2e", True, 1.0)):
+        gen = NativeGenerator(spec(recipe, fp8_kv), TOK.vocab_size, -1, TOK.pad_id, "cpu")
+        decoder = static_of(gen, fp8_kv)
+        assert decoder.kernel_attention and decoder.fused_rope
+        runs = {}
+        for rope in (True, False):
+            decoder.fused_rope = rope
+            calls[0] = 0
+            runs[rope] = decoder.generate(ids, mask, 6, temperature, 1.0, 3, -1, TOK.pad_id)
+            steps = runs[rope][0].shape[1] - 1  # the first token comes from the prefill
+            assert calls[0] == (2 * steps if rope else 0), (calls, steps)  # 2 layers
+        for got, want in zip(runs[True], runs[False], strict=True):
+            assert torch.equal(got, want), (recipe, got, want)
+    triton_kv.rope_write_kv = fused
+    os.environ.pop("FP8RL_KV_WRITE")
+
+
 CHECKS = {
     "arithmetic": (
         kernel_matches_float64_attention,
@@ -168,6 +259,10 @@ CHECKS = {
         nothing_at_or_past_the_length_is_read_and_masked_keys_do_not_count,
     ),
     "decode": (static_decode_through_the_kernel_samples_what_the_trainer_scores,),
+    "rope": (
+        rope_write_is_hugging_faces_rope_then_the_write,
+        static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit,
+    ),
 }
 
 if __name__ == "__main__":

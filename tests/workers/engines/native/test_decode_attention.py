@@ -49,6 +49,26 @@ def test_static_decode_through_the_kernel_samples_what_the_trainer_scores() -> N
     run_checks("decode")
 
 
+@pytest.mark.slow  # the interpreter runs the kernel over four shapes, then four short decodes: ~40 s
+def test_fused_rope_and_kv_write_under_the_interpreter() -> None:
+    """``FP8RL_KV_WRITE=triton`` beside the Triton attention: RoPE and the K/V write in one launch,
+    Hugging Face's rotated values bit for bit, and the decode loop's samples unchanged by it."""
+    run_checks("rope")
+
+
+def test_fuse_rope_takes_each_attention_module_once_and_leaves_other_forwards_alone() -> None:
+    """Outside a fused decode step (the prefill, the eager loop, the trainer) the model computes
+    what it computed before: the same logits, bit for bit."""
+    from tests.workers.engines.native.test_static_decode import TOK, spec
+    from workers.engines.models import build_policy
+
+    model = build_policy(spec("bf16"), TOK.vocab_size, torch.bfloat16)
+    ids = torch.tensor([TOK.encode("Calculate 2 + 7. ")])
+    before = model(input_ids=ids).logits
+    assert da.fuse_rope(model) == 2 and da.fuse_rope(model) == 0  # 2 layers, then none left
+    assert torch.equal(model(input_ids=ids).logits, before)
+
+
 def test_bad_shapes_and_missing_scales_are_refused() -> None:
     q, k, v, seen = case(1, 3, 2, 16, 32, seed=3)
     with pytest.raises(ValueError, match="3 query heads over 2 KV heads"):
