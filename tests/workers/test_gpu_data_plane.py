@@ -447,6 +447,30 @@ def test_graph_decode_with_fused_rope_is_the_unfused_step_bit_for_bit(
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 64, 4096])
+def test_fused_silu_mul_is_torchs_silu_mul_and_quantizer_bit_for_bit(seed: int, rows: int) -> None:
+    """``FP8RL_SILU_MUL=triton``'s kernel against torch on the GPU: ``F.silu(g) * u`` in BF16, then
+    the one-layout quantizer, bytes and scales equal, as the kernel launches (triton_act.FP_FUSION).
+    A failure says whether the other contraction setting would have matched."""
+    from workers.fp8 import triton_act
+    from workers.fp8.formats import get_format
+    from workers.fp8.quant import quantize_rows
+
+    inter = 14336
+    gu = (torch.randn(rows, 2 * inter, device="cuda") * 4).bfloat16()
+    h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    want = quantize_rows(h, "e4m3", rows_multiple=16)
+    f = get_format("e4m3")
+    rows_out = want.data.shape[0]
+    with no_host_sync():
+        data, scale = triton_act.silu_mul_1x128(gu, f, False, None, rows_out)
+    other = triton_act.silu_mul_1x128(gu, f, False, None, rows_out, fp_fusion=not triton_act.FP_FUSION)
+    other_ok = torch.equal(other[0].view(torch.uint8), want.data.view(torch.uint8))
+    differ = int((data.view(torch.uint8) != want.data.view(torch.uint8)).sum())
+    assert differ == 0, f"{differ} bytes differ; FP_FUSION={not triton_act.FP_FUSION} would match: {other_ok}"
+    assert torch.equal(scale, want.scale)
+
+
 def test_a_random_init_model_is_built_on_the_gpu_with_the_hosts_rope() -> None:
     from workers.engines.models import build_policy
 

@@ -18,6 +18,9 @@ copy). Nothing else changes:
 
 Inference only (a generator after ``drop_master_weights``): a member that is asked for gradients
 runs alone, as before.
+
+:func:`fuse_silu_mul` then takes the activation between the gate/up GEMM and the down projection
+into one Triton pass (``FP8RL_SILU_MUL=triton``, :mod:`workers.fp8.triton_act`).
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from workers.fp8.fp8_tensor import Fp8Tensor
+from workers.fp8.dispatch import triton_switch
+from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
 
@@ -141,6 +147,66 @@ def _fuse(names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
         if bias is not None:
             m.bias = nn.Parameter(bias[a:b], requires_grad=False)  # a view: loads write the group's bias
         m.fused = (group, i)
+
+
+# -- generators: SiLU, the product and the down projection's quantizer in one pass --------------
+
+# the MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) with a SiLU act_fn
+SILU_MLPS = ("LlamaMLP", "Qwen2MLP")
+
+
+def silu_mul_enabled(device: torch.device) -> bool:
+    """``FP8RL_SILU_MUL``: ``torch`` (default until a GPU has measured it) or ``triton`` (an FP8
+    generator's MLP activation in one pass, :func:`fuse_silu_mul`; CUDA, or the CPU under Triton's
+    interpreter). Asked for where it cannot run, it logs why once and torch's path runs."""
+    return triton_switch("FP8RL_SILU_MUL", "torch", "triton", device, "torch's SiLU, product and quantizer")
+
+
+def fuse_silu_mul(model: nn.Module) -> int:
+    """Give every SiLU MLP whose gate/up are one fused FP8 GEMM (:func:`fuse_projections`) and
+    whose down projection is FP8-only, with 1x128 input tiles, a forward that runs the gate/up
+    GEMM, then :func:`workers.fp8.triton_act.silu_mul_rows` (SiLU, the product and the 1x128
+    quantization in one pass), then the down GEMM on those bytes. The values are torch's, bit for
+    bit (that module's docstring), so the down GEMM reads the bytes the unfused path quantizes;
+    with ``FP8RL_SMALL_M_GEMM=triton`` the unfused path's down GEMM of at most 64 tokens would
+    quantize inside the small-M kernel instead, and this one takes the bound GEMM. Returns how
+    many MLPs it took."""
+    taken = 0
+    mlp: Any
+    for mlp in model.modules():
+        if type(mlp).__name__ not in SILU_MLPS or hasattr(mlp, "fp8rl_hf_forward"):
+            continue
+        gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+        if not (isinstance(gate, Fp8Linear) and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)):
+            continue
+        group = gate.fused[0] if gate.fused is not None else None
+        if group is None or up.fused != (group, 1) or gate.fused != (group, 0) or down.fused is not None:
+            continue
+        cfg = down.config
+        if not down.fp8_only or cfg.activation_block != TILE_1x128 or cfg.rows_multiple != 1:
+            continue
+        if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+            continue
+        mlp.fp8rl_hf_forward = mlp.forward
+        mlp.forward = partial(_silu_mul_forward, mlp)
+        taken += 1
+    return taken
+
+
+def _silu_mul_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return mlp.fp8rl_hf_forward(x)  # type: ignore[no-any-return]
+    from workers.fp8.triton_act import silu_mul_rows
+
+    group: FusedGroup = mlp.gate_proj.fused[0]
+    down: Fp8Linear = mlp.down_proj
+    cfg = down.config
+    x2d = x.reshape(-1, x.shape[-1])
+    gu = fprop_gemm(x2d, group.gemm, group.weight, group.bias, group.first.config, "+".join(group.names))
+    x_q = silu_mul_rows(gu, get_format(cfg.forward_fmt), cfg.power_of_two_scales, f"{down.name}: input")
+    h = gu[:, : down.in_features]  # stands for h in fprop_gemm: its rows, dtype and device
+    y = fprop_gemm(h, down.fprop_gemm, down.fp8_weight(), down.bias, cfg, down.name, x_q)
+    return y.reshape(*x.shape[:-1], down.out_features)
 
 
 # -- trainers: q/k/v and gate/up as one FP8 GEMM each, forward and backward ---------------------

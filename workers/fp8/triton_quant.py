@@ -80,7 +80,7 @@ def _quantize_1x128(
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     c = pid_c * TILE + tl.arange(0, TILE)  # [TILE]
     x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
-    _write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
+    write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
                 FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
 
 
@@ -101,7 +101,7 @@ def tile_amax(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _write_rows(
+def write_rows(
     x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
     FMT_MAX: tl.constexpr, E4M3: tl.constexpr, POW2: tl.constexpr, CHECK: tl.constexpr,
 ) -> None:  # fmt: skip
@@ -190,7 +190,7 @@ def _quantize_1x128_dual(
     x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
     # along cols, as the one-layout kernel (the rows' tiles name a non-finite value for the guard;
     # the columns' tiles see the same ones)
-    _write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
+    write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
                 FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
     # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
     scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)

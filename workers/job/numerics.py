@@ -19,8 +19,9 @@ from workers.fp8.cpu_bf16 import CPU_BF16_GEMM_ENV, cpu_bf16_gemm
 from workers.fp8.cpu_compiled import CPU_COMPILE_ENV
 
 # the FP8RL_* switches that choose kernels, and with them the rounding (workers/fp8/dispatch,
-# workers/fp8/quant, workers/fp8/linear_gemm, workers/fp8/kv_cache, workers/engines; the compiled
-# CPU quantizer changes the order of wgrad's sums only, workers/fp8/cpu_compiled)
+# workers/fp8/quant, workers/fp8/linear_gemm, workers/fp8/kv_cache, workers/fp8/fused,
+# workers/engines; the compiled CPU quantizer changes the order of wgrad's sums only,
+# workers/fp8/cpu_compiled)
 KERNEL_SWITCHES = (
     "FP8RL_CUBLAS_BLOCKWISE",
     "FP8RL_DECODE_ATTENTION",
@@ -28,6 +29,7 @@ KERNEL_SWITCHES = (
     "FP8RL_TRITON",
     "FP8RL_KV_WRITE",
     "FP8RL_WGRAD_GEMM",
+    "FP8RL_SILU_MUL",
     CPU_BF16_GEMM_ENV,
     CPU_COMPILE_ENV,
 )

@@ -34,7 +34,7 @@ def test_kernels_under_the_interpreter() -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 8
+    assert out.stdout.count("ok ") == 10
 
 
 COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}
@@ -185,6 +185,49 @@ def test_the_rope_kv_write_compiles_for_sm90_with_rounded_bf16_and_no_spills(cac
     assert "fma" not in ptx and "mul.rn.bf16" in ptx and "add.rn.bf16" in ptx
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx) == fp8
     assert "st.local" not in ptx
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_the_silu_mul_quantizer_compiles_for_sm90_with_cudas_expf(fusion: bool) -> None:
+    """The fused MLP activation's GPU branch: libdevice's expf (its range reduction and
+    ``ex2.approx``, what CUDA's expf is), IEEE division, the E4M3 cast, the guard's atomic, no
+    spills; with contraction the "1 +" joins exp's last product in one fma (nvcc's default builds
+    torch's SiLU so), without it the sum is its own add (triton_act.FP_FUSION picks)."""
+    from workers.fp8 import triton_act
+
+    sig = {"gu_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "code_ptr": "*i64"}
+    sig |= dict.fromkeys(("rows", "rows_out", "inter", "stride_r", "stride_c", "n_tiles_c"), "i32")
+    sig |= {"call_code": "i64"}
+    consts = {"FMT_MAX": 448.0, "E4M3": True, "POW2": False, "CHECK": True, "BLOCK_R": 32, "TILE": 128}
+    ptx = compile_sm90(triton_act._silu_mul_1x128, sig, {**consts, "HW": True}, fp_fusion=fusion)
+    assert "ex2.approx" in ptx and "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "atom.global" in ptx and "st.local" not in ptx
+    assert ("add.rn.f32" in ptx) == (not fusion)
+
+
+def test_the_silu_mul_switch_is_off_by_default_and_takes_only_fused_gate_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off unless asked; a wrong value is refused by name; and an MLP whose gate/up are separate
+    GEMMs (a CPU generator, which does not fuse them) keeps Hugging Face's forward."""
+    from tests.workers.engines.native.test_static_decode import TOK, spec
+    from workers.engines.models import apply_recipe, build_policy
+    from workers.fp8.convert import drop_master_weights
+    from workers.fp8.fused import fuse_silu_mul, silu_mul_enabled
+
+    monkeypatch.delenv("FP8RL_SILU_MUL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not silu_mul_enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_SILU_MUL", "fused")
+    with pytest.raises(ValueError, match="FP8RL_SILU_MUL='fused'"):
+        silu_mul_enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_SILU_MUL", "triton")
+    assert silu_mul_enabled(torch.device("cuda")) and not silu_mul_enabled(torch.device("cpu"))
+    s = spec("fp8-e2e")
+    model = build_policy(s, TOK.vocab_size, torch.bfloat16).requires_grad_(False)
+    apply_recipe(model, s.precision, "generator")
+    drop_master_weights(model)
+    assert fuse_silu_mul(model) == 0
 
 
 def test_the_rope_kv_write_refuses_what_it_cannot_write() -> None:

@@ -12,6 +12,7 @@ exactly.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -365,6 +366,98 @@ def kv_write_is_the_torch_write() -> None:
     os.environ.pop("FP8RL_KV_WRITE")
 
 
+def silu_mul_is_torchs_silu_mul_then_the_quantizer() -> None:
+    """The fused MLP activation (workers/fp8/triton_act.py) against torch: ``F.silu(g) * u`` in
+    BF16, then the one-layout quantizer kernel (kernel bytes against kernel bytes: the
+    interpreter's FP8 cast differs from torch's on a few values), bytes and scales equal, over
+    E4M3/E5M2, power-of-two scales, rows padded to 16, an intermediate size that is not a multiple
+    of 128, and a strided input. The interpreter's exp is numpy's, torch's CPU SiLU has its own:
+    tiles where the two SiLUs round to different BF16 values (none were seen in 4M values) are
+    counted and must stay rare; the GPU test compares against torch on the hardware, with none
+    allowed. A non-finite tile is named to the guard as the quantizer names it."""
+    import numpy as np
+
+    from workers.fp8.formats import get_format
+    from workers.fp8.triton_act import silu_mul_1x128
+
+    g = torch.Generator().manual_seed(11)
+    for (rows, inter), (fmt, fmt_max, dtype), pow2 in (
+        ((37, 384), E4M3, False), ((5, 200), E5M2, False), ((64, 256), E4M3, True), ((1, 128), E4M3, False)
+    ):  # fmt: skip
+        wide = (torch.randn(rows, 2 * inter + 8, generator=g) * 3).bfloat16()
+        gu = wide[:, : 2 * inter]  # row stride 2 * inter + 8
+        gate, up = gu[:, :inter], gu[:, inter:]
+        h = torch.nn.functional.silu(gate) * up  # torch: BF16 SiLU, BF16 product
+        x = gate.float().numpy()
+        with np.errstate(over="ignore"):
+            silu_np = torch.from_numpy(x / (np.float32(1) + np.exp(-x))).bfloat16()
+        odd_tiles = ((silu_np != torch.nn.functional.silu(gate)).view(rows, -1, 128) if inter % 128 == 0 else
+                     (silu_np != torch.nn.functional.silu(gate))[:, :, None]).any(-1)  # fmt: skip
+        rows_out = -(-rows // 16) * 16
+        f = get_format(fmt)
+        got_d, got_s = silu_mul_1x128(gu, f, pow2, None, rows_out)
+        want_d, want_s = quantize_1x128(h.contiguous(), fmt, fmt_max, dtype, pow2, None, rows_out)
+        assert got_s.stride() == want_s.stride() and got_d.shape == want_d.shape
+        assert int(odd_tiles.sum()) <= max(1, odd_tiles.numel() // 1000), int(odd_tiles.sum())
+        keep = ~odd_tiles.any(-1)  # rows whose every tile agrees (all of them, so far)
+        assert torch.equal(got_s[:rows][keep], want_s[:rows][keep]), (rows, inter, fmt)
+        same_rows = got_d[:rows][keep].view(torch.uint8) == want_d[:rows][keep].view(torch.uint8)
+        assert bool(same_rows.all()), (rows, inter, fmt, int((~same_rows).sum()))
+        assert not got_d[rows:].view(torch.uint8).any() and bool((got_s[rows:] == 1).all())
+    bad = (torch.randn(20, 512, generator=g)).bfloat16()
+    bad[13, 256 + 140] = float("inf")  # up of row 13, column 140: h's tile (13, 1)
+    code = torch.full((), NONE, dtype=torch.int64)
+    silu_mul_1x128(bad, get_format("e4m3"), False, (code, 3), 32)
+    assert int(code) == 3 * 2**32 + 13 * 2 + 1, int(code)
+
+
+def fp8_mlp_takes_the_fused_activation_when_asked() -> None:
+    """A tiny FP8 generator (gate/up fused, as on a GPU): with ``fuse_silu_mul`` each MLP runs its
+    gate/up GEMM, the fused activation and the down GEMM (counted: one pass per layer), and the
+    model's logits are those of Hugging Face's MLP bit for bit, when every FP8 linear's input is
+    quantized by the one-layout kernel too (as on a GPU; on the CPU the torch quantizer would run,
+    whose FP8 cast differs from the interpreter's on a few values)."""
+    from tests.workers.engines.native.test_static_decode import TOK, spec
+    from workers.engines.models import apply_recipe, build_policy
+    from workers.fp8 import linear_gemm, triton_act
+    from workers.fp8.convert import drop_master_weights
+    from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
+    from workers.fp8.fused import fuse_projections, fuse_silu_mul
+
+    def kernel_rows(x: torch.Tensor, fmt: str, block: Any, cfg: Any, where: str) -> Fp8Tensor:
+        assert block == TILE_1x128 and not cfg.power_of_two_scales
+        f = get_format(fmt)
+        rows = -(-x.shape[0] // 16) * 16
+        data, scale = quantize_1x128(x.contiguous(), f.name, f.max, f.dtype, False, None, rows)
+        return Fp8Tensor(data, scale, TILE_1x128, f)
+
+    from workers.fp8.formats import get_format
+
+    torch_rows, fused_rows = linear_gemm._quantize_rows, triton_act.silu_mul_rows
+    calls = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return fused_rows(*args, **kwargs)
+
+    linear_gemm._quantize_rows = kernel_rows
+    triton_act.silu_mul_rows = counted
+    try:
+        s = spec("fp8-e2e")
+        model = build_policy(s, TOK.vocab_size, torch.bfloat16).requires_grad_(False)
+        apply_recipe(model, s.precision, "generator")
+        drop_master_weights(model)
+        assert fuse_projections(model) >= 2  # gate/up of 2 layers (q/k/v where whole 128-row blocks)
+        ids = torch.tensor([TOK.encode("Calculate 12 + 30. "), TOK.encode("Calculate 7 + 990. ")])
+        before = model(input_ids=ids).logits
+        assert fuse_silu_mul(model) == 2 and fuse_silu_mul(model) == 0
+        after = model(input_ids=ids).logits
+        assert calls[0] == 2
+        assert torch.equal(after, before), float((after.float() - before.float()).abs().max())
+    finally:
+        linear_gemm._quantize_rows, triton_act.silu_mul_rows = torch_rows, fused_rows
+
+
 CHECKS = (
     grouped_weight_pass_is_the_quantizer,
     dual_layout_pass_writes_the_two_calls_bytes_and_scales,
@@ -374,6 +467,8 @@ CHECKS = (
     kv_write_is_the_torch_write,
     wgrad_gemm_is_the_quantized_product,
     fp8_linear_takes_the_wgrad_gemm_when_asked,
+    silu_mul_is_torchs_silu_mul_then_the_quantizer,
+    fp8_mlp_takes_the_fused_activation_when_asked,
 )
 
 if __name__ == "__main__":

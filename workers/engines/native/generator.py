@@ -41,7 +41,7 @@ from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
 from workers.fp8.formats import get_format
-from workers.fp8.fused import fuse_projections
+from workers.fp8.fused import fuse_projections, fuse_silu_mul, silu_mul_enabled
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import Fp8KvCache, KvScales, kv_cache_bytes
 from workers.weight_sync.broadcast import CollectiveWeightSync
@@ -75,6 +75,9 @@ class NativeGenerator:
         self.fused_groups = (
             fuse_projections(self.model) if self.device.type == "cuda" and not is_exact(self.model) else 0
         )
+        # FP8RL_SILU_MUL=triton: the MLP's SiLU, product and down-projection quantizer in one pass
+        fuse_mlps = self.fused_groups and silu_mul_enabled(self.device)
+        self.fused_mlps = fuse_silu_mul(self.model) if fuse_mlps else 0
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
         self.kv_scales: KvScales | None = None  # the FP8 KV cache's, as received with the weights
