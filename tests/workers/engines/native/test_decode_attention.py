@@ -122,7 +122,7 @@ def test_on_a_gpu_the_kernel_multiplies_bf16_tiles_on_the_tensor_cores(cache: st
     sig |= {"out_ptr": "*bf16"}
     strides = ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_kt", "stride_vb", "stride_vh")
     sig |= {"scaling": "fp32"} | dict.fromkeys((*strides, "stride_vt", "stride_sb", "chunk"), "i32")
-    consts = {"HQ": 32, "SPLITS": 4, "GROUP": 4, "BLOCK_G": 16, "D": 64, "BLOCK_N": da.BLOCK_N}
+    consts = {"HQ": 32, "SPLITS": 4, "GROUP": 4, "BLOCK_G": 16, "D": 128, "BLOCK_N": da.BLOCK_N}  # 8B's D
     for hw, kind, direct in ((True, "bf16", False), (False, "tf32", False), (True, "bf16", True)):
         fixed = {**consts, "FP8": cache == "e4m3", "HW": hw, "DIRECT": direct}
         ptx = compile_sm90(triton_decode._split_kernel, sig, fixed)
