@@ -37,9 +37,9 @@ def kernel_matches_float64_attention() -> None:
     """GQA groups, a length inside the buffer, one or several key ranges: within BF16 rounding of
     the exact result (the output is BF16, and the probabilities are rounded to BF16 before the
     product with V, as flash attention does: 0.5% measured, bound 1%)."""
-    cases = ((3, 4, 2, 70, 50, 1), (2, 6, 2, 96, 96, 3), (1, 2, 1, 40, 7, 2))
+    cases = [(3, 4, 2, 70, 50, 1), (2, 6, 2, 96, 96, 3), (1, 2, 1, 40, 7, 2)]
     # several tiles of 64 keys per split, the last one partly past the length; 8 splits of one tile
-    cases += ((2, 8, 2, 300, 263, 2), (1, 4, 1, 520, 517, 8))
+    cases += [(2, 8, 2, 300, 263, 2), (1, 4, 1, 520, 517, 8)]
     for b, hq, hkv, t, n, splits in cases:
         q, k, v, seen = case(b, hq, hkv, t, 32, seed=n)
         seen[:, n - 1] = True  # the query's own key
