@@ -19,11 +19,18 @@ def test_each_shape_gets_both_timings_and_the_kernel_the_profile_plans() -> None
     assert {r[3] for r in host.run("sm89-cuda12.8", calls=2, rounds=1)} == {"emulate"}
 
 
+def test_each_wgrad_shape_gets_both_timings_and_the_kernel_the_profile_plans() -> None:
+    rows = host.run_wgrad("sm90-cuda13.0", calls=5, rounds=1)
+    assert [r[0] for r in rows] == [f"{t}x{n}x{k}" for t, n, k in host.WGRAD_SHAPES]
+    assert all(r[1] > 0 and r[2] > 0 and r[3] == "cublas_blockwise" for r in rows)
+    assert {r[3] for r in host.run_wgrad("sm89-cuda12.8", calls=2, rounds=1)} == {"emulate"}
+
+
 def test_the_command_prints_the_table_and_refuses_bad_options() -> None:
     runner = CliRunner()
     out = runner.invoke(app, ["bench", "host", "--calls", "3", "--rounds", "1"])
     assert out.exit_code == 0, out.output
-    assert out.output.count("| cublas_blockwise |") == len(host.SHAPES)
+    assert out.output.count("| cublas_blockwise |") == len(host.SHAPES) + len(host.WGRAD_SHAPES)
     bad = runner.invoke(app, ["bench", "host", "--profile", "sm91"])
     assert bad.exit_code == 2 and "--profile 'sm91'" in bad.output
     with pytest.raises(ValueError, match=r"sm90-cuda13\.0"):

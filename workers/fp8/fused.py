@@ -38,7 +38,7 @@ from workers.fp8.dispatch import triton_switch
 from workers.fp8.formats import get_format
 from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
+from workers.fp8.linear_gemm import BoundGemm, WgradGemm, fprop_gemm, train_backward, train_forward
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -250,6 +250,7 @@ class TrainFusedGroup:
         self.config = layers[0].config
         self.name = "+".join(m.name for m in layers)
         self.fprop_gemm, self.dgrad_gemm = BoundGemm(), BoundGemm(dgrad=True)
+        self.wgrad_gemm = WgradGemm()
         self._w_q: Fp8Tensor | None = None
         self._keys: tuple[Any, ...] | None = None
         self._x: torch.Tensor | None = None

@@ -47,7 +47,7 @@ from workers.fp8.dispatch import GemmPlan, OperandSpec, plan_gemm, profile_of
 from workers.fp8.formats import get_format
 from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear_config import Fp8LinearConfig
-from workers.fp8.linear_gemm import BoundGemm, fprop_gemm, train_backward, train_forward
+from workers.fp8.linear_gemm import BoundGemm, WgradGemm, fprop_gemm, train_backward, train_forward
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -110,6 +110,7 @@ class Fp8Linear(nn.Module):
         self.fprop_gemm = BoundGemm()  # the forward GEMM, bound once per FP8 weight
         # dgrad's GEMM, bound once per weight update (its column-major weight copy: trainers, CUDA)
         self.dgrad_gemm = BoundGemm(dgrad=True)
+        self.wgrad_gemm = WgradGemm()  # training's weight gradient, planned once per operand layout
 
     @classmethod
     def from_linear(

@@ -11,6 +11,8 @@ with E from reference.error_bound (u = 1/16 for E4M3, 1/8 for E5M2, plus half a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -18,6 +20,8 @@ from torch import nn
 from tests.workers.fp8 import reference as ref
 from tests.workers.fp8.test_matmul import bound, gamma
 from workers.fp8 import Fp8Linear, Fp8LinearConfig
+from workers.fp8.formats import get_format
+from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
 
 
 def run_layer(
@@ -194,3 +198,61 @@ def test_cuda_forward_and_backward(seed: int) -> None:
     # over 20 seeds on an H100: 0.0360-0.0364 (0.58 of the bound)
     assert float((y.detach().double() - ref_y).norm() / ref_y.norm()) < 1 / 16
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+
+
+def _meta_rows(rows: int, cols: int) -> Fp8Tensor:
+    """An E4M3 operand in 1x128 tiles along ``cols`` as the dual quantizer writes x.T and dy.T on a
+    GPU: data row-major, scales with stride 1 along the rows (meta: shapes and strides only)."""
+    data = torch.empty(rows, cols, device="meta", dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-cols // 128), rows, device="meta").t()
+    return Fp8Tensor(data, scale, TILE_1x128, get_format("e4m3"))
+
+
+def test_the_wgrad_gemm_plans_once_per_layout_and_calls_cublas_as_fp8_matmul_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On SM90 (simulated, meta operands, the kernel recorded instead of run): the bound wgrad
+    hands cuBLAS blockwise the same operands, scale layouts, recipes and output dtype as the
+    general fp8_matmul (a second path to the same call), plans once for repeated layouts, and
+    plans again when the token count changes."""
+    from workers.fp8 import linear_gemm, simulate
+    from workers.fp8.linear_gemm import WgradGemm
+    from workers.fp8.matmul import fp8_matmul
+
+    seen: list[tuple[object, ...]] = []
+
+    def record(*args: object, **kwargs: object) -> torch.Tensor:
+        def shape(v: object) -> object:
+            return (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v
+
+        seen.append(tuple(shape(v) for v in args) + tuple(sorted((k, shape(v)) for k, v in kwargs.items())))
+        a, b = args[0], args[1]
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return torch.empty(a.shape[0], b.shape[1], device="meta", dtype=torch.float32)
+
+    from workers.fp8.matmul import plan_for
+
+    plans = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        plans.append(1)
+        return plan_for(*args, **kwargs)
+
+    monkeypatch.setattr(linear_gemm, "plan_for", counted)
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", record)
+
+    def general_path(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the bound wgrad went through fp8_matmul")
+
+    monkeypatch.setattr(linear_gemm, "fp8_matmul", general_path)  # the bound path calls the kernel
+    cfg = Fp8LinearConfig.for_format("e4m3")
+    wgrad = WgradGemm()
+    with simulate("sm90-cuda13.0"):
+        for tokens in (4096, 4096, 4736):
+            g_t, x_t = _meta_rows(2048, tokens), _meta_rows(8192, tokens)  # dy.T [N, M], x.T [K, M]
+            seen.clear()
+            general = fp8_matmul(g_t, x_t.t(), out_dtype=torch.float32)
+            bound = wgrad(g_t, x_t, cfg, torch.float32)
+            assert len(seen) == 2 and seen[0] == seen[1], seen
+            assert bound.shape == general.shape == (2048, 8192) and bound.dtype == torch.float32
+    assert len(plans) == 2  # 4096 tokens once, then 4736
