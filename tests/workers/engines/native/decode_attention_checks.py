@@ -165,13 +165,14 @@ def static_decode_through_the_kernel_samples_what_the_trainer_scores() -> None:
 def rope_write_is_hugging_faces_rope_then_the_write() -> None:
     """The fused RoPE + K/V write (workers/fp8/triton_kv.rope_write_kv) against Hugging Face's
     ``apply_rotary_pos_emb`` and the cache write: the rotated queries and a BF16 cache's K and V
-    bit for bit; an E4M3 cache's bytes against :func:`write_kv` of Hugging Face's rotated K (kernel
-    bytes against kernel bytes: the interpreter's FP8 cast differs from torch's on a few values).
+    bit for bit; an E4M3 cache's bytes against torch's ``quantize_kv`` of Hugging Face's rotated K
+    (and against :func:`write_kv`, the unfused kernel).
     GQA groups of 1, 3 and 4, a head_dim that is not a power of two, positions far apart (large
     angles), batch strides of a sliced projection, and nothing written outside the position."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+    from workers.fp8.kv_cache import quantize_kv
     from workers.fp8.triton_kv import rope_write_kv, write_kv
 
     g = torch.Generator().manual_seed(5)
@@ -206,6 +207,10 @@ def rope_write_is_hugging_faces_rope_then_the_write() -> None:
                 write_kv(want_k, k_scale, index, ref_k)
                 write_kv(v_heads, v_scale, index, ref_v)
                 want_k_bytes, want_v_bytes = ref_k[:, :, pos], ref_v[:, :, pos]
+                torch_k = quantize_kv(want_k, k_scale).data[:, :, 0]
+                torch_v = quantize_kv(v_heads, v_scale).data[:, :, 0]
+                assert torch.equal(want_k_bytes.view(torch.uint8), torch_k.view(torch.uint8))
+                assert torch.equal(want_v_bytes.view(torch.uint8), torch_v.view(torch.uint8))
             for buf, want in ((k_buf, want_k_bytes), (v_buf, want_v_bytes)):
                 raw = buf.view(torch.uint8 if store != torch.bfloat16 else torch.int16)
                 assert torch.equal(raw[:, :, pos], want.view(raw.dtype)), (store, b, hq, hkv, d)
