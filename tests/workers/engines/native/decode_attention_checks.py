@@ -257,6 +257,55 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
     os.environ.pop("FP8RL_KV_WRITE")
 
 
+def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
+    """An FP8 generator as a GPU builds it (q/k/v and gate/up fused) with every decode switch on:
+    the Triton attention, RoPE + the K/V write in one launch, and the fused SiLU·mul. Its samples'
+    log-probs agree with the trainer's as the eager loop's do (the bound of the attention-only
+    check, 1.02), and each kernel ran (counted)."""
+    from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
+    from workers.algo.mismatch import mismatch_metrics
+    from workers.engines.batching import left_pad
+    from workers.engines.native.generator import NativeGenerator
+    from workers.engines.native.trainer import NativeTrainer
+    from workers.engines.protocols import Rollouts
+    from workers.fp8 import triton_act, triton_kv
+    from workers.fp8.fused import fuse_projections, fuse_silu_mul
+    from workers.weight_sync.payload import fp8_weight_names
+
+    os.environ |= {"FP8RL_DECODE_ATTENTION": "triton", "FP8RL_KV_WRITE": "triton"}
+    calls = {"rope": 0, "silu": 0}
+    rope, silu = triton_kv.rope_write_kv, triton_act.silu_mul_rows
+
+    def count(name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    triton_kv.rope_write_kv = count("rope", rope)
+    triton_act.silu_mul_rows = count("silu", silu)
+    try:
+        s = spec("fp8-e2e", fp8_kv=True)
+        gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
+        assert fuse_projections(gen.model) >= 2 and fuse_silu_mul(gen.model) == 2  # as on a GPU
+        trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
+        gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))  # into the fused groups
+        decoder = static_of(gen, True)
+        assert decoder.kernel_attention and decoder.fused_rope
+        ids, mask = left_pad(PROMPTS, TOK.pad_id)
+        tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
+        assert calls["rope"] == 2 * 15 and calls["silu"] == 2 * 16  # 2 layers; the prefill's MLP too
+        metrics = mismatch_metrics(
+            trainer.logprobs(Rollouts(ids, mask, tokens, valid, logps), 1.0), logps, valid
+        )
+        assert float(metrics["mismatch/token_mult_prob_error"]) < 1.02, metrics
+        print(f"token_mult_prob_error {float(metrics['mismatch/token_mult_prob_error']):.4f}")
+    finally:
+        triton_kv.rope_write_kv, triton_act.silu_mul_rows = rope, silu
+        os.environ.pop("FP8RL_KV_WRITE")
+
+
 CHECKS = {
     "arithmetic": (
         kernel_matches_float64_attention,
@@ -270,6 +319,7 @@ CHECKS = {
     "rope": (
         rope_write_is_hugging_faces_rope_then_the_write,
         static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit,
+        every_decode_kernel_together_samples_what_the_trainer_scores,
     ),
 }
 
