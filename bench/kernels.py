@@ -30,7 +30,12 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
   which writes both layouts' BF16 values instead of bytes (its GB/s counts the bytes all the same);
 - ``small_m``: the Triton block-FP8 GEMM for at most 64 tokens (``workers/fp8/triton_gemm.py``,
   split-K), BF16 activation in: its time *includes* the activation's quantization, so compare it
-  with ``blockwise`` + ``quantize`` (the table's last ratio does).
+  with ``blockwise`` + ``quantize`` (the table's ``small_m`` ratio does);
+- ``silu_mul_torch``: an FP8 generator MLP's activation as Hugging Face runs it, for an
+  intermediate size of K: ``silu(g) * u`` from the gate/up GEMM's ``[M, 2K]`` output, then the
+  down projection's 1x128 quantizer; ``silu_mul`` the one-pass Triton kernel that
+  ``FP8RL_SILU_MUL=triton`` takes (``workers/fp8/triton_act.py``; CUDA only); the table's last
+  ratio is torch's time over the kernel's.
 
 A kind that this device refuses is reported as refused, with the first line of the error.
 """
@@ -53,7 +58,7 @@ TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
 KINDS: tuple[str, ...] = (
     "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "wgrad_triton", "quantize", "quantize_dual",
-    "quantize_dual_f32t", "quantize_dual_pow2", "small_m",
+    "quantize_dual_f32t", "quantize_dual_pow2", "small_m", "silu_mul_torch", "silu_mul",
 )  # fmt: skip
 QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t", "quantize_dual_pow2")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
@@ -180,9 +185,24 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
 
             wq = quantize(w, "e4m3", (128, 128))
             calls.append(partial(small_m_gemm, x, wq.data, wq.scale, torch.bfloat16, None))
+        elif kind in ("silu_mul_torch", "silu_mul"):  # gate|up [M, 2K] -> h [M, K] in 1x128 tiles
+            gu = torch.randn(m, 2 * k, device=device, dtype=torch.bfloat16)
+            if kind == "silu_mul_torch":
+                calls.append(partial(_silu_mul_torch, gu, k))
+            else:
+                if device.type != "cuda":
+                    raise ValueError("the fused SiLU*mul kernel runs on CUDA only")
+                from workers.fp8.formats import get_format
+                from workers.fp8.triton_act import silu_mul_rows
+
+                calls.append(partial(silu_mul_rows, gu, get_format("e4m3"), False, "bench"))
         else:
             raise ValueError(f"kind {kind!r}: choose from {KINDS}")
     return calls
+
+
+def _silu_mul_torch(gu: torch.Tensor, k: int) -> object:
+    return quantize_rows(torch.nn.functional.silu(gu[:, :k]) * gu[:, k:], "e4m3", rows_multiple=16)
 
 
 def run(
@@ -223,7 +243,8 @@ def format_table(rows: Sequence[KernelRow]) -> str:
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
     lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t, "]
     lines[0] += (
-        "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m; wgrad ratios (bf16, cuBLAS) / triton"
+        "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m; wgrad ratios (bf16, cuBLAS) / triton; "
+        "silu_mul_torch / silu_mul"
     )
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
@@ -248,7 +269,7 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         small = _small_m_ratio(by_kind)
         lines.append(
             f"{k:>6} {n:>6} {m:>5} " + " ".join(cells)
-            + f"   {' '.join(ratios)}; {gbs}; {tf}; {small}; {_wgrad_ratios(by_kind)}"
+            + f"   {' '.join(ratios)}; {gbs}; {tf}; {small}; {_wgrad_ratios(by_kind)}; {_silu_ratio(by_kind)}"
         )  # fmt: skip
     lines += [f"{kind}: {note}" for kind, note in notes.items()]
     return "\n".join(lines)
@@ -277,6 +298,14 @@ def _wgrad_ratios(by_kind: dict[str, KernelRow]) -> str:
         row = by_kind.get(kind)
         out.append(f"{row.us / triton_row.us:.2f}x" if row is not None and row.us else "-")
     return " ".join(out)
+
+
+def _silu_ratio(by_kind: dict[str, KernelRow]) -> str:
+    """Hugging Face's activation path (SiLU, product, quantizer) over the one-pass kernel."""
+    torch_row, fused = by_kind.get("silu_mul_torch"), by_kind.get("silu_mul")
+    if torch_row is None or fused is None or not torch_row.us or not fused.us:
+        return "-"
+    return f"{torch_row.us / fused.us:.2f}x"
 
 
 def report(device: str = "cuda", **options: object) -> str:

@@ -35,6 +35,8 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     note = got[(128, "quantize_dual_f32t")].note
     assert note == "refused: ValueError: the dual-layout Triton kernel runs on CUDA only"
     assert got[(1, "wgrad_triton")].note == "refused: ValueError: the Triton wgrad GEMM runs on CUDA only"
+    assert got[(1, "silu_mul")].note == "refused: ValueError: the fused SiLU*mul kernel runs on CUDA only"
+    assert all((got[(m, "silu_mul_torch")].us or 0.0) > 0 for m in (1, 128))
     # cuBLAS's blockwise scaling exists on CUDA only: refused here, with torch's message
     assert got[(128, "blockwise")].us is None and got[(128, "blockwise")].note.startswith("refused: ")
     table = kernels.format_table(rows)
@@ -79,3 +81,12 @@ def test_the_triton_wgrad_gemm_is_compared_with_bf16_and_cublas_wgrad() -> None:
         kernels._wgrad_ratios({**row, "wgrad": kernels.KernelRow(4096, 256, 256, "wgrad", None)}) == "1.50x -"
     )
     assert kernels._wgrad_ratios({"bf16": row["bf16"]}) == "-"
+
+
+def test_the_fused_silu_mul_is_compared_with_torchs_activation_path() -> None:
+    row = {
+        "silu_mul_torch": kernels.KernelRow(64, 14336, 4096, "silu_mul_torch", us=12.0),
+        "silu_mul": kernels.KernelRow(64, 14336, 4096, "silu_mul", us=5.0),
+    }
+    assert kernels._silu_ratio(row) == "2.40x"  # 12 / 5, by hand
+    assert kernels._silu_ratio({"silu_mul_torch": row["silu_mul_torch"]}) == "-"
