@@ -45,6 +45,7 @@ from workers.engines.models import (
     to_device,
 )
 from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
+from workers.engines.native.rms_norm import fuse_norms
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit, weight_bytes
@@ -114,6 +115,8 @@ class NativeTrainer:
             init_on_host=dp_group is not None,
         )
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "trainer")
+        # FP8RL_RMS_NORM=triton: every RMSNorm in one kernel, the generator's (rms_norm.py)
+        self.fused_norms = fuse_norms(self.model, self.device)
         # q/k/v and gate/up as one FP8 GEMM each, forward and backward, on a GPU (same bytes,
         # members' own master weights; workers/fp8/fused.py); the CPU keeps one GEMM per layer
         self.fused_groups = (

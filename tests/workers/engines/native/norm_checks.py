@@ -1,0 +1,123 @@
+"""Checks of the one-kernel RMSNorm (workers/engines/native/rms_norm.py) that need Triton's
+interpreter, which must be switched on before Triton is imported: ``test_rms_norm.py`` runs this
+module in a fresh interpreter with ``TRITON_INTERPRET=1``
+(``python -m tests.workers.engines.native.norm_checks``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+EPS = 1e-5
+
+
+def float64_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x64 = x.double()
+    return w.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def hf_norm(d: int, w: torch.Tensor) -> LlamaRMSNorm:
+    norm = LlamaRMSNorm(d, eps=EPS).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    return norm
+
+
+def kernel_is_rms_norm_within_its_two_roundings() -> None:
+    """Against float64: within the two BF16 roundings (unit roundoff 2^-8 each, so 2 x 2^-8
+    relative, and a float32 part far below it). Against Hugging Face's BF16 module: the same value,
+    or one BF16 step away where the float32 sums of squares (another order) round apart, on a
+    small share of the values. Row widths that are not a power of two (SmolLM2's 576), a strided
+    input, values of five decades."""
+    from workers.engines.native.triton_norm import rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    for rows, d in ((7, 576), (33, 2048), (1, 128)):
+        wide = torch.randn(rows, d + 64, generator=g) * torch.logspace(-2, 3, d + 64)
+        x = wide.bfloat16()[:, :d]  # row stride d + 64
+        w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
+        out, rstd = rms_norm(x, w, EPS)
+        want = float64_norm(x, w)
+        err = (out.double() - want).abs()
+        bound = (2 * 2.0**-8 + 2.0**-20) * want.abs()
+        assert bool((err <= bound).all()), float((err / want.abs()).max())
+        x64 = x.double()
+        rstd64 = 1 / torch.sqrt(x64.pow(2).mean(-1) + EPS)
+        assert float(((rstd.double() - rstd64) / rstd64).abs().max()) < 2.0**-20
+        hf = hf_norm(d, w)(x)
+        apart = out != hf
+        step = (hf.float().abs() * 2.0**-7).clamp_min(2.0**-133)  # one BF16 step (ulp <= |v| 2^-7)
+        assert bool(((out.float() - hf.float()).abs() <= step)[apart].all())
+        assert float(apart.float().mean()) < 0.02, float(apart.float().mean())
+
+
+def backward_is_rms_norms_gradient() -> None:
+    """The backward (rstd saved, float32) against autograd of the norm in float64, for x and the
+    weight: within BF16's rounding of the results (relative norm error < 1%, 0.2% seen)."""
+    from workers.engines.native.rms_norm import _RmsNormFn
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 9, 576, generator=g) * 3).bfloat16().requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16().requires_grad_(True)
+    dout = torch.randn(2, 9, 576, generator=g).bfloat16()
+    out = _RmsNormFn.apply(x, w, EPS)
+    out.backward(dout)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    float64_norm(x64, w64).backward(dout.double())
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad)):
+        assert got is not None and want is not None
+        rel = float((got.double() - want).norm() / want.norm())
+        assert rel < 1e-2, rel
+
+
+def generator_and_trainer_compute_the_same_norms() -> None:
+    """``FP8RL_RMS_NORM=triton``: the generator and the trainer both take the kernel (every norm of
+    the two-layer model, counted on each side), and the trainer's log-probs are the generator's,
+    bit for bit, as with Hugging Face's norm on both sides. Off, neither takes it."""
+    from tests.workers.engines.native.test_native import PROMPTS, TOK, spec_for
+    from workers.engines.factory import native_pair
+    from workers.engines.native import triton_norm
+
+    calls = [0]
+    kernel = triton_norm.rms_norm
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    triton_norm.rms_norm = counted
+    os.environ["FP8RL_RMS_NORM"] = "triton"
+    try:
+        trainer, gen = native_pair(spec_for("bf16", 0), TOK.vocab_size, TOK.eos_id, TOK.pad_id)
+        assert trainer.fused_norms == gen.fused_norms == 5  # 2 per layer, and the final one
+        out = gen.generate(PROMPTS, 6, 1.0, 1.0, 0)
+        assert calls[0] == 5 * 6  # the prefill and 5 decode steps (the 6th token needs no forward)
+        mask = out.response_mask.bool()
+        with_kernel = trainer.logprobs(out, 1.0)
+        assert calls[0] == 5 * 6 + 5 * 2, calls  # the trainer's 2 micro-batches (20 prompts, 16 each)
+        assert torch.equal(with_kernel[mask], out.logprobs[mask])
+        os.environ["FP8RL_RMS_NORM"] = "torch"
+        plain, plain_gen = native_pair(spec_for("bf16", 0), TOK.vocab_size, TOK.eos_id, TOK.pad_id)
+        assert plain.fused_norms == plain_gen.fused_norms == 0
+        before = calls[0]
+        plain.logprobs(out, 1.0)
+        assert calls[0] == before
+    finally:
+        triton_norm.rms_norm = kernel
+        os.environ.pop("FP8RL_RMS_NORM", None)
+
+
+CHECKS = (
+    kernel_is_rms_norm_within_its_two_roundings,
+    backward_is_rms_norms_gradient,
+    generator_and_trainer_compute_the_same_norms,
+)
+
+if __name__ == "__main__":
+    for check in CHECKS:
+        check()
+        print(f"ok {check.__name__}")

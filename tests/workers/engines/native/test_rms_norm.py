@@ -1,0 +1,62 @@
+"""The one-kernel RMSNorm (workers/engines/native/rms_norm.py): its arithmetic, gradient, and the
+generator and trainer both taking it, under Triton's interpreter (in a fresh interpreter:
+``norm_checks.py``); its switch; its compilation for SM90. Its speed only a GPU shows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.engines.native.test_native import TOK, spec_for
+from tests.workers.triton_sm90 import compile_sm90
+from workers.engines.models import build_policy
+from workers.engines.native import rms_norm
+
+pytestmark = pytest.mark.timeout(660)  # above the subprocess's wait (tests/test_timeouts.py)
+
+ROOT = Path(__file__).resolve().parents[4]
+
+
+@pytest.mark.slow  # the interpreter runs every row of two short decodes and a trainer pass: ~35 s
+def test_the_norm_kernel_under_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    module = "tests.workers.engines.native.norm_checks"
+    out = subprocess.run(
+        [sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    assert out.stdout.count("ok ") == 3
+
+
+def test_the_switch_is_off_by_default_checked_and_leaves_hugging_faces_norm_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FP8RL_RMS_NORM", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not rms_norm.enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_RMS_NORM", "fused")
+    with pytest.raises(ValueError, match="FP8RL_RMS_NORM='fused'"):
+        rms_norm.enabled(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_RMS_NORM", "triton")
+    assert rms_norm.enabled(torch.device("cuda")) and not rms_norm.enabled(torch.device("cpu"))
+    model = build_policy(spec_for("bf16", 0), TOK.vocab_size, torch.bfloat16)
+    assert rms_norm.fuse_norms(model, torch.device("cpu")) == 0  # the CPU: Hugging Face's
+
+
+@pytest.mark.parametrize("block", [1024, 4096])
+def test_the_norm_compiles_for_sm90_with_ieee_sqrt_and_no_spills(block: int) -> None:
+    from workers.engines.native import triton_norm
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "rstd_ptr": "*fp32"}
+    sig |= {"stride_x": "i32", "dim": "i32", "eps": "fp32"}
+    ptx = compile_sm90(
+        triton_norm._rms_norm, sig, {"BLOCK_D": block, "HW": True}, num_warps=8 if block >= 4096 else 4,
+        fp_fusion=False,
+    )  # fmt: skip
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # not the approximate rsqrt
+    assert "st.local" not in ptx
