@@ -8,8 +8,10 @@ read of the row, one write, the same two roundings to BF16. Its sum of squares i
 another order than torch's, so a value may land one BF16 step from Hugging Face's. Both engines
 build their model with :func:`workers.engines.models.build_policy`, which applies it where the
 switch is on, so the trainer computes the norm with the same kernel and gets the same bits as the
-generator, row for row. The backward is RMSNorm's gradient in float32 from the saved ``1/rms``:
-``dx = rstd (g - y mean(g y))``, ``g = dout w``, ``dw = sum(dout bf16(y))``.
+generator, row for row. The residual add after attention runs inside the post-attention norm's
+kernel (the decoder layers' forward, :func:`_layer_forward`). The backward is RMSNorm's gradient
+in float32 from the saved ``1/rms``: ``dx = rstd (g - y mean(g y))``, ``g = dout w``,
+``dw = sum(dout bf16(y))``; the add's is the identity.
 
 Only BF16 inputs on CUDA (or the CPU under Triton's interpreter, for tests) take it; anything
 else keeps Hugging Face's forward.
@@ -37,7 +39,9 @@ def enabled(device: torch.device) -> bool:
 
 def fuse_norms(model: nn.Module, device: torch.device) -> int:
     """Where the switch is on for ``device`` (and the model is not row-exact: its blocks are its
-    own), give each of the model's :data:`NORM_MODULES` the one-kernel forward; returns how many."""
+    own), give each of the model's :data:`NORM_MODULES` the one-kernel forward, and each decoder
+    layer of :data:`LAYER_MODULES` a forward whose residual add after attention runs in the
+    post-attention norm's kernel; returns how many norms it took."""
     from workers.engines.exact import is_exact
 
     if is_exact(model) or not enabled(device):
@@ -45,20 +49,76 @@ def fuse_norms(model: nn.Module, device: torch.device) -> int:
     taken = 0
     module: Any
     for module in model.modules():
-        if type(module).__name__ not in NORM_MODULES or hasattr(module, "fp8rl_hf_forward"):
+        if hasattr(module, "fp8rl_hf_forward"):
             continue
-        module.fp8rl_hf_forward = module.forward
-        module.forward = partial(_forward, module)
-        taken += 1
+        kind = type(module).__name__
+        if kind in NORM_MODULES:
+            module.fp8rl_hf_forward = module.forward
+            module.forward = partial(_norm_forward, module)
+            taken += 1
+        elif kind in LAYER_MODULES and type(module.post_attention_layernorm).__name__ in NORM_MODULES:
+            module.fp8rl_hf_forward = module.forward
+            module.forward = partial(_layer_forward, module)
     return taken
 
 
-def _forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:
-    weight = module.weight
-    if hidden.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or hidden.shape[-1] == 0:
+# the decoder layers whose forward is Hugging Face's pre-norm block (norm, attention, add, norm,
+# MLP, add), the one _layer_forward computes with the second add inside the norm's kernel
+LAYER_MODULES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
+
+
+def _takes_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return hidden.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and hidden.shape[-1] > 0
+
+
+def _norm_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    if not _takes_kernel(hidden, module.weight):
         return module.fp8rl_hf_forward(hidden)  # type: ignore[no-any-return]
-    out: torch.Tensor = _RmsNormFn.apply(hidden, weight, float(module.variance_epsilon))  # type: ignore[no-untyped-call]
+    out: torch.Tensor = _RmsNormFn.apply(hidden, module.weight, float(module.variance_epsilon))  # type: ignore[no-untyped-call]
     return out
+
+
+def _add_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(residual + hidden, norm(residual + hidden))``: one kernel where it applies."""
+    if not _takes_kernel(hidden, norm.weight) or residual.dtype != hidden.dtype:
+        total = residual + hidden
+        return total, norm(total)
+    eps = float(norm.variance_epsilon)
+    total, out = _AddRmsNormFn.apply(hidden, residual, norm.weight, eps)  # type: ignore[no-untyped-call]
+    return total, out
+
+
+def _layer_forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Hugging Face's decoder layer (``LlamaDecoderLayer.forward``), step for step, with the add
+    after attention and the post-attention norm in one kernel (:func:`_add_norm`)."""
+    if args:  # positional arguments past the hidden states: not how the model calls its layers
+        return layer.fp8rl_hf_forward(hidden_states, *args, **kwargs)  # type: ignore[no-any-return]
+    residual = hidden_states
+    hidden_states = layer.input_layernorm(hidden_states)
+    hidden_states, _ = layer.self_attn(hidden_states=hidden_states, **kwargs)
+    residual, hidden_states = _add_norm(layer.post_attention_layernorm, hidden_states, residual)
+    hidden_states = layer.mlp(hidden_states)
+    return residual + hidden_states
+
+
+def _norm_backward(
+    ctx: Any, grad_out: torch.Tensor, s2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm's gradient (the module docstring) for ``grad_out`` shaped as ``s2d``: (ds float32,
+    dw in the weight's dtype or None)."""
+    g_out = grad_out.reshape(s2d.shape).float()
+    y = s2d.float() * rstd[:, None]  # [R, D]: s / rms, float32
+    g = g_out * weight.float()
+    grad_s = rstd[:, None] * (g - y * (g * y).mean(-1, keepdim=True))
+    grad_w = None
+    if ctx.needs_input_grad[-2]:  # the weight is the second-to-last input of both functions
+        grad_w = (g_out * y.to(torch.bfloat16).float()).sum(0).to(weight.dtype)
+    return grad_s, grad_w
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 
 
 class _RmsNormFn(torch.autograd.Function):
@@ -66,10 +126,8 @@ class _RmsNormFn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from workers.engines.native.triton_norm import rms_norm
 
-        x2d = x.reshape(-1, x.shape[-1])
-        if x2d.stride(-1) != 1:
-            x2d = x2d.contiguous()
-        out, rstd = rms_norm(x2d, weight.contiguous(), eps)
+        x2d = _rows(x)
+        _, out, rstd = rms_norm(x2d, weight.contiguous(), eps)
         ctx.save_for_backward(x2d, weight, rstd)
         return out.view(x.shape)
 
@@ -77,13 +135,32 @@ class _RmsNormFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (dout,) = grads
         x2d, weight, rstd = ctx.saved_tensors
-        g_out = dout.reshape(x2d.shape).float()
-        y = x2d.float() * rstd[:, None]  # [R, D]: x / rms, float32
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            g = g_out * weight.float()
-            grad_x = rstd[:, None] * (g - y * (g * y).mean(-1, keepdim=True))
-            grad_x = grad_x.to(x2d.dtype).view(dout.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g_out * y.to(torch.bfloat16).float()).sum(0).to(weight.dtype)
+        grad_s, grad_w = _norm_backward(ctx, dout, x2d, weight, rstd)
+        grad_x = grad_s.to(x2d.dtype).view(dout.shape) if ctx.needs_input_grad[0] else None
         return grad_x, grad_w, None
+
+
+class _AddRmsNormFn(torch.autograd.Function):
+    """``(s, norm(s))`` for ``s = residual + x``: both outputs feed the rest of the layer, so the
+    sum's gradient is the one through the norm plus the one it receives directly."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from workers.engines.native.triton_norm import rms_norm
+
+        s2d, out, rstd = rms_norm(_rows(x), weight.contiguous(), eps, _rows(residual))
+        ctx.save_for_backward(s2d, weight, rstd)
+        return s2d.view(x.shape), out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        d_sum, d_out = grads
+        s2d, weight, rstd = ctx.saved_tensors
+        grad_s, grad_w = _norm_backward(ctx, d_out, s2d, weight, rstd)
+        if d_sum is not None:
+            grad_s = grad_s + d_sum.reshape(s2d.shape).float()
+        grad = grad_s.to(s2d.dtype).view(d_out.shape)
+        need = ctx.needs_input_grad
+        return grad if need[0] else None, grad if need[1] else None, grad_w, None

@@ -39,7 +39,7 @@ def kernel_is_rms_norm_within_its_two_roundings() -> None:
         wide = torch.randn(rows, d + 64, generator=g) * torch.logspace(-2, 3, d + 64)
         x = wide.bfloat16()[:, :d]  # row stride d + 64
         w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
-        out, rstd = rms_norm(x, w, EPS)
+        _, out, rstd = rms_norm(x, w, EPS)
         want = float64_norm(x, w)
         err = (out.double() - want).abs()
         bound = (2 * 2.0**-8 + 2.0**-20) * want.abs()
@@ -74,19 +74,49 @@ def backward_is_rms_norms_gradient() -> None:
         assert rel < 1e-2, rel
 
 
+def the_residual_add_joins_the_norm() -> None:
+    """With a residual: the sum is torch's BF16 ``residual + x`` bit for bit, and the norm is the
+    kernel's norm of that sum bit for bit; the backward (the sum feeding both the norm and the
+    rest of the layer) is within 1% of float64 autograd for x, the residual and the weight."""
+    from workers.engines.native.rms_norm import _AddRmsNormFn
+    from workers.engines.native.triton_norm import rms_norm
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(2, 9, 576, generator=g) * 3).bfloat16()
+    r = (torch.randn(2, 9, 576, generator=g) * 30).bfloat16()
+    w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
+    s, out, _ = rms_norm(x.view(-1, 576), w, EPS, r.view(-1, 576))
+    assert torch.equal(s, (r + x).view(-1, 576))
+    assert torch.equal(out, rms_norm((r + x).view(-1, 576), w, EPS)[1])
+    x, r, w = (t.clone().requires_grad_(True) for t in (x, r, w))
+    d_sum, d_out = (torch.randn(2, 9, 576, generator=g).bfloat16() for _ in range(2))
+    total, normed = _AddRmsNormFn.apply(x, r, w, EPS)
+    torch.autograd.backward((total, normed), (d_sum, d_out))
+    x64, r64, w64 = (t.detach().double().requires_grad_(True) for t in (x, r, w))
+    s64 = x64 + r64
+    ((s64 * d_sum.double()).sum() + (float64_norm(s64, w64) * d_out.double()).sum()).backward()
+    for got, want in ((x.grad, x64.grad), (r.grad, r64.grad), (w.grad, w64.grad)):
+        assert got is not None and want is not None
+        rel = float((got.double() - want).norm() / want.norm())
+        assert rel < 1e-2, rel
+
+
 def generator_and_trainer_compute_the_same_norms() -> None:
     """``FP8RL_RMS_NORM=triton``: the generator and the trainer both take the kernel (every norm of
-    the two-layer model, counted on each side), and the trainer's log-probs are the generator's,
-    bit for bit, as with Hugging Face's norm on both sides. Off, neither takes it."""
+    the two-layer model, counted on each side, each layer's add after attention inside it), and
+    the trainer's log-probs are the generator's, bit for bit, as with Hugging Face's norm on both
+    sides. Off, neither takes it."""
     from tests.workers.engines.native.test_native import PROMPTS, TOK, spec_for
     from workers.engines.factory import native_pair
     from workers.engines.native import triton_norm
 
     calls = [0]
+    adds = [0]
     kernel = triton_norm.rms_norm
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
+        adds[0] += len(args) > 3 and args[3] is not None
         return kernel(*args, **kwargs)
 
     triton_norm.rms_norm = counted
@@ -96,6 +126,7 @@ def generator_and_trainer_compute_the_same_norms() -> None:
         assert trainer.fused_norms == gen.fused_norms == 5  # 2 per layer, and the final one
         out = gen.generate(PROMPTS, 6, 1.0, 1.0, 0)
         assert calls[0] == 5 * 6  # the prefill and 5 decode steps (the 6th token needs no forward)
+        assert adds[0] == 2 * 6  # each layer's add after attention, inside its norm's kernel
         mask = out.response_mask.bool()
         with_kernel = trainer.logprobs(out, 1.0)
         assert calls[0] == 5 * 6 + 5 * 2, calls  # the trainer's 2 micro-batches (20 prompts, 16 each)
@@ -114,6 +145,7 @@ def generator_and_trainer_compute_the_same_norms() -> None:
 CHECKS = (
     kernel_is_rms_norm_within_its_two_roundings,
     backward_is_rms_norms_gradient,
+    the_residual_add_joins_the_norm,
     generator_and_trainer_compute_the_same_norms,
 )
 

@@ -30,7 +30,7 @@ def test_the_norm_kernel_under_the_interpreter() -> None:
         [sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 3
+    assert out.stdout.count("ok ") == 4
 
 
 def test_the_switch_is_off_by_default_checked_and_leaves_hugging_faces_norm_alone(
@@ -52,11 +52,11 @@ def test_the_switch_is_off_by_default_checked_and_leaves_hugging_faces_norm_alon
 def test_the_norm_compiles_for_sm90_with_ieee_sqrt_and_no_spills(block: int) -> None:
     from workers.engines.native import triton_norm
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "rstd_ptr": "*fp32"}
-    sig |= {"stride_x": "i32", "dim": "i32", "eps": "fp32"}
-    ptx = compile_sm90(
-        triton_norm._rms_norm, sig, {"BLOCK_D": block, "HW": True}, num_warps=8 if block >= 4096 else 4,
-        fp_fusion=False,
-    )  # fmt: skip
-    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # not the approximate rsqrt
-    assert "st.local" not in ptx
+    sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "out_ptr": "*bf16"}
+    sig |= {"rstd_ptr": "*fp32", "stride_x": "i32", "stride_r": "i32", "dim": "i32", "eps": "fp32"}
+    for residual in (False, True):
+        consts = {"BLOCK_D": block, "RESIDUAL": residual, "HW": True}
+        warps = 8 if block >= 4096 else 4
+        ptx = compile_sm90(triton_norm._rms_norm, sig, consts, num_warps=warps, fp_fusion=False)
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # not the approximate rsqrt
+        assert "st.local" not in ptx
