@@ -53,9 +53,24 @@ def run(
     profile: str = "sm90-cuda13.0", calls: int = 2000, rounds: int = 5
 ) -> list[tuple[str, float, float, str]]:
     """``(shape, fp8_matmul us, bound us, kernel)`` per shape: medians over ``rounds`` interleaved rounds."""
-    if profile not in PROFILES:
-        raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
-    return [_measure(m, k, n, PROFILES[profile], calls, rounds) for m, k, n in SHAPES]
+    return [_measure(m, k, n, _profile(profile), calls, rounds) for m, k, n in SHAPES]
+
+
+def _profile(name: str) -> DeviceProfile:
+    if name not in PROFILES:
+        raise ValueError(f"--profile {name!r}: one of {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def _interleaved(
+    general: Callable[[], object], bound: Callable[[], object], calls: int, rounds: int
+) -> tuple[float, float]:
+    """Median microseconds per call of each, over ``rounds`` rounds that alternate them."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        times[0].append(_per_call_us(general, calls))
+        times[1].append(_per_call_us(bound, calls))
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _measure(
@@ -84,11 +99,8 @@ def _measure(
             return gemm.bound(w, cfg, device, torch.bfloat16)(x_q)
 
         kernel = gemm.bound(w, cfg, device, torch.bfloat16).plan.kernel
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(rounds):
-            times[0].append(_per_call_us(general, calls))
-            times[1].append(_per_call_us(bound, calls))
-    return f"{m}x{k}x{n}", statistics.median(times[0]), statistics.median(times[1]), kernel
+        general_us, bound_us = _interleaved(general, bound, calls, rounds)
+    return f"{m}x{k}x{n}", general_us, bound_us, kernel
 
 
 def _tokens_major(rows: int, tokens: int) -> Fp8Tensor:
@@ -104,9 +116,7 @@ def run_wgrad(
     profile: str = "sm90-cuda13.0", calls: int = 2000, rounds: int = 5
 ) -> list[tuple[str, float, float, str]]:
     """``(shape, fp8_matmul us, WgradGemm us, kernel)`` per :data:`WGRAD_SHAPES` row (medians)."""
-    if profile not in PROFILES:
-        raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
-    return [_measure_wgrad(t, n, k, PROFILES[profile], calls, rounds) for t, n, k in WGRAD_SHAPES]
+    return [_measure_wgrad(t, n, k, _profile(profile), calls, rounds) for t, n, k in WGRAD_SHAPES]
 
 
 def _measure_wgrad(
@@ -125,11 +135,8 @@ def _measure_wgrad(
         def bound() -> object:
             return wgrad(g_t, x_t, cfg, torch.float32)
 
-        times: tuple[list[float], list[float]] = ([], [])
-        for _ in range(rounds):
-            times[0].append(_per_call_us(general, calls))
-            times[1].append(_per_call_us(bound, calls))
-    return f"{tokens}x{n}x{k}", statistics.median(times[0]), statistics.median(times[1]), kernel
+        general_us, bound_us = _interleaved(general, bound, calls, rounds)
+    return f"{tokens}x{n}x{k}", general_us, bound_us, kernel
 
 
 def report(profile: str = "sm90-cuda13.0", calls: int = 2000, rounds: int = 5) -> str:

@@ -30,7 +30,7 @@ from triton.language.extra import libdevice
 
 from workers.fp8.formats import Fp8Format
 from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
-from workers.fp8.triton_quant import HW_BF16, bf16_value, write_rows
+from workers.fp8.triton_quant import HW_BF16, bf16_value, rows_layout, write_rows
 
 _TILE = 128
 # Multiply-add contraction, as the launch's enable_fp_fusion. torch's SiLU is one CUDA kernel
@@ -87,12 +87,9 @@ def silu_mul_1x128(
     if cols % 2 or gu.dtype != torch.bfloat16:
         raise ValueError(f"silu_mul: gate and up side by side in BF16, got {tuple(gu.shape)} {gu.dtype}")
     inter = cols // 2
-    n_tiles = triton.cdiv(inter, _TILE)
-    data = torch.empty((rows_out, inter), dtype=fmt.dtype, device=gu.device)
-    scale = torch.empty((n_tiles, rows_out), dtype=torch.float32, device=gu.device).t()
+    data, scale, n_tiles, block_r = rows_layout(rows_out, inter, fmt.dtype, gu.device)
     if rows_out == 0 or inter == 0:
         return data, scale
-    block_r = 16 if rows_out <= 16 else 32
     code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
     grid: Any = (triton.cdiv(rows_out, block_r), n_tiles)
     _silu_mul_1x128[grid](

@@ -235,6 +235,17 @@ def _quantize_1x128_dual(
     tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
 
 
+def rows_layout(
+    rows_out: int, cols: int, fp8_dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The buffers a one-layout 1x128 pass writes (``data [R', C]`` row-major, ``scale [R', C/128]``
+    M-major), the number of column tiles and the rows a program takes."""
+    n_tiles = triton.cdiv(cols, _TILE)
+    data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=device)
+    scale = torch.empty((n_tiles, rows_out), dtype=torch.float32, device=device).t()
+    return data, scale, n_tiles, 16 if rows_out <= 16 else 32
+
+
 def quantize_1x128(
     x: torch.Tensor,
     fmt_name: str,
@@ -251,12 +262,9 @@ def quantize_1x128(
     fold non-finite tiles into, or None.
     """
     rows, cols = x.shape
-    n_tiles = triton.cdiv(cols, _TILE)
-    data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=x.device)
-    scale = torch.empty((n_tiles, rows_out), dtype=torch.float32, device=x.device).t()
+    data, scale, n_tiles, block_r = rows_layout(rows_out, cols, fp8_dtype, x.device)
     if rows_out == 0 or cols == 0:
         return data, scale
-    block_r = 16 if rows_out <= 16 else 32
     code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
     grid: Any = (triton.cdiv(rows_out, block_r), n_tiles)
     _quantize_1x128[grid](

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.workers.switches import assert_off_by_default_and_checked
 from tests.workers.triton_sm90 import compile_sm90
 from workers.fp8 import triton_quant as tq
 from workers.fp8.quant import quantize_dual, quantize_rows
@@ -215,14 +216,7 @@ def test_the_silu_mul_switch_is_off_by_default_and_takes_only_fused_gate_up(
     from workers.fp8.convert import drop_master_weights
     from workers.fp8.fused import fuse_silu_mul, silu_mul_enabled
 
-    monkeypatch.delenv("FP8RL_SILU_MUL", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not silu_mul_enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_SILU_MUL", "fused")
-    with pytest.raises(ValueError, match="FP8RL_SILU_MUL='fused'"):
-        silu_mul_enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_SILU_MUL", "triton")
-    assert silu_mul_enabled(torch.device("cuda")) and not silu_mul_enabled(torch.device("cpu"))
+    assert_off_by_default_and_checked(monkeypatch, "FP8RL_SILU_MUL", silu_mul_enabled)
     s = spec("fp8-e2e")
     model = build_policy(s, TOK.vocab_size, torch.bfloat16).requires_grad_(False)
     apply_recipe(model, s.precision, "generator")

@@ -19,6 +19,7 @@ import torch
 import triton  # noqa: F401  # comes with the engines install (make test runs it): missing is an error
 
 from tests.workers.engines.native.decode_attention_checks import case, fp8
+from tests.workers.switches import assert_off_by_default_and_checked
 from workers.engines.native import decode_attention as da
 
 # above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
@@ -81,14 +82,7 @@ def test_bad_shapes_and_missing_scales_are_refused() -> None:
 
 
 def test_the_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FP8RL_DECODE_ATTENTION", raising=False)
-    assert not da.enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="FP8RL_DECODE_ATTENTION='flash'"):
-        da.enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_DECODE_ATTENTION", "triton")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert da.enabled(torch.device("cuda")) and not da.enabled(torch.device("cpu"))
+    assert_off_by_default_and_checked(monkeypatch, "FP8RL_DECODE_ATTENTION", da.enabled, bad="flash")
 
 
 def test_the_switch_on_the_cpu_says_once_that_sdpa_runs(

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.workers.engines.native.test_native import TOK, spec_for
+from tests.workers.switches import assert_off_by_default_and_checked
 from tests.workers.triton_sm90 import compile_sm90
 from workers.engines.models import build_policy
 from workers.engines.native import rms_norm
@@ -36,14 +37,7 @@ def test_the_norm_kernel_under_the_interpreter() -> None:
 def test_the_switch_is_off_by_default_checked_and_leaves_hugging_faces_norm_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("FP8RL_RMS_NORM", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not rms_norm.enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_RMS_NORM", "fused")
-    with pytest.raises(ValueError, match="FP8RL_RMS_NORM='fused'"):
-        rms_norm.enabled(torch.device("cuda"))
-    monkeypatch.setenv("FP8RL_RMS_NORM", "triton")
-    assert rms_norm.enabled(torch.device("cuda")) and not rms_norm.enabled(torch.device("cpu"))
+    assert_off_by_default_and_checked(monkeypatch, "FP8RL_RMS_NORM", rms_norm.enabled)
     model = build_policy(spec_for("bf16", 0), TOK.vocab_size, torch.bfloat16)
     assert rms_norm.fuse_norms(model, torch.device("cpu")) == 0  # the CPU: Hugging Face's
 
