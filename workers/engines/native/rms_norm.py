@@ -5,10 +5,10 @@ the square, the mean, the ``rsqrt``, the product, the BF16 copy and the weight's
 decoder layer has two, and a decode step runs them for every layer. :func:`fuse_norms` gives
 each such module a forward that runs :mod:`workers.engines.native.triton_norm` instead: one
 read of the row, one write, the same two roundings to BF16. Its sum of squares is Triton's, in
-another order than torch's, so a value may land one BF16 step from Hugging Face's. Both engines
-build their model with :func:`workers.engines.models.build_policy`, which applies it where the
-switch is on, so the trainer computes the norm with the same kernel and gets the same bits as the
-generator, row for row. The residual add after attention runs inside the post-attention norm's
+another order than torch's, so a value may land one BF16 step from Hugging Face's. The native
+generator and the native trainer both apply it to the model they build where the switch is on,
+so the trainer computes the norm with the same kernel and gets the same bits as the generator,
+row for row. The residual add after attention runs inside the post-attention norm's
 kernel (the decoder layers' forward, :func:`_layer_forward`). The backward is RMSNorm's gradient
 in float32 from the saved ``1/rms``: ``dx = rstd (g - y mean(g y))``, ``g = dout w``,
 ``dw = sum(dout bf16(y))``; the add's is the identity.
