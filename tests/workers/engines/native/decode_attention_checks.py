@@ -259,9 +259,9 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
 
 def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     """An FP8 generator as a GPU builds it (q/k/v and gate/up fused) with every decode switch on:
-    the Triton attention, RoPE + the K/V write in one launch, and the fused SiLU·mul. Its samples'
-    log-probs agree with the trainer's as the eager loop's do (the bound of the attention-only
-    check, 1.02), and each kernel ran (counted)."""
+    the Triton attention, RoPE + the K/V write in one launch, the fused SiLU·mul, and the
+    one-kernel RMSNorm (in the trainer too). Its samples' log-probs agree with the trainer's as the
+    eager loop's do (the bound of the attention-only check, 1.02), and each kernel ran (counted)."""
     from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
     from workers.algo.mismatch import mismatch_metrics
     from workers.engines.batching import left_pad
@@ -272,7 +272,7 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     from workers.fp8.fused import fuse_projections, fuse_silu_mul
     from workers.weight_sync.payload import fp8_weight_names
 
-    os.environ |= {"FP8RL_DECODE_ATTENTION": "triton", "FP8RL_KV_WRITE": "triton"}
+    os.environ |= {"FP8RL_DECODE_ATTENTION": "triton", "FP8RL_KV_WRITE": "triton", "FP8RL_RMS_NORM": "triton"}
     calls = {"rope": 0, "silu": 0}
     rope, silu = triton_kv.rope_write_kv, triton_act.silu_mul_rows
 
@@ -290,6 +290,7 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
         assert fuse_projections(gen.model) >= 2 and fuse_silu_mul(gen.model) == 2  # as on a GPU
         trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
+        assert gen.fused_norms == trainer.fused_norms == 5  # 2 per layer and the final one, both sides
         gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))  # into the fused groups
         decoder = static_of(gen, True)
         assert decoder.kernel_attention and decoder.fused_rope
@@ -304,6 +305,7 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     finally:
         triton_kv.rope_write_kv, triton_act.silu_mul_rows = rope, silu
         os.environ.pop("FP8RL_KV_WRITE")
+        os.environ.pop("FP8RL_RMS_NORM")
 
 
 CHECKS = {

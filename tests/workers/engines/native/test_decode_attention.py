@@ -54,8 +54,8 @@ def test_static_decode_through_the_kernel_samples_what_the_trainer_scores() -> N
 def test_fused_rope_and_kv_write_under_the_interpreter() -> None:
     """``FP8RL_KV_WRITE=triton`` beside the Triton attention: RoPE and the K/V write in one launch,
     Hugging Face's rotated values bit for bit, the decode loop's samples unchanged by it, and with
-    the fused SiLU·mul too, the samples' log-probs still the trainer's (token_mult_prob_error
-    1.0080 observed, bound 1.02)."""
+    the fused SiLU·mul and the one-kernel RMSNorm too, the samples' log-probs still the trainer's
+    (token_mult_prob_error 1.0080 observed, bound 1.02)."""
     run_checks("rope")
 
 
