@@ -149,6 +149,18 @@ def _fuse(names: tuple[str, ...], layers: list[Fp8Linear]) -> None:
         m.fused = (group, i)
 
 
+def take_forward(module: nn.Module, forward: Any) -> bool:
+    """Give ``module`` the forward ``forward(module, ...)`` in place of its own, which stays callable
+    as ``module.fp8rl_hf_forward`` (the fused forwards fall back to it where they do not apply).
+    A module is taken once: False, and nothing changed, where one of the fused forwards has it."""
+    if hasattr(module, "fp8rl_hf_forward"):
+        return False
+    own: Any = module
+    own.fp8rl_hf_forward = module.forward
+    own.forward = partial(forward, module)
+    return True
+
+
 # -- generators: SiLU, the product and the down projection's quantizer in one pass --------------
 
 # the MLPs whose forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) with a SiLU act_fn
@@ -174,7 +186,7 @@ def fuse_silu_mul(model: nn.Module) -> int:
     taken = 0
     mlp: Any
     for mlp in model.modules():
-        if type(mlp).__name__ not in SILU_MLPS or hasattr(mlp, "fp8rl_hf_forward"):
+        if type(mlp).__name__ not in SILU_MLPS:
             continue
         gate, up, down = (getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
         if not (isinstance(gate, Fp8Linear) and isinstance(up, Fp8Linear) and isinstance(down, Fp8Linear)):
@@ -187,9 +199,7 @@ def fuse_silu_mul(model: nn.Module) -> int:
             continue
         if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
             continue
-        mlp.fp8rl_hf_forward = mlp.forward
-        mlp.forward = partial(_silu_mul_forward, mlp)
-        taken += 1
+        taken += take_forward(mlp, _silu_mul_forward)
     return taken
 
 

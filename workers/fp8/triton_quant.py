@@ -81,7 +81,7 @@ def _quantize_1x128(
     c = pid_c * TILE + tl.arange(0, TILE)  # [TILE]
     x = _load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)
     write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
-                FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
+               FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
 
 
 @triton.jit
@@ -223,7 +223,7 @@ def _quantize_1x128_dual(
     # along cols, as the one-layout kernel (the rows' tiles name a non-finite value for the guard;
     # the columns' tiles see the same ones)
     write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
-                FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
+               FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
     # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
     scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)
     if T32:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -188,15 +187,9 @@ def fuse_rope(model: nn.Module) -> int:
     eager loop, the trainer) runs Hugging Face's forward as before. The rotated q and K are those
     of ``apply_rotary_pos_emb`` bit for bit, so the step computes what the unfused one computes.
     Returns how many modules it took (0: none of :data:`ROPE_MODULES`)."""
-    taken = 0
-    module: Any
-    for module in model.modules():
-        if type(module).__name__ not in ROPE_MODULES or hasattr(module, "fp8rl_hf_forward"):
-            continue
-        module.fp8rl_hf_forward = module.forward
-        module.forward = partial(_rope_forward, module)
-        taken += 1
-    return taken
+    from workers.fp8.fused import take_forward
+
+    return sum(take_forward(m, _rope_forward) for m in model.modules() if type(m).__name__ in ROPE_MODULES)
 
 
 def _rope_forward(module: Any, *args: Any, **kwargs: Any) -> Any:

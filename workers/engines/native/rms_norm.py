@@ -19,7 +19,6 @@ else keeps Hugging Face's forward.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -46,19 +45,16 @@ def fuse_norms(model: nn.Module, device: torch.device) -> int:
 
     if is_exact(model) or not enabled(device):
         return 0
+    from workers.fp8.fused import take_forward
+
     taken = 0
     module: Any
     for module in model.modules():
-        if hasattr(module, "fp8rl_hf_forward"):
-            continue
         kind = type(module).__name__
         if kind in NORM_MODULES:
-            module.fp8rl_hf_forward = module.forward
-            module.forward = partial(_norm_forward, module)
-            taken += 1
+            taken += take_forward(module, _norm_forward)
         elif kind in LAYER_MODULES and type(module.post_attention_layernorm).__name__ in NORM_MODULES:
-            module.fp8rl_hf_forward = module.forward
-            module.forward = partial(_layer_forward, module)
+            take_forward(module, _layer_forward)
     return taken
 
 

@@ -348,8 +348,8 @@ class StaticDecoder:
         if self.impl not in BOOL_MASKS:  # additive, as attention_mask_4d builds it for eager attention
             zero = torch.zeros((), dtype=self.dtype, device=mask.device)
             mask = torch.where(mask, zero, torch.finfo(self.dtype).min)
-        fused = decode_attention.active(cache, s.seen, self.fused_rope)
-        with fused if self.kernel_attention else nullcontext():
+        kernel = decode_attention.active(cache, s.seen, self.fused_rope) if self.kernel_attention else None
+        with kernel or nullcontext():
             out = self.model(
                 input_ids=s.tok[:, None],
                 attention_mask=mask,
