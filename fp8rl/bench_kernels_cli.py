@@ -1,7 +1,7 @@
 """``fp8rl bench`` (continued): the kernel-level benchmarks a GPU session runs to find where FP8
-time goes: the GEMM and quantizer microbenchmark, the decode attention alone, the host time of one
-FP8 linear, and the per-kernel profile of one training step (docs/benchmarks.md,
-docs/gpu-checks.md). Registered on :data:`fp8rl.bench_cli.bench_app` when imported
+time goes: the GEMM and quantizer microbenchmark, the decode attention alone, a decode step's
+sampling, the host time of one FP8 linear, and the per-kernel profile of one training step
+(docs/benchmarks.md, docs/gpu-checks.md). Registered on :data:`fp8rl.bench_cli.bench_app` when imported
 (:mod:`fp8rl.cli` imports it)."""
 
 from __future__ import annotations
@@ -90,6 +90,36 @@ def bench_decode_attention(
             )
         names = tuple(c.strip() for c in caches.split(",") if c.strip())
         return decode_attention.report(device, dims, names)  # type: ignore[arg-type]
+
+    echo_report(report)
+
+
+@bench_app.command("sampling")
+def bench_sampling(
+    device: DeviceOpt = "auto",
+    rows: Annotated[str, typer.Option(help="batch sizes B, comma-separated")] = "1,64,256,1024",
+    vocabs: Annotated[str, typer.Option(help="vocabulary sizes V, comma-separated")] = "49152,128256",
+    replays: Annotated[int, typer.Option(help="graph replays per timing")] = 20,
+) -> None:
+    """One decode step's sampling from [B, V] logits: torch's path against the three Triton
+    launches of FP8RL_SAMPLING=triton, GPU time and their ratio (needs CUDA, or
+    TRITON_INTERPRET=1 on CPU)."""
+    from bench import sampling
+    from bench.common import pick_device
+
+    def report() -> str:
+        try:
+            bs = tuple(int(x) for x in rows.split(","))
+            vs = tuple(int(x) for x in vocabs.split(","))
+        except ValueError as err:
+            raise ValueError(f"--rows {rows!r} / --vocabs {vocabs!r}: expected e.g. 1,64 and 49152") from err
+        if min(bs) <= 0 or min(vs) <= 0 or replays <= 0:
+            raise ValueError("--rows, --vocabs and --replays take positive numbers")
+        if max(bs) * max(vs) > 2**31 // 8:
+            raise ValueError(
+                f"--rows x --vocabs: at most {2**31 // 8} logits per call (B x V), got {max(bs) * max(vs)}"
+            )
+        return sampling.report(str(pick_device(device)), bs, vs, replays)
 
     echo_report(report)
 

@@ -26,11 +26,10 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from workers.fp8.formats import Fp8Format
 from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
-from workers.fp8.triton_quant import HW_BF16, bf16_value, rows_layout, write_rows
+from workers.fp8.triton_quant import HW_BF16, bf16_value, expf, rows_layout, write_rows
 
 _TILE = 128
 # Multiply-add contraction, as the launch's enable_fp_fusion. torch's SiLU is one CUDA kernel
@@ -55,19 +54,10 @@ def _silu_mul_1x128(
     at = gu_ptr + r[:, None] * stride_r + c[None, :] * stride_c
     g = tl.load(at, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(at + inter * stride_c, mask=inside, other=0.0).to(tl.float32)
-    s = bf16_value(tl.math.div_rn(g, 1.0 + _expf(-g, HW)), HW)
+    s = bf16_value(tl.math.div_rn(g, 1.0 + expf(-g, HW)), HW)
     h = bf16_value(s * u, HW)
     write_rows(h, r, c, pid_c, rows, rows_out, inter, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
                 FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
-
-
-@triton.jit
-def _expf(x, HW: tl.constexpr):
-    """CUDA's ``expf`` (libdevice) on a GPU; the interpreter, which has no libdevice, its own exp."""
-    if HW:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 def silu_mul_1x128(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _TILE = 128
 # Where the dual-layout kernel transposes each tile for x.T: after the cast, as 1-byte FP8 values
@@ -53,6 +54,25 @@ def bf16_value(x, HW: tl.constexpr):
         return x.to(tl.bfloat16).to(tl.float32)
     else:
         return bf16_bits(x)
+
+
+@triton.jit
+def expf(x, HW: tl.constexpr):
+    """CUDA's ``expf`` (libdevice, what torch's float32 ``exp`` calls) on a GPU, not Triton's
+    faster ``tl.exp``; the interpreter, which has no libdevice, its own exp."""
+    if HW:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def logf(x, HW: tl.constexpr):
+    """CUDA's ``logf`` (libdevice) on a GPU, not Triton's ``tl.log``; the interpreter's own log."""
+    if HW:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit

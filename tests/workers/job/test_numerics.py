@@ -35,6 +35,7 @@ def test_the_record_names_the_cpu_gemm_and_every_switch_as_set(monkeypatch: pyte
         "FP8RL_WGRAD_GEMM": None,
         "FP8RL_SILU_MUL": None,
         "FP8RL_RMS_NORM": None,
+        "FP8RL_SAMPLING": None,
         "FP8RL_CPU_BF16_GEMM": "float32",
         "FP8RL_CPU_COMPILE": None,
     }

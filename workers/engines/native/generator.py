@@ -37,6 +37,7 @@ from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
 from workers.engines.native.rms_norm import fuse_norms
 from workers.engines.native.sampling import AllFinished, next_token, stops
+from workers.engines.native.sampling import enabled as sampling_enabled
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Rollouts
@@ -81,6 +82,8 @@ class NativeGenerator:
         # FP8RL_SILU_MUL=triton: the MLP's SiLU, product and down-projection quantizer in one pass
         fuse_mlps = self.fused_groups and silu_mul_enabled(self.device)
         self.fused_mlps = fuse_silu_mul(self.model) if fuse_mlps else 0
+        # FP8RL_SAMPLING=triton: each decode step's sampling in three launches (not row-exact)
+        self.fused_sampling = not is_exact(self.model) and sampling_enabled(self.device)
         self.num_layers = int(self.model.config.num_hidden_layers)
         self.kv_cache_bytes = 0
         self.kv_scales: KvScales | None = None  # the FP8 KV cache's, as received with the weights
@@ -229,8 +232,9 @@ class NativeGenerator:
             all_finished = AllFinished(self.device)
             for _ in range(max_new_tokens):
                 tok, logp = next_token(
-                    out.logits[:, -1, :], temperature, top_p, gen, finished, self.pad_id, log_softmax
-                )
+                    out.logits[:, -1, :], temperature, top_p, gen, finished, self.pad_id, log_softmax,
+                    self.fused_sampling,
+                )  # fmt: skip
                 valid.append(~finished)
                 logps.append(logp)
                 tokens.append(tok)

@@ -1,11 +1,22 @@
 """Sampling shared by the native generator's decode loops (eager and graph-captured): the
-exponential-race draw, and "every row finished" asked without a host sync."""
+exponential-race draw (in torch, or with ``FP8RL_SAMPLING=triton`` in three launches,
+:mod:`workers.engines.native.triton_sample`), and "every row finished" asked without a host sync."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def enabled(device: torch.device) -> bool:
+    """``FP8RL_SAMPLING``: ``torch`` (default until a GPU has measured it) or ``triton`` (a decode
+    step's log-softmax, draw and log-prob in three launches for ``top_p = 1``, the same race on
+    the same random numbers; CUDA, or the CPU under Triton's interpreter). Asked for where it
+    cannot run, it logs why once and torch's path runs."""
+    from workers.fp8.dispatch import triton_switch
+
+    return triton_switch("FP8RL_SAMPLING", "torch", "triton", device, "torch's sampling")
 
 
 def sample_top_p(probs: torch.Tensor, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -45,13 +56,19 @@ def next_token(
     finished: torch.Tensor,
     pad_id: int,
     log_softmax: Callable[[torch.Tensor], torch.Tensor] = log_softmax,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step's choice from ``logits [B, V]``: ``(token [B], its log-prob [B])``.
 
     Temperature 0 is greedy (the argmax; log-probs at temperature 1), else a draw restricted to
     ``top_p``; rows already ``finished`` get ``pad_id``. Greedy is a host-side choice (a Python
-    float), so a decode loop calling this never syncs.
+    float), so a decode loop calling this never syncs. ``fused`` (the caller's :func:`enabled`,
+    with the plain ``log_softmax``): without top-p, the Triton kernels compute it.
     """
+    if fused and top_p >= 1.0:
+        from workers.engines.native.triton_sample import sample_rows
+
+        return sample_rows(logits, temperature, gen, finished, pad_id)
     logp_all = log_softmax(logits.float() / (temperature or 1.0))  # [B, V]
     tok = logp_all.argmax(-1) if temperature == 0 else sample_top_p(logp_all.exp(), top_p, gen)
     tok = torch.where(finished, torch.full_like(tok, pad_id), tok)

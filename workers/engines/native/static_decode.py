@@ -15,8 +15,9 @@ captured once in a CUDA graph and replayed: one launch per token instead of hund
 - ``FP8RL_KV_WRITE=triton`` writes each step's K/V in one Triton launch; beside the Triton
   attention (``FP8RL_DECODE_ATTENTION=triton``) RoPE joins that launch
   (:func:`~workers.engines.native.decode_attention.fuse_rope`, bit for bit Hugging Face's).
-- Sampling is the eager path's exponential race (:func:`sample_top_p`) with its generator
-  registered on the graph, so a replay draws fresh numbers and ``manual_seed`` re-seeds it.
+- Sampling is the eager path's exponential race (:func:`sample_top_p`; with
+  ``FP8RL_SAMPLING=triton`` its three-launch kernel) with its generator registered on the graph,
+  so a replay draws fresh numbers and ``manual_seed`` re-seeds it.
 - One capture per (batch, prompt length rounded up to 16, new tokens, temperature, top-p),
   reused across RL steps (prompt batches of one job have the same shape); the few most recent
   shapes are kept (:attr:`StaticDecoder.max_graphs`).
@@ -45,6 +46,8 @@ from workers.engines.batching import StopIds, positions, stop_ids
 from workers.engines.models import BOOL_MASKS, attention_mask_4d, to_device
 from workers.engines.native import decode_attention
 from workers.engines.native.sampling import AllFinished, next_token, stops
+from workers.engines.native.sampling import enabled as sampling_enabled
+from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.fp8.formats import to_float32
 from workers.fp8.guard import FiniteGuard, finite_guard, use_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, quantize_kv
@@ -242,6 +245,8 @@ class StaticDecoder:
             and fused_kv_write(device)
             and decode_attention.fuse_rope(model) > 0
         )
+        # FP8RL_SAMPLING=triton: each step's sampling in three launches (plain log-softmax only)
+        self.fused_sampling = log_softmax is plain_log_softmax and sampling_enabled(device)
         self.sessions: OrderedDict[DecodeShape, _Session] = OrderedDict()
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
 
@@ -365,8 +370,9 @@ class StaticDecoder:
         """The eager loop's sampling, its results written at the step counter."""
         shape = s.shape
         tok, logp = next_token(
-            logits, shape.temperature, shape.top_p, s.gen, s.finished, shape.pad_id, self.log_softmax
-        )
+            logits, shape.temperature, shape.top_p, s.gen, s.finished, shape.pad_id, self.log_softmax,
+            self.fused_sampling,
+        )  # fmt: skip
         s.valid.index_copy_(1, s.step, (~s.finished)[:, None])
         s.logps.index_copy_(1, s.step, logp[:, None])
         s.tokens.index_copy_(1, s.step, tok[:, None])

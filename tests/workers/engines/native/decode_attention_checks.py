@@ -243,7 +243,7 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
     for recipe, fp8_kv, temperature in (("bf16", False, 0.0), ("fp8-e2e", True, 1.0)):
         gen = NativeGenerator(spec(recipe, fp8_kv), TOK.vocab_size, -1, TOK.pad_id, "cpu")
         decoder = static_of(gen, fp8_kv)
-        assert decoder.kernel_attention and decoder.fused_rope
+        assert decoder.kernel_attention and decoder.fused_rope and decoder.fused_sampling
         runs = {}
         for rope in (True, False):
             decoder.fused_rope = rope
@@ -259,12 +259,14 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
 
 def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     """An FP8 generator as a GPU builds it (q/k/v and gate/up fused) with every decode switch on:
-    the Triton attention, RoPE + the K/V write in one launch, the fused SiLU·mul, and the
-    one-kernel RMSNorm (in the trainer too). Its samples' log-probs agree with the trainer's as the
-    eager loop's do (the bound of the attention-only check, 1.02), and each kernel ran (counted)."""
+    the Triton attention, RoPE + the K/V write in one launch, the fused SiLU·mul, the one-kernel
+    RMSNorm (in the trainer too) and the three-launch sampling. Its samples' log-probs agree with
+    the trainer's as the eager loop's do (the bound of the attention-only check, 1.02), and each
+    kernel ran (counted)."""
     from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
     from workers.algo.mismatch import mismatch_metrics
     from workers.engines.batching import left_pad
+    from workers.engines.native import triton_sample
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
     from workers.engines.protocols import Rollouts
@@ -273,8 +275,9 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     from workers.weight_sync.payload import fp8_weight_names
 
     os.environ |= {"FP8RL_DECODE_ATTENTION": "triton", "FP8RL_KV_WRITE": "triton", "FP8RL_RMS_NORM": "triton"}
-    calls = {"rope": 0, "silu": 0}
-    rope, silu = triton_kv.rope_write_kv, triton_act.silu_mul_rows
+    os.environ["FP8RL_SAMPLING"] = "triton"
+    calls = {"rope": 0, "silu": 0, "sample": 0}
+    rope, silu, sample = triton_kv.rope_write_kv, triton_act.silu_mul_rows, triton_sample.sample_rows
 
     def count(name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -285,6 +288,7 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
 
     triton_kv.rope_write_kv = count("rope", rope)
     triton_act.silu_mul_rows = count("silu", silu)
+    triton_sample.sample_rows = count("sample", sample)
     try:
         s = spec("fp8-e2e", fp8_kv=True)
         gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
@@ -297,6 +301,7 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         ids, mask = left_pad(PROMPTS, TOK.pad_id)
         tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
         assert calls["rope"] == 2 * 15 and calls["silu"] == 2 * 16  # 2 layers; the prefill's MLP too
+        assert calls["sample"] == 16
         metrics = mismatch_metrics(
             trainer.logprobs(Rollouts(ids, mask, tokens, valid, logps), 1.0), logps, valid
         )
@@ -304,8 +309,9 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         print(f"token_mult_prob_error {float(metrics['mismatch/token_mult_prob_error']):.4f}")
     finally:
         triton_kv.rope_write_kv, triton_act.silu_mul_rows = rope, silu
-        os.environ.pop("FP8RL_KV_WRITE")
-        os.environ.pop("FP8RL_RMS_NORM")
+        triton_sample.sample_rows = sample
+        for name in ("FP8RL_KV_WRITE", "FP8RL_RMS_NORM", "FP8RL_SAMPLING"):
+            os.environ.pop(name)
 
 
 CHECKS = {
