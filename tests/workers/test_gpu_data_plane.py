@@ -493,6 +493,25 @@ def test_rms_norm_kernel_is_hugging_faces_norm_within_a_bf16_step(seed: int, d: 
     assert float(apart.float().mean()) < 0.02
 
 
+@pytest.mark.parametrize(("d", "pow2"), [(576, False), (4096, True)])
+def test_rms_norm_tiles_are_the_quantizers_bytes(seed: int, d: int, pow2: bool) -> None:
+    """The norm's 1x128 tiles for the next GEMM (an FP8 generator with ``FP8RL_RMS_NORM=triton``)
+    on the GPU: bit for bit what ``quantize_rows`` (the Triton quantizer) makes of the norm's
+    output, rows padded to 16 as the GEMM reads them; no host sync."""
+    from workers.engines.native.triton_norm import rms_norm_fp8
+    from workers.fp8.formats import get_format
+    from workers.fp8.quant import quantize_rows
+
+    x = (torch.randn(37, d, device="cuda") * 3).bfloat16()
+    r = (torch.randn(37, d, device="cuda") * 3).bfloat16()
+    w = (1 + 0.1 * torch.randn(d, device="cuda")).bfloat16()
+    with no_host_sync():
+        _, out, q = rms_norm_fp8(x, w, 1e-5, r, get_format("e4m3"), pow2, 48, None)
+    want = quantize_rows(out, "e4m3", power_of_two=pow2, rows_multiple=16)
+    assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(q.scale, want.scale)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.8, 0.0])
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 128256), (64, 128256), (256, 49152)])
 def test_sampling_kernels_draw_torchs_race_on_the_gpu(temperature: float, rows: int, vocab: int) -> None:

@@ -38,7 +38,14 @@ from workers.fp8.dispatch import triton_switch
 from workers.fp8.formats import get_format
 from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
 from workers.fp8.linear import Fp8Linear
-from workers.fp8.linear_gemm import BoundGemm, WgradGemm, fprop_gemm, train_backward, train_forward
+from workers.fp8.linear_gemm import (
+    BoundGemm,
+    WgradGemm,
+    fprop_gemm,
+    input_tiles,
+    train_backward,
+    train_forward,
+)
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -64,7 +71,8 @@ class FusedGroup:
             # a new input (or a member asking twice: x may have changed in place): compute
             self._x, self._served = x, set()
             name = "+".join(self.names)
-            self._y = fprop_gemm(x2d, self.gemm, self.weight, self.bias, self.first.config, name)
+            x_q = input_tiles(x, self.first.config)  # the tiles x carries, if its maker wrote them
+            self._y = fprop_gemm(x2d, self.gemm, self.weight, self.bias, self.first.config, name, x_q)
         y = self._y
         self._served.add(member)
         if len(self._served) == len(self.names):  # every member has its columns: let go of x
@@ -212,7 +220,10 @@ def _silu_mul_forward(mlp: Any, x: torch.Tensor) -> torch.Tensor:
     down: Fp8Linear = mlp.down_proj
     cfg = down.config
     x2d = x.reshape(-1, x.shape[-1])
-    gu = fprop_gemm(x2d, group.gemm, group.weight, group.bias, group.first.config, "+".join(group.names))
+    gu_q = input_tiles(x, group.first.config)  # the tiles x carries, if its maker wrote them
+    gu = fprop_gemm(
+        x2d, group.gemm, group.weight, group.bias, group.first.config, "+".join(group.names), gu_q
+    )
     x_q = silu_mul_rows(gu, get_format(cfg.forward_fmt), cfg.power_of_two_scales, f"{down.name}: input")
     h = gu[:, : down.in_features]  # stands for h in fprop_gemm: its rows, dtype and device
     y = fprop_gemm(h, down.fprop_gemm, down.fp8_weight(), down.bias, cfg, down.name, x_q)

@@ -47,7 +47,14 @@ from workers.fp8.dispatch import GemmPlan, OperandSpec, plan_gemm, profile_of
 from workers.fp8.formats import get_format
 from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear_config import Fp8LinearConfig
-from workers.fp8.linear_gemm import BoundGemm, WgradGemm, fprop_gemm, train_backward, train_forward
+from workers.fp8.linear_gemm import (
+    BoundGemm,
+    WgradGemm,
+    fprop_gemm,
+    input_tiles,
+    train_backward,
+    train_forward,
+)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -269,7 +276,8 @@ class Fp8Linear(nn.Module):
                 group, member = self.fused
                 y2d = group.output(x, x2d, member)
             else:
-                y2d = fprop_gemm(x2d, self.fprop_gemm, self.fp8_weight(), self.bias, self.config, self.name)
+                w_q, x_q = self.fp8_weight(), input_tiles(x, self.config)  # x_q: tiles x carries
+                y2d = fprop_gemm(x2d, self.fprop_gemm, w_q, self.bias, self.config, self.name, x_q)
         else:
             y2d = _Fp8LinearFn.apply(x2d, self.weight, self.bias, self)  # type: ignore[no-untyped-call]
         return y2d.reshape(*lead, self.out_features)

@@ -8,6 +8,9 @@ their FP8 weight, and the training forward and backward that run them.
 - :func:`fprop_gemm`: quantize the input (or take it quantized) and run the bound forward GEMM; for
   at most :data:`SMALL_M_MAX` tokens the Triton GEMM of :mod:`workers.fp8.triton_gemm` where
   ``FP8RL_SMALL_M_GEMM=triton`` asks for it.
+- :func:`attach_input_tiles` / :func:`input_tiles`: an input whose maker wrote its 1x128 tiles in
+  the same pass (the generator's RMSNorm kernel) carries them, and the projections that read it
+  take them instead of quantizing it again.
 - :func:`train_forward` / :func:`train_backward`: what autograd runs; x and dy quantized once
   for both layouts (:func:`workers.fp8.quant.quantize_dual`), wgrad from the FP8 ``x.T`` (with
   ``FP8RL_WGRAD_GEMM=triton`` on CUDA, the Triton GEMM of :mod:`workers.fp8.triton_wgrad`;
@@ -37,6 +40,9 @@ from workers.fp8.matmul import (
     plan_for,
 )
 from workers.fp8.quant import quantize, quantize_dual, quantize_rows
+
+# the attribute of a tensor that carries its own 1x128 tiles (attach_input_tiles)
+TILES_ATTR = "fp8rl_input_tiles"
 
 
 def fprop_gemm(
@@ -68,6 +74,49 @@ def fprop_gemm(
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x2d.dtype)
+
+
+class _InputTiles:
+    """Tiles attached to a tensor: the FP8 operand, its scale rule, and the tensor's version
+    counter when they were made (an in-place write after that voids them)."""
+
+    __slots__ = ("power_of_two", "q", "version")
+
+    def __init__(self, q: Fp8Tensor, power_of_two: bool, version: int) -> None:
+        self.q, self.power_of_two, self.version = q, power_of_two, version
+
+
+def input_rows(tokens: int, cfg: Fp8LinearConfig, device: torch.device) -> int:
+    """The rows :func:`fprop_gemm`'s quantized input has for ``tokens`` rows of ``x``: padded to
+    ``cfg.rows_multiple``, and on CUDA to 16 in the quantizing pass (:func:`_quantize_rows`)."""
+    rows = -(-tokens // cfg.rows_multiple) * cfg.rows_multiple
+    return -(-rows // 16) * 16 if device.type == "cuda" else rows
+
+
+def attach_input_tiles(x: torch.Tensor, q: Fp8Tensor, power_of_two: bool) -> None:
+    """Let ``x`` carry ``q``: its 1x128 tiles, bytes and scales exactly what :func:`fprop_gemm`'s
+    quantizer makes of it with ``power_of_two`` scales, rows padded as :func:`input_rows` says.
+    Only the maker that computed both in one pass attaches them."""
+    setattr(x, TILES_ATTR, _InputTiles(q, power_of_two, x._version))
+
+
+def input_tiles(x: torch.Tensor, cfg: Fp8LinearConfig) -> Fp8Tensor | None:
+    """The tiles ``x`` carries (:func:`attach_input_tiles`) where they are what a GEMM of ``cfg``
+    would quantize: 1x128 activation tiles, the same format and scale rule, every row there, and
+    ``x`` unchanged since; else None (the caller quantizes)."""
+    tiles: _InputTiles | None = getattr(x, TILES_ATTR, None)
+    if tiles is None or tiles.version != x._version or cfg.activation_block != TILE_1x128:
+        return None
+    q = tiles.q
+    if q.fmt.name != cfg.forward_fmt or tiles.power_of_two != cfg.power_of_two_scales:
+        return None
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (
+        q.data.shape[1] != x.shape[-1]
+        or q.data.shape[0] < -(-tokens // cfg.rows_multiple) * cfg.rows_multiple
+    ):
+        return None
+    return q
 
 
 class _Bound:

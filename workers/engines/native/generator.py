@@ -35,7 +35,7 @@ from workers.engines.exact import is_exact
 from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
-from workers.engines.native.rms_norm import fuse_norms
+from workers.engines.native.rms_norm import emit_fp8_tiles, fuse_norms
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import enabled as sampling_enabled
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
@@ -73,6 +73,9 @@ class NativeGenerator:
         self.audit: Fp8Audit = apply_recipe(self.model, spec.precision, "generator")
         # FP8RL_RMS_NORM=triton: every RMSNorm in one kernel, as the trainer's (rms_norm.py)
         self.fused_norms = fuse_norms(self.model, self.device)
+        # and in an FP8 generator the layers' norms write their output's 1x128 tiles for q/k/v and
+        # gate/up in the same pass (the bytes their quantizer would make)
+        self.emitting_norms = emit_fp8_tiles(self.model) if self.fused_norms else 0
         drop_master_weights(self.model)  # FP8 layers keep their FP8 weight only
         # q/k/v and gate/up as one FP8 GEMM each on a GPU (same bytes; workers/fp8/fused.py); the
         # CPU keeps one emulated GEMM per layer (its results stay those of earlier runs)

@@ -13,6 +13,12 @@ kernel (the decoder layers' forward, :func:`_layer_forward`). The backward is RM
 in float32 from the saved ``1/rms``: ``dx = rstd (g - y mean(g y))``, ``g = dout w``,
 ``dw = sum(dout bf16(y))``; the add's is the identity.
 
+In an FP8 generator, :func:`emit_fp8_tiles` has each decoder layer's two norms write their output
+in 1x128 tiles too, in the same pass, where every projection reading it (q/k/v; gate/up) is an FP8
+layer with 1x128 input tiles of one format and scale rule: the bytes and scales those projections'
+input quantizer would make (:func:`workers.fp8.linear_gemm.attach_input_tiles`), so that pass is
+skipped, and the logits stay bit for bit the same.
+
 Only BF16 inputs on CUDA (or the CPU under Triton's interpreter, for tests) take it; anything
 else keeps Hugging Face's forward.
 """
@@ -58,6 +64,35 @@ def fuse_norms(model: nn.Module, device: torch.device) -> int:
     return taken
 
 
+def emit_fp8_tiles(model: nn.Module) -> int:
+    """For an FP8 generator whose norms :func:`fuse_norms` took: each decoder layer's input norm
+    (read by q/k/v) and post-attention norm (read by gate/up) whose readers are all FP8 layers of
+    one config with 1x128 input tiles also writes its output in those tiles, in inference (no
+    autograd). Returns how many norms emit."""
+    from workers.fp8.fp8_tensor import TILE_1x128
+    from workers.fp8.linear import Fp8Linear
+
+    emitting = 0
+    module: Any
+    for module in model.modules():
+        if type(module).__name__ not in LAYER_MODULES:
+            continue
+        for norm, owner, names in (
+            (module.input_layernorm, module.self_attn, ("q_proj", "k_proj", "v_proj")),
+            (module.post_attention_layernorm, module.mlp, ("gate_proj", "up_proj")),
+        ):
+            found = [getattr(owner, n, None) for n in names]
+            readers = [r for r in found if isinstance(r, Fp8Linear)]
+            if not hasattr(norm, "fp8rl_hf_forward") or len(readers) < len(names):
+                continue
+            configs = {r.config for r in readers}
+            cfg = readers[0].config
+            if len(configs) == 1 and cfg.activation_block == TILE_1x128:
+                norm.fp8rl_tiles_for = (cfg, f"{'+'.join(r.name for r in readers)}: input")
+                emitting += 1
+    return emitting
+
+
 # the decoder layers whose forward is Hugging Face's pre-norm block (norm, attention, add, norm,
 # MLP, add), the one _layer_forward computes with the second add inside the norm's kernel
 LAYER_MODULES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
@@ -70,6 +105,8 @@ def _takes_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 def _norm_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:
     if not _takes_kernel(hidden, module.weight):
         return module.fp8rl_hf_forward(hidden)  # type: ignore[no-any-return]
+    if _emits(module):
+        return _norm_with_tiles(module, hidden, None)[1]
     out: torch.Tensor = _RmsNormFn.apply(hidden, module.weight, float(module.variance_epsilon))  # type: ignore[no-untyped-call]
     return out
 
@@ -79,9 +116,40 @@ def _add_norm(norm: Any, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[
     if not _takes_kernel(hidden, norm.weight) or residual.dtype != hidden.dtype:
         total = residual + hidden
         return total, norm(total)
+    if _emits(norm):
+        return _norm_with_tiles(norm, hidden, residual)
     eps = float(norm.variance_epsilon)
     total, out = _AddRmsNormFn.apply(hidden, residual, norm.weight, eps)  # type: ignore[no-untyped-call]
     return total, out
+
+
+def _emits(norm: Any) -> bool:
+    return getattr(norm, "fp8rl_tiles_for", None) is not None and not torch.is_grad_enabled()
+
+
+def _norm_with_tiles(
+    norm: Any, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, norm(s))`` for ``s = residual + hidden`` (or ``hidden``), the output carrying its 1x128
+    tiles for the projections that read it (:func:`emit_fp8_tiles`), checked by the active finite
+    guard under their names."""
+    from workers.engines.native.triton_norm import rms_norm_fp8
+    from workers.fp8.formats import get_format
+    from workers.fp8.fp8_tensor import TILE_1x128
+    from workers.fp8.guard import active_guard
+    from workers.fp8.linear_gemm import attach_input_tiles, input_rows
+
+    cfg, where = norm.fp8rl_tiles_for
+    x2d = _rows(hidden)
+    guard = active_guard()
+    slot = guard.reserve(x2d.device, tuple(x2d.shape), TILE_1x128, where) if guard is not None else None
+    rows_out = input_rows(x2d.shape[0], cfg, x2d.device)
+    fmt, pow2, eps = get_format(cfg.forward_fmt), cfg.power_of_two_scales, float(norm.variance_epsilon)
+    r2d = None if residual is None else _rows(residual)
+    s2d, out2d, q = rms_norm_fp8(x2d, norm.weight.contiguous(), eps, r2d, fmt, pow2, rows_out, slot)
+    out = out2d.view(hidden.shape)
+    attach_input_tiles(out, q, pow2)
+    return s2d.view(hidden.shape), out
 
 
 def _layer_forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

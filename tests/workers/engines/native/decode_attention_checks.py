@@ -243,7 +243,7 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
     for recipe, fp8_kv, temperature in (("bf16", False, 0.0), ("fp8-e2e", True, 1.0)):
         gen = NativeGenerator(spec(recipe, fp8_kv), TOK.vocab_size, -1, TOK.pad_id, "cpu")
         decoder = static_of(gen, fp8_kv)
-        assert decoder.kernel_attention and decoder.fused_rope and decoder.fused_sampling
+        assert decoder.kernel_attention and decoder.fused_rope
         runs = {}
         for rope in (True, False):
             decoder.fused_rope = rope
@@ -260,7 +260,8 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
 def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     """An FP8 generator as a GPU builds it (q/k/v and gate/up fused) with every decode switch on:
     the Triton attention, RoPE + the K/V write in one launch, the fused SiLU·mul, the one-kernel
-    RMSNorm (in the trainer too) and the three-launch sampling. Its samples' log-probs agree with
+    RMSNorm (in the trainer too; in the generator writing q/k/v's and gate/up's input tiles) and
+    the three-launch sampling. Its samples' log-probs agree with
     the trainer's as the eager loop's do (the bound of the attention-only check, 1.02), and each
     kernel ran (counted)."""
     from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
@@ -295,9 +296,10 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         assert fuse_projections(gen.model) >= 2 and fuse_silu_mul(gen.model) == 2  # as on a GPU
         trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
         assert gen.fused_norms == trainer.fused_norms == 5  # 2 per layer and the final one, both sides
+        assert gen.emitting_norms == 4  # the layers' norms write the FP8 tiles q/k/v and gate/up read
         gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))  # into the fused groups
         decoder = static_of(gen, True)
-        assert decoder.kernel_attention and decoder.fused_rope
+        assert decoder.kernel_attention and decoder.fused_rope and decoder.fused_sampling
         ids, mask = left_pad(PROMPTS, TOK.pad_id)
         tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
         assert calls["rope"] == 2 * 15 and calls["silu"] == 2 * 16  # 2 layers; the prefill's MLP too

@@ -142,11 +142,116 @@ def generator_and_trainer_compute_the_same_norms() -> None:
         os.environ.pop("FP8RL_RMS_NORM", None)
 
 
+def the_norm_writes_the_next_gemms_input_tiles() -> None:
+    """``rms_norm_fp8``: the norm (and the sum) bit for bit ``rms_norm``'s, and the tiles exactly what
+    torch's quantizer (``quantize`` in 1x128 tiles) makes of that output, and what the Triton
+    quantizer kernel makes: bytes, scales (M-major), padding rows zeros with scale 1; E4M3 and E5M2,
+    power-of-two scales, widths 576 (a half tile at the end), 2048 and 128, with and without the
+    residual. A non-finite tile is folded into the guard's code as the quantizer folds it."""
+    from workers.engines.native.triton_norm import rms_norm, rms_norm_fp8
+    from workers.fp8.formats import get_format
+    from workers.fp8.fp8_tensor import TILE_1x128
+    from workers.fp8.quant import quantize
+    from workers.fp8.triton_quant import quantize_1x128
+
+    g = torch.Generator().manual_seed(8)
+    cases = (
+        (7, 576, "e4m3", False),
+        (33, 2048, "e5m2", True),
+        (16, 128, "e4m3", True),
+        (5, 576, "e5m2", False),
+    )
+    for rows, d, name, pow2 in cases:
+        fmt = get_format(name)
+        rows_out = -(-rows // 16) * 16
+        x = (torch.randn(rows, d, generator=g) * torch.logspace(-2, 2, d)).bfloat16()
+        r = (torch.randn(rows, d, generator=g) * 4).bfloat16()
+        w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
+        for residual in (None, r):
+            s, out, q = rms_norm_fp8(x, w, EPS, residual, fmt, pow2, rows_out, None)
+            s_want, out_want, _ = rms_norm(x, w, EPS, residual)
+            assert torch.equal(s, s_want) and torch.equal(out, out_want)
+            assert q.data.shape == (rows_out, d) and q.scale.stride() == (1, rows_out)
+            want = quantize(out, fmt, TILE_1x128, power_of_two=pow2)
+            assert torch.equal(q.data[:rows].view(torch.uint8), want.data.view(torch.uint8)), (rows, d, name)
+            assert torch.equal(q.scale[:rows], want.scale)
+            assert not q.data[rows:].view(torch.uint8).any() and bool((q.scale[rows:] == 1).all())
+            data, scale = quantize_1x128(out, fmt.name, fmt.max, fmt.dtype, pow2, None, rows_out)
+            assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(
+                q.scale, scale
+            )
+    fmt = get_format("e4m3")
+    x = torch.ones(5, 576, dtype=torch.bfloat16)
+    x[3, 300] = float("inf")  # row 3, tile 2 of 5: rstd = 0, so inf * 0 = NaN there, 0 elsewhere
+    x[4, 10] = float("nan")  # row 4: every value NaN
+    code = torch.full((), 2**63 - 1, dtype=torch.int64)
+    rms_norm_fp8(x, torch.ones(576, dtype=torch.bfloat16), EPS, None, fmt, False, 16, (code, 3))
+    assert int(code) == 3 * 2**32 + 3 * 5 + 2, int(code)  # the first bad tile: row 3's third
+
+
+# head_dim 128, one KV head: whole 128-row blocks in every projection, so q/k/v and gate/up can
+# fuse (workers/fp8/fused.py)
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_heads": 2, "num_kv_heads": 1, "num_layers": 2}
+
+
+def an_fp8_generator_takes_the_tiles_from_its_norms() -> None:
+    """An fp8-e2e generator with ``FP8RL_RMS_NORM=triton``: each layer's two norms write the tiles
+    (counted), q/k/v and gate/up quantize no input of their own (counted: only o_proj and
+    down_proj do), and the tokens and log-probs are bit for bit those of the same generator with
+    the norms not writing tiles: with q/k/v and gate/up apart (the CPU's layout) and fused (a
+    GPU's), and with power-of-two scales."""
+    from rljob import parse_spec
+    from tests.workers.engines.native.test_native import PROMPTS, TOK, spec_for
+    from workers.engines.native.generator import NativeGenerator
+    from workers.fp8 import linear_gemm
+    from workers.fp8.fused import fuse_projections
+
+    quantized: list[str] = []
+    quantize_rows = linear_gemm._quantize_rows
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        quantized.append(args[-1])
+        return quantize_rows(*args, **kwargs)
+
+    linear_gemm._quantize_rows = counted
+    os.environ["FP8RL_RMS_NORM"] = "triton"
+    try:
+        for fused, pow2 in ((False, False), (True, False), (False, True)):
+            outs = []
+            for emit in (True, False):
+                precision = {"recipe": "fp8-e2e", "power_of_two_scales": pow2}
+                spec = parse_spec({"model": {"tiny": SHAPE}, "precision": precision})
+                gen = NativeGenerator(spec, TOK.vocab_size, -1, TOK.pad_id, "cpu")
+                assert gen.emitting_norms == 4  # 2 layers x (input, post-attention)
+                if fused:
+                    assert fuse_projections(gen.model) == 4  # q/k/v and gate/up of each layer
+                if not emit:
+                    for module in gen.model.modules():
+                        if hasattr(module, "fp8rl_tiles_for"):
+                            module.fp8rl_tiles_for = None
+                quantized.clear()
+                outs.append(gen.generate(PROMPTS[:8], 5, 1.0, 1.0, 1))
+                readers = {w.split(":")[0].split(".")[-1] for w in quantized}
+                if emit:
+                    assert readers == {"o_proj", "down_proj"}, readers
+                else:
+                    assert {"o_proj", "down_proj"} < readers, readers
+            a, b = outs
+            assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+        plain = NativeGenerator(spec_for("bf16", 0), TOK.vocab_size, -1, TOK.pad_id, "cpu")
+        assert plain.fused_norms == 5 and plain.emitting_norms == 0  # no FP8 readers
+    finally:
+        linear_gemm._quantize_rows = quantize_rows
+        os.environ.pop("FP8RL_RMS_NORM", None)
+
+
 CHECKS = (
     kernel_is_rms_norm_within_its_two_roundings,
     backward_is_rms_norms_gradient,
     the_residual_add_joins_the_norm,
     generator_and_trainer_compute_the_same_norms,
+    the_norm_writes_the_next_gemms_input_tiles,
+    an_fp8_generator_takes_the_tiles_from_its_norms,
 )
 
 if __name__ == "__main__":

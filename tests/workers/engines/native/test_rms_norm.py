@@ -31,7 +31,7 @@ def test_the_norm_kernel_under_the_interpreter() -> None:
         [sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 4
+    assert out.stdout.count("ok ") == 6
 
 
 def test_the_switch_is_off_by_default_checked_and_leaves_hugging_faces_norm_alone(
@@ -48,9 +48,14 @@ def test_the_norm_compiles_for_sm90_with_ieee_sqrt_and_no_spills(block: int) -> 
 
     sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*bf16", "out_ptr": "*bf16"}
     sig |= {"rstd_ptr": "*fp32", "stride_x": "i32", "stride_r": "i32", "dim": "i32", "eps": "fp32"}
-    for residual in (False, True):
-        consts = {"BLOCK_D": block, "RESIDUAL": residual, "HW": True}
-        warps = 8 if block >= 4096 else 4
+    sig |= {"rows": "i32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "code_ptr": "*i64", "rows_out": "i32"}
+    sig |= {"n_tiles": "i32", "call_code": "i64"}
+    fmt = {"FMT_MAX": 448.0, "E4M3": True, "POW2": False, "CHECK": True}
+    warps = 8 if block >= 4096 else 4
+    for residual, emit in ((False, False), (True, False), (True, True)):
+        consts = {"BLOCK_D": block, "RESIDUAL": residual, "HW": True, "EMIT": emit} | fmt
         ptx = compile_sm90(triton_norm._rms_norm, sig, consts, num_warps=warps, fp_fusion=False)
         assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # not the approximate rsqrt
         assert "st.local" not in ptx
+        # the tiles: the hardware's E4M3 conversion and the guard's atomic, only where emitting
+        assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == emit and ("atom.global" in ptx) == emit
