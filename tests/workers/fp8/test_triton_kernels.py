@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.workers.interpreter import run_under_interpreter
 from tests.workers.switches import assert_off_by_default_and_checked
 from tests.workers.triton_sm90 import compile_sm90
 from workers.fp8 import triton_quant as tq
@@ -23,19 +20,12 @@ from workers.fp8.quant import quantize_dual, quantize_rows
 # above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
 pytestmark = pytest.mark.timeout(660)
 
-ROOT = Path(__file__).resolve().parents[3]
-
 
 @pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)
 def test_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    env |= {"FP8RL_SMALL_M_GEMM": "triton", "FP8RL_WGRAD_GEMM": "triton"}
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.workers.fp8.triton_kernel_checks"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 11
+    env = {"FP8RL_SMALL_M_GEMM": "triton", "FP8RL_WGRAD_GEMM": "triton"}
+    out = run_under_interpreter("tests.workers.fp8.triton_kernel_checks", timeout=600, env=env)
+    assert out.count("ok ") == 11
 
 
 COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "stride_c": "i32"}

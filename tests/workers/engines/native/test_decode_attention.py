@@ -9,32 +9,22 @@ only a GPU shows (``make gpu-check``)."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton  # noqa: F401  # comes with the engines install (make test runs it): missing is an error
 
 from tests.workers.engines.native.decode_attention_checks import case, fp8
+from tests.workers.interpreter import run_under_interpreter
 from tests.workers.switches import assert_off_by_default_and_checked
 from workers.engines.native import decode_attention as da
 
 # above its longest wait (pyproject's timeout of 300 s would cut that short: tests/test_timeouts.py)
 pytestmark = pytest.mark.timeout(660)
 
-ROOT = Path(__file__).resolve().parents[4]
-
 
 def run_checks(name: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    module = "tests.workers.engines.native.decode_attention_checks"
-    out = subprocess.run(
-        [sys.executable, "-m", module, name], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    run_under_interpreter("tests.workers.engines.native.decode_attention_checks", name, timeout=600)
 
 
 @pytest.mark.slow  # over 3 s on 2 idle cores (tests/conftest.py: tiers)

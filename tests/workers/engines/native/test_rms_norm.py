@@ -4,15 +4,11 @@ generator and trainer both taking it, under Triton's interpreter (in a fresh int
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.workers.engines.native.test_native import TOK, spec_for
+from tests.workers.interpreter import run_under_interpreter
 from tests.workers.switches import assert_off_by_default_and_checked
 from tests.workers.triton_sm90 import compile_sm90
 from workers.engines.models import build_policy
@@ -20,18 +16,11 @@ from workers.engines.native import rms_norm
 
 pytestmark = pytest.mark.timeout(660)  # above the subprocess's wait (tests/test_timeouts.py)
 
-ROOT = Path(__file__).resolve().parents[4]
 
-
-@pytest.mark.slow  # the interpreter runs every row of two short decodes and a trainer pass: ~35 s
+@pytest.mark.slow  # the interpreter runs every row of eight short decodes and a trainer pass: ~90 s
 def test_the_norm_kernel_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    module = "tests.workers.engines.native.norm_checks"
-    out = subprocess.run(
-        [sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 6
+    out = run_under_interpreter("tests.workers.engines.native.norm_checks", timeout=600)
+    assert out.count("ok ") == 6
 
 
 def test_the_switch_is_off_by_default_checked_and_leaves_hugging_faces_norm_alone(

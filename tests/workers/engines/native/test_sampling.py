@@ -5,32 +5,21 @@ speed only a GPU shows (``fp8rl bench sampling``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.workers.interpreter import run_under_interpreter
 from tests.workers.switches import assert_off_by_default_and_checked
 from tests.workers.triton_sm90 import compile_sm90
 from workers.engines.native import sampling, triton_sample
 
 pytestmark = pytest.mark.timeout(660)  # above the subprocess's wait (tests/test_timeouts.py)
 
-ROOT = Path(__file__).resolve().parents[4]
-
 
 @pytest.mark.slow  # the interpreter runs each program of ~150 small launches and two decodes: ~35 s
 def test_the_sampling_kernels_under_the_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    module = "tests.workers.engines.native.sample_checks"
-    out = subprocess.run(
-        [sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 5
+    out = run_under_interpreter("tests.workers.engines.native.sample_checks", timeout=600)
+    assert out.count("ok ") == 5
 
 
 def test_the_switch_is_off_by_default_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
