@@ -23,7 +23,8 @@ from workers.tasks.grading import Graders
 
 class Server:
     """Scores ``len(output_text) / 10``; ``/flaky`` answers 503 to a row's first two posts,
-    ``/slow`` waits 2 s, ``/bad`` answers text, ``/refuse`` 400, ``/busy`` waits 0.2 s."""
+    ``/slow`` waits 2 s, ``/bad`` answers text, ``/refuse`` 400, ``/busy`` holds a post until another
+    is in flight (at most 1 s), then 0.05 s more."""
 
     def __init__(self) -> None:
         self.posts: list[dict[str, Any]] = []
@@ -52,8 +53,11 @@ class Server:
                         return self._answer(503, b"busy")
                     if self.path == "/slow":
                         time.sleep(2)
-                    if self.path == "/busy":
-                        time.sleep(0.2)
+                    if self.path == "/busy":  # held until a second request is in flight (or 1 s)
+                        deadline = time.monotonic() + 1.0
+                        while server.in_flight < 2 and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        time.sleep(0.05)  # long enough for a third to arrive if nothing bounded it
                     if self.path == "/bad":
                         return self._answer(200, b"not json")
                     if self.path == "/refuse":

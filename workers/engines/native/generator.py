@@ -35,7 +35,7 @@ from workers.engines.exact import is_exact
 from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.layer_diff import Trace, trace_generation
 from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
-from workers.engines.native.rms_norm import emit_fp8_tiles, fuse_norms
+from workers.engines.native.rms_norm import chain_layer_adds, emit_fp8_tiles, fuse_norms
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import enabled as sampling_enabled
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
@@ -76,6 +76,8 @@ class NativeGenerator:
         # and in an FP8 generator the layers' norms write their output's 1x128 tiles for q/k/v and
         # gate/up in the same pass (the bytes their quantizer would make)
         self.emitting_norms = emit_fp8_tiles(self.model) if self.fused_norms else 0
+        # and each layer's closing add runs in the next norm's kernel (no add kernel of its own)
+        self.chained_adds = chain_layer_adds(self.model) if self.fused_norms else 0
         drop_master_weights(self.model)  # FP8 layers keep their FP8 weight only
         # q/k/v and gate/up as one FP8 GEMM each on a GPU (same bytes; workers/fp8/fused.py); the
         # CPU keeps one emulated GEMM per layer (its results stay those of earlier runs)

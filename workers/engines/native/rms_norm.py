@@ -17,7 +17,9 @@ In an FP8 generator, :func:`emit_fp8_tiles` has each decoder layer's two norms w
 in 1x128 tiles too, in the same pass, where every projection reading it (q/k/v; gate/up) is an FP8
 layer with 1x128 input tiles of one format and scale rule: the bytes and scales those projections'
 input quantizer would make (:func:`workers.fp8.linear_gemm.attach_input_tiles`), so that pass is
-skipped, and the logits stay bit for bit the same.
+skipped, and the logits stay bit for bit the same. :func:`chain_layer_adds` moves each layer's
+closing residual add into the next norm's kernel too (the next layer's input norm, or the final
+norm), so a generator's decode step runs no add kernel of its own.
 
 Only BF16 inputs on CUDA (or the CPU under Triton's interpreter, for tests) take it; anything
 else keeps Hugging Face's forward.
@@ -93,6 +95,31 @@ def emit_fp8_tiles(model: nn.Module) -> int:
     return emitting
 
 
+# the attribute of a decoder layer's output (the sum) that carries the next norm's output of it,
+# computed in the same kernel as the sum (chain_layer_adds)
+NORMED_ATTR = "fp8rl_next_normed"
+
+
+def chain_layer_adds(model: nn.Module) -> int:
+    """In inference (the generator): each decoder layer that :func:`fuse_norms` took ends with its
+    residual add inside the kernel of the norm that reads the sum next (the next layer's input
+    norm; after the last layer, the model's final norm), where that norm took the kernel too. The
+    layer still returns the sum (what Hugging Face's loop and any hook see); the norm's output
+    rides on it, and that norm returns it when handed that very tensor, unchanged since, once.
+    Returns how many layers chain."""
+    inner: Any = getattr(model, "model", None)
+    layers = list(getattr(inner, "layers", ()))
+    following = [layer.input_layernorm for layer in layers[1:]] + [getattr(inner, "norm", None)]
+    chained = 0
+    for layer, norm in zip(layers, following, strict=True):
+        taken = type(layer).__name__ in LAYER_MODULES and hasattr(layer, "fp8rl_hf_forward")
+        if taken and hasattr(norm, "fp8rl_hf_forward"):
+            # a plain attribute: as a submodule it would enter the state dict under a second name
+            object.__setattr__(layer, "fp8rl_next_norm", norm)
+            chained += 1
+    return chained
+
+
 # the decoder layers whose forward is Hugging Face's pre-norm block (norm, attention, add, norm,
 # MLP, add), the one _layer_forward computes with the second add inside the norm's kernel
 LAYER_MODULES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
@@ -103,6 +130,12 @@ def _takes_kernel(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _norm_forward(module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    ready = getattr(hidden, NORMED_ATTR, None)
+    if ready is not None:  # the previous layer's closing add computed this norm (chain_layer_adds)
+        delattr(hidden, NORMED_ATTR)  # taken once: the output's memory goes with its reader
+        norm, normed, version = ready
+        if norm is module and version == hidden._version:
+            return normed  # type: ignore[no-any-return]
     if not _takes_kernel(hidden, module.weight):
         return module.fp8rl_hf_forward(hidden)  # type: ignore[no-any-return]
     if _emits(module):
@@ -154,7 +187,8 @@ def _norm_with_tiles(
 
 def _layer_forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Hugging Face's decoder layer (``LlamaDecoderLayer.forward``), step for step, with the add
-    after attention and the post-attention norm in one kernel (:func:`_add_norm`)."""
+    after attention and the post-attention norm in one kernel (:func:`_add_norm`), and in
+    inference where :func:`chain_layer_adds` chained it, the closing add with the next norm."""
     if args:  # positional arguments past the hidden states: not how the model calls its layers
         return layer.fp8rl_hf_forward(hidden_states, *args, **kwargs)  # type: ignore[no-any-return]
     residual = hidden_states
@@ -162,7 +196,12 @@ def _layer_forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs
     hidden_states, _ = layer.self_attn(hidden_states=hidden_states, **kwargs)
     residual, hidden_states = _add_norm(layer.post_attention_layernorm, hidden_states, residual)
     hidden_states = layer.mlp(hidden_states)
-    return residual + hidden_states
+    following = getattr(layer, "fp8rl_next_norm", None)
+    if following is None or torch.is_grad_enabled():
+        return residual + hidden_states
+    total, normed = _add_norm(following, hidden_states, residual)
+    setattr(total, NORMED_ATTR, (following, normed, total._version))
+    return total
 
 
 def _norm_backward(

@@ -260,8 +260,8 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
 def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     """An FP8 generator as a GPU builds it (q/k/v and gate/up fused) with every decode switch on:
     the Triton attention, RoPE + the K/V write in one launch, the fused SiLU·mul, the one-kernel
-    RMSNorm (in the trainer too; in the generator writing q/k/v's and gate/up's input tiles) and
-    the three-launch sampling. Its samples' log-probs agree with
+    RMSNorm (in the trainer too; in the generator writing q/k/v's and gate/up's input tiles, and
+    taking each layer's closing add) and the three-launch sampling. Its samples' log-probs agree with
     the trainer's as the eager loop's do (the bound of the attention-only check, 1.02), and each
     kernel ran (counted)."""
     from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
@@ -297,6 +297,7 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
         assert gen.fused_norms == trainer.fused_norms == 5  # 2 per layer and the final one, both sides
         assert gen.emitting_norms == 4  # the layers' norms write the FP8 tiles q/k/v and gate/up read
+        assert gen.chained_adds == 2  # each layer's closing add inside the next norm's kernel
         gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))  # into the fused groups
         decoder = static_of(gen, True)
         assert decoder.kernel_attention and decoder.fused_rope and decoder.fused_sampling

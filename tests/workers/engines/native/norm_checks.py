@@ -126,10 +126,12 @@ def generator_and_trainer_compute_the_same_norms() -> None:
         assert trainer.fused_norms == gen.fused_norms == 5  # 2 per layer, and the final one
         out = gen.generate(PROMPTS, 6, 1.0, 1.0, 0)
         assert calls[0] == 5 * 6  # the prefill and 5 decode steps (the 6th token needs no forward)
-        assert adds[0] == 2 * 6  # each layer's add after attention, inside its norm's kernel
+        # each layer's two adds (after attention, and closing the layer) inside the next norm's kernel
+        assert gen.chained_adds == 2 and adds[0] == 4 * 6
         mask = out.response_mask.bool()
         with_kernel = trainer.logprobs(out, 1.0)
         assert calls[0] == 5 * 6 + 5 * 2, calls  # the trainer's 2 micro-batches (20 prompts, 16 each)
+        assert adds[0] == 4 * 6 + 2 * 2  # the trainer's layers add after attention in the kernel
         assert torch.equal(with_kernel[mask], out.logprobs[mask])
         os.environ["FP8RL_RMS_NORM"] = "torch"
         plain, plain_gen = native_pair(spec_for("bf16", 0), TOK.vocab_size, TOK.eos_id, TOK.pad_id)
@@ -245,6 +247,58 @@ def an_fp8_generator_takes_the_tiles_from_its_norms() -> None:
         os.environ.pop("FP8RL_RMS_NORM", None)
 
 
+def the_layer_closing_add_joins_the_next_norm() -> None:
+    """A bf16 generator with the switch on chains each layer's closing add into the next norm's
+    kernel (the next layer's input norm, then the final norm): each layer still returns the sum
+    (hooks see the same bits as without the chain), the logits are the same bit for bit, the norm
+    kernels take 4 adds per forward instead of 2 and still run 5 times (counted: no norm computed
+    twice), and each carried norm output is taken once (no layer output still holds one after)."""
+    from tests.workers.engines.native.test_native import PROMPTS, TOK, spec_for
+    from workers.engines.batching import left_pad, positions
+    from workers.engines.native import triton_norm
+    from workers.engines.native.generator import NativeGenerator
+    from workers.engines.native.rms_norm import NORMED_ATTR
+
+    adds, calls = [0], [0]
+    kernel = triton_norm.rms_norm
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        adds[0] += len(args) > 3 and args[3] is not None
+        return kernel(*args, **kwargs)
+
+    triton_norm.rms_norm = counted
+    os.environ["FP8RL_RMS_NORM"] = "triton"
+    try:
+        ids, mask = left_pad(PROMPTS[:5], TOK.pad_id)
+        runs = []
+        for chain in (True, False):
+            gen = NativeGenerator(spec_for("bf16", 0), TOK.vocab_size, -1, TOK.pad_id, "cpu")
+            assert gen.chained_adds == 2
+            layers = list(gen.model.model.layers)
+            if not chain:
+                for layer in layers:
+                    del layer.fp8rl_next_norm
+            seen: list[torch.Tensor] = []
+            hooks = [
+                layer.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out)) for layer in layers
+            ]
+            adds[0] = calls[0] = 0
+            with torch.no_grad():
+                logits = gen.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
+            for hook in hooks:
+                hook.remove()
+            assert adds[0] == (4 if chain else 2) and calls[0] == 5, (adds, calls)
+            assert not any(hasattr(out, NORMED_ATTR) for out in seen)
+            runs.append((logits, seen))
+        (a, seen_a), (b, seen_b) = runs
+        assert torch.equal(a, b)
+        assert all(torch.equal(x, y) for x, y in zip(seen_a, seen_b, strict=True))
+    finally:
+        triton_norm.rms_norm = kernel
+        os.environ.pop("FP8RL_RMS_NORM", None)
+
+
 CHECKS = (
     kernel_is_rms_norm_within_its_two_roundings,
     backward_is_rms_norms_gradient,
@@ -252,6 +306,7 @@ CHECKS = (
     generator_and_trainer_compute_the_same_norms,
     the_norm_writes_the_next_gemms_input_tiles,
     an_fp8_generator_takes_the_tiles_from_its_norms,
+    the_layer_closing_add_joins_the_next_norm,
 )
 
 if __name__ == "__main__":
