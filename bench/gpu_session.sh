@@ -7,12 +7,11 @@
 #
 # part 1 (about 2 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
 # pytest -m gpu with the Triton switches off and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING among them), the kernel microbenchmark and the host
-# overhead of one linear.
+# overhead of one linear, then the sampling alone (torch's draw against the Triton launches).
 # part 2 (about 6 minutes): bench rollout of the 1B preset, 64 sequences x 2048 new tokens, graph
 # loop with the Triton decode attention and RoPE + the KV write in one launch, BF16/FP8 weights x BF16/E4M3
 # KV; the training profile of the 1B (bf16 against fp8-e2e, per kernel); the decode attention
-# alone at four shapes; the sampling, torch's against the Triton launches; the kernels at
-# training's token counts; the 8b-4l rollout at 256 x 1024 (fused SiLU*mul, RMSNorm and sampling on);
+# alone at four shapes; the kernels at training's token counts; the 8b-4l rollout at 256 x 1024 (fused SiLU*mul, RMSNorm and sampling on);
 # bench fp8 (train) on the 8B-shaped layers at 4096 tokens, with cuBLAS's wgrad and the Triton
 # one; then one RL step per recipe of the 1B
 # preset (64 x 8 x 64) and of the 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16
@@ -34,6 +33,8 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
     stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton"
     FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton \
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
+    stamp "part 1: bench sampling (torch's draw against the three launches of FP8RL_SAMPLING=triton)"
+    $py -m fp8rl.cli bench sampling --device cuda >"$dir/sampling.txt" 2>>"$dir/session.log"
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, RoPE + the KV write in one launch (FP8RL_KV_WRITE=triton)"
@@ -44,8 +45,6 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
         >"$dir/profile-train-1b.txt" 2>>"$dir/session.log"
     stamp "part 2: bench decode-attention (BF16 vs E4M3 cache: time, GB/s, error per head against float64 and SDPA)"
     $py -m fp8rl.cli bench decode-attention --device cuda >"$dir/decode-attention.txt" 2>>"$dir/session.log"
-    stamp "part 2: bench sampling (torch's draw against the three launches of FP8RL_SAMPLING=triton)"
-    $py -m fp8rl.cli bench sampling --device cuda >"$dir/sampling.txt" 2>>"$dir/session.log"
     stamp "part 2: bench kernels at training's token counts (quantize_dual, wgrad at M 4736, 14336 -> 4096)"
     $py -m fp8rl.cli bench kernels --device cuda --tokens 256,4096,4736 \
         --shapes 2048x8192,8192x2048,4096x14336,14336x4096 >"$dir/kernels-train.txt" 2>>"$dir/session.log"

@@ -525,8 +525,9 @@ def test_sampling_kernels_draw_torchs_race_on_the_gpu(temperature: float, rows: 
 
     logits = (torch.randn(rows, vocab, device="cuda") * 4).bfloat16()
     done = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    first = torch.Generator("cuda").manual_seed(9)
     with no_host_sync():
-        tok, logp = sample_rows(logits, temperature, torch.Generator("cuda").manual_seed(9), done, 0)
+        tok, logp = sample_rows(logits, temperature, first, done, 0)
     want, _ = next_token(logits, temperature, 1.0, torch.Generator("cuda").manual_seed(9), done, 0)
     noise = None
     if temperature:
