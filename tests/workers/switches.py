@@ -1,9 +1,12 @@
 """A check every opt-in Triton switch (``FP8RL_*=triton``) passes: off unless set, a wrong value
-refused by name, and set, on for CUDA tensors and off for CPU ones (no interpreter)."""
+refused by name, and set, on for CUDA tensors and off for CPU ones (no interpreter); and the
+switches turned on for a block of the interpreter's check modules."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -24,3 +27,14 @@ def assert_off_by_default_and_checked(
         enabled(cuda)
     monkeypatch.setenv(variable, "triton")
     assert enabled(cuda) and not enabled(torch.device("cpu"))
+
+
+@contextmanager
+def switched_on(*variables: str) -> Iterator[None]:
+    """Within the block each ``FP8RL_*`` switch is ``triton``; on leaving, each is unset."""
+    os.environ.update(dict.fromkeys(variables, "triton"))
+    try:
+        yield
+    finally:
+        for variable in variables:
+            os.environ.pop(variable, None)

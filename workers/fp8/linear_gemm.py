@@ -111,10 +111,7 @@ def input_tiles(x: torch.Tensor, cfg: Fp8LinearConfig) -> Fp8Tensor | None:
     if q.fmt.name != cfg.forward_fmt or tiles.power_of_two != cfg.power_of_two_scales:
         return None
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (
-        q.data.shape[1] != x.shape[-1]
-        or q.data.shape[0] < -(-tokens // cfg.rows_multiple) * cfg.rows_multiple
-    ):
+    if q.data.shape[1] != x.shape[-1] or q.data.shape[0] < input_rows(tokens, cfg, x.device):
         return None
     return q
 

@@ -13,12 +13,12 @@ which need no FP8 cast, are compared with torch's quantizer exactly.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from tests.workers.recording import recorded
 from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
 from workers.fp8.quant import quantize
 from workers.fp8.triton_gemm import small_m_gemm
@@ -429,15 +429,7 @@ def fp8_mlp_takes_the_fused_activation_when_asked() -> None:
     from workers.fp8.convert import drop_master_weights
     from workers.fp8.fused import fuse_projections, fuse_silu_mul
 
-    fused_rows = triton_act.silu_mul_rows
-    calls = [0]
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return fused_rows(*args, **kwargs)
-
-    triton_act.silu_mul_rows = counted
-    try:
+    with recorded(triton_act, "silu_mul_rows") as calls:
         s = spec("fp8-e2e")
         model = build_policy(s, TOK.vocab_size, torch.bfloat16).requires_grad_(False)
         apply_recipe(model, s.precision, "generator")
@@ -447,10 +439,8 @@ def fp8_mlp_takes_the_fused_activation_when_asked() -> None:
         before = model(input_ids=ids).logits
         assert fuse_silu_mul(model) == 2 and fuse_silu_mul(model) == 0
         after = model(input_ids=ids).logits
-        assert calls[0] == 2
+        assert len(calls) == 2
         assert torch.equal(after, before), float((after.float() - before.float()).abs().max())
-    finally:
-        triton_act.silu_mul_rows = fused_rows
 
 
 @triton.jit  # type: ignore[untyped-decorator]

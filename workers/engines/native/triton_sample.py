@@ -174,10 +174,12 @@ def sample_rows(
         raise ValueError(f"sample_rows: finished must be bool [{rows}], got {got}")
     greedy = temperature == 0
     t = float(temperature) if not greedy else 1.0
-    # the torch path's draw: the same shape and generator, so the same Philox offsets and values
-    noise = logits if greedy else torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    if not greedy:
-        noise.exponential_(1, generator=gen)
+    if greedy:
+        noise = logits  # a stand-in: the greedy kernel reads no noise
+    else:  # the torch path's draw: the same shape and generator, so the same Philox offsets and values
+        noise = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device).exponential_(
+            1, generator=gen
+        )
     tok = torch.empty(rows, dtype=torch.int64, device=logits.device)
     logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows == 0:

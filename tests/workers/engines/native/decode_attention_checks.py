@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from tests.workers.recording import recorded
+from tests.workers.switches import switched_on
 from workers.engines.native import decode_attention as da
 from workers.engines.native.triton_decode import _foldable
 
@@ -231,29 +232,21 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
 
     os.environ["FP8RL_DECODE_ATTENTION"] = "triton"
     os.environ["FP8RL_KV_WRITE"] = "triton"
-    calls = [0]
-    fused = triton_kv.rope_write_kv
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls[0] += 1
-        return fused(*args, **kwargs)
-
-    triton_kv.rope_write_kv = counted
     ids, mask = left_pad(PROMPTS, TOK.pad_id)
-    for recipe, fp8_kv, temperature in (("bf16", False, 0.0), ("fp8-e2e", True, 1.0)):
-        gen = NativeGenerator(spec(recipe, fp8_kv), TOK.vocab_size, -1, TOK.pad_id, "cpu")
-        decoder = static_of(gen, fp8_kv)
-        assert decoder.kernel_attention and decoder.fused_rope
-        runs = {}
-        for rope in (True, False):
-            decoder.fused_rope = rope
-            calls[0] = 0
-            runs[rope] = decoder.generate(ids, mask, 6, temperature, 1.0, 3, -1, TOK.pad_id)
-            steps = runs[rope][0].shape[1] - 1  # the first token comes from the prefill
-            assert calls[0] == (2 * steps if rope else 0), (calls, steps)  # 2 layers
-        for got, want in zip(runs[True], runs[False], strict=True):
-            assert torch.equal(got, want), (recipe, got, want)
-    triton_kv.rope_write_kv = fused
+    with recorded(triton_kv, "rope_write_kv") as calls:
+        for recipe, fp8_kv, temperature in (("bf16", False, 0.0), ("fp8-e2e", True, 1.0)):
+            gen = NativeGenerator(spec(recipe, fp8_kv), TOK.vocab_size, -1, TOK.pad_id, "cpu")
+            decoder = static_of(gen, fp8_kv)
+            assert decoder.kernel_attention and decoder.fused_rope
+            runs = {}
+            for rope in (True, False):
+                decoder.fused_rope = rope
+                calls.clear()
+                runs[rope] = decoder.generate(ids, mask, 6, temperature, 1.0, 3, -1, TOK.pad_id)
+                steps = runs[rope][0].shape[1] - 1  # the first token comes from the prefill
+                assert len(calls) == (2 * steps if rope else 0), (len(calls), steps)  # 2 layers
+            for got, want in zip(runs[True], runs[False], strict=True):
+                assert torch.equal(got, want), (recipe, got, want)
     os.environ.pop("FP8RL_KV_WRITE")
 
 
@@ -275,22 +268,13 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     from workers.fp8.fused import fuse_projections, fuse_silu_mul
     from workers.weight_sync.payload import fp8_weight_names
 
-    os.environ |= {"FP8RL_DECODE_ATTENTION": "triton", "FP8RL_KV_WRITE": "triton", "FP8RL_RMS_NORM": "triton"}
-    os.environ["FP8RL_SAMPLING"] = "triton"
-    calls = {"rope": 0, "silu": 0, "sample": 0}
-    rope, silu, sample = triton_kv.rope_write_kv, triton_act.silu_mul_rows, triton_sample.sample_rows
-
-    def count(name: str, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    triton_kv.rope_write_kv = count("rope", rope)
-    triton_act.silu_mul_rows = count("silu", silu)
-    triton_sample.sample_rows = count("sample", sample)
-    try:
+    switches = ("FP8RL_DECODE_ATTENTION", "FP8RL_KV_WRITE", "FP8RL_RMS_NORM", "FP8RL_SAMPLING")
+    with (
+        switched_on(*switches),
+        recorded(triton_kv, "rope_write_kv") as rope,
+        recorded(triton_act, "silu_mul_rows") as silu,
+        recorded(triton_sample, "sample_rows") as sample,
+    ):
         s = spec("fp8-e2e", fp8_kv=True)
         gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
         assert fuse_projections(gen.model) >= 2 and fuse_silu_mul(gen.model) == 2  # as on a GPU
@@ -303,18 +287,13 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         assert decoder.kernel_attention and decoder.fused_rope and decoder.fused_sampling
         ids, mask = left_pad(PROMPTS, TOK.pad_id)
         tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
-        assert calls["rope"] == 2 * 15 and calls["silu"] == 2 * 16  # 2 layers; the prefill's MLP too
-        assert calls["sample"] == 16
+        assert len(rope) == 2 * 15 and len(silu) == 2 * 16  # 2 layers; the prefill's MLP too
+        assert len(sample) == 16
         metrics = mismatch_metrics(
             trainer.logprobs(Rollouts(ids, mask, tokens, valid, logps), 1.0), logps, valid
         )
         assert float(metrics["mismatch/token_mult_prob_error"]) < 1.02, metrics
         print(f"token_mult_prob_error {float(metrics['mismatch/token_mult_prob_error']):.4f}")
-    finally:
-        triton_kv.rope_write_kv, triton_act.silu_mul_rows = rope, silu
-        triton_sample.sample_rows = sample
-        for name in ("FP8RL_KV_WRITE", "FP8RL_RMS_NORM", "FP8RL_SAMPLING"):
-            os.environ.pop(name)
 
 
 CHECKS = {

@@ -6,10 +6,12 @@ module in a fresh interpreter with ``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from tests.workers.recording import Call, recorded
+from tests.workers.switches import switched_on
 
 EPS = 1e-5
 
@@ -110,38 +112,24 @@ def generator_and_trainer_compute_the_same_norms() -> None:
     from workers.engines.factory import native_pair
     from workers.engines.native import triton_norm
 
-    calls = [0]
-    adds = [0]
-    kernel = triton_norm.rms_norm
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        adds[0] += len(args) > 3 and args[3] is not None
-        return kernel(*args, **kwargs)
-
-    triton_norm.rms_norm = counted
-    os.environ["FP8RL_RMS_NORM"] = "triton"
-    try:
+    with switched_on("FP8RL_RMS_NORM"), recorded(triton_norm, "rms_norm") as calls:
         trainer, gen = native_pair(spec_for("bf16", 0), TOK.vocab_size, TOK.eos_id, TOK.pad_id)
         assert trainer.fused_norms == gen.fused_norms == 5  # 2 per layer, and the final one
         out = gen.generate(PROMPTS, 6, 1.0, 1.0, 0)
-        assert calls[0] == 5 * 6  # the prefill and 5 decode steps (the 6th token needs no forward)
+        assert len(calls) == 5 * 6  # the prefill and 5 decode steps (the 6th token needs no forward)
         # each layer's two adds (after attention, and closing the layer) inside the next norm's kernel
-        assert gen.chained_adds == 2 and adds[0] == 4 * 6
+        assert gen.chained_adds == 2 and with_residual(calls) == 4 * 6
         mask = out.response_mask.bool()
         with_kernel = trainer.logprobs(out, 1.0)
-        assert calls[0] == 5 * 6 + 5 * 2, calls  # the trainer's 2 micro-batches (20 prompts, 16 each)
-        assert adds[0] == 4 * 6 + 2 * 2  # the trainer's layers add after attention in the kernel
+        assert len(calls) == 5 * 6 + 5 * 2, len(calls)  # the trainer's 2 micro-batches (20 prompts, 16 each)
+        assert with_residual(calls) == 4 * 6 + 2 * 2  # the trainer's layers add after attention in the kernel
         assert torch.equal(with_kernel[mask], out.logprobs[mask])
         os.environ["FP8RL_RMS_NORM"] = "torch"
         plain, plain_gen = native_pair(spec_for("bf16", 0), TOK.vocab_size, TOK.eos_id, TOK.pad_id)
         assert plain.fused_norms == plain_gen.fused_norms == 0
-        before = calls[0]
+        before = len(calls)
         plain.logprobs(out, 1.0)
-        assert calls[0] == before
-    finally:
-        triton_norm.rms_norm = kernel
-        os.environ.pop("FP8RL_RMS_NORM", None)
+        assert len(calls) == before
 
 
 def the_norm_writes_the_next_gemms_input_tiles() -> None:
@@ -208,16 +196,7 @@ def an_fp8_generator_takes_the_tiles_from_its_norms() -> None:
     from workers.fp8 import linear_gemm
     from workers.fp8.fused import fuse_projections
 
-    quantized: list[str] = []
-    quantize_rows = linear_gemm._quantize_rows
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        quantized.append(args[-1])
-        return quantize_rows(*args, **kwargs)
-
-    linear_gemm._quantize_rows = counted
-    os.environ["FP8RL_RMS_NORM"] = "triton"
-    try:
+    with switched_on("FP8RL_RMS_NORM"), recorded(linear_gemm, "_quantize_rows") as quantized:
         for fused, pow2 in ((False, False), (True, False), (False, True)):
             outs = []
             for emit in (True, False):
@@ -233,7 +212,7 @@ def an_fp8_generator_takes_the_tiles_from_its_norms() -> None:
                             module.fp8rl_tiles_for = None
                 quantized.clear()
                 outs.append(gen.generate(PROMPTS[:8], 5, 1.0, 1.0, 1))
-                readers = {w.split(":")[0].split(".")[-1] for w in quantized}
+                readers = {args[-1].split(":")[0].split(".")[-1] for args, _ in quantized}
                 if emit:
                     assert readers == {"o_proj", "down_proj"}, readers
                 else:
@@ -242,9 +221,6 @@ def an_fp8_generator_takes_the_tiles_from_its_norms() -> None:
             assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
         plain = NativeGenerator(spec_for("bf16", 0), TOK.vocab_size, -1, TOK.pad_id, "cpu")
         assert plain.fused_norms == 5 and plain.emitting_norms == 0  # no FP8 readers
-    finally:
-        linear_gemm._quantize_rows = quantize_rows
-        os.environ.pop("FP8RL_RMS_NORM", None)
 
 
 def the_layer_closing_add_joins_the_next_norm() -> None:
@@ -259,17 +235,7 @@ def the_layer_closing_add_joins_the_next_norm() -> None:
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.rms_norm import NORMED_ATTR
 
-    adds, calls = [0], [0]
-    kernel = triton_norm.rms_norm
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        adds[0] += len(args) > 3 and args[3] is not None
-        return kernel(*args, **kwargs)
-
-    triton_norm.rms_norm = counted
-    os.environ["FP8RL_RMS_NORM"] = "triton"
-    try:
+    with switched_on("FP8RL_RMS_NORM"), recorded(triton_norm, "rms_norm") as calls:
         ids, mask = left_pad(PROMPTS[:5], TOK.pad_id)
         runs = []
         for chain in (True, False):
@@ -283,20 +249,23 @@ def the_layer_closing_add_joins_the_next_norm() -> None:
             hooks = [
                 layer.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out)) for layer in layers
             ]
-            adds[0] = calls[0] = 0
+            calls.clear()
             with torch.no_grad():
                 logits = gen.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits
             for hook in hooks:
                 hook.remove()
-            assert adds[0] == (4 if chain else 2) and calls[0] == 5, (adds, calls)
+            adds = with_residual(calls)
+            assert adds == (4 if chain else 2) and len(calls) == 5, (adds, len(calls))
             assert not any(hasattr(out, NORMED_ATTR) for out in seen)
             runs.append((logits, seen))
         (a, seen_a), (b, seen_b) = runs
         assert torch.equal(a, b)
         assert all(torch.equal(x, y) for x, y in zip(seen_a, seen_b, strict=True))
-    finally:
-        triton_norm.rms_norm = kernel
-        os.environ.pop("FP8RL_RMS_NORM", None)
+
+
+def with_residual(calls: list[Call]) -> int:
+    """Of the recorded ``rms_norm(x2d, weight, eps, residual)`` calls, those given a residual."""
+    return sum(len(args) > 3 and args[3] is not None for args, _ in calls)
 
 
 CHECKS = (

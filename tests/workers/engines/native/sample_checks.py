@@ -5,12 +5,11 @@ module in a fresh interpreter with ``TRITON_INTERPRET=1``
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import numpy
 import torch
 
+from tests.workers.recording import recorded
+from tests.workers.switches import switched_on
 from workers.engines.native.sampling import next_token
 
 # Log-prob bound against float64: log(s) sums about 40 float32 roundings deep (a 256-wide tree,
@@ -139,47 +138,31 @@ def the_generator_takes_it() -> None:
     from workers.engines.native.sampling import log_softmax
     from workers.engines.native.static_decode import StaticDecoder
 
-    calls = [0]
-    kernel = triton_sample.sample_rows
+    def generator(**precision: bool) -> NativeGenerator:
+        return NativeGenerator(
+            spec_for("bf16", 0, **precision), TOK.vocab_size, -1, TOK.pad_id, "cpu"
+        )  # no stops
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return kernel(*args, **kwargs)
-
-    def generate(**env: str) -> Any:
-        os.environ.update(env)
-        try:
-            gen = NativeGenerator(spec_for("bf16", 0), TOK.vocab_size, -1, TOK.pad_id, "cpu")  # no stops
-            return gen, gen.generate(PROMPTS[:6], 8, 1.0, 1.0, 3)
-        finally:
-            os.environ.pop("FP8RL_SAMPLING", None)
-
-    triton_sample.sample_rows = counted
-    try:
-        plain_gen, plain = generate()
-        assert not plain_gen.fused_sampling and calls[0] == 0
-        gen, fused = generate(FP8RL_SAMPLING="triton")
-        assert gen.fused_sampling and calls[0] == fused.response_ids.shape[1] == 8
-        assert torch.equal(fused.response_ids, plain.response_ids)
-        mask = plain.response_mask.bool()
-        gap = (fused.logprobs[mask].double() - plain.logprobs[mask].double()).abs()
-        assert bool((gap <= 2 * LSE_BOUND + 2.0**-23 * plain.logprobs[mask].double().abs()).all())
-        gen.generate(PROMPTS[:6], 4, 1.0, 0.9, 3)  # top-p: torch's path
-        assert calls[0] == 8
-        os.environ["FP8RL_SAMPLING"] = "triton"
-        try:
+    with recorded(triton_sample, "sample_rows") as calls:
+        plain_gen = generator()
+        plain = plain_gen.generate(PROMPTS[:6], 8, 1.0, 1.0, 3)
+        assert not plain_gen.fused_sampling and not calls
+        with switched_on("FP8RL_SAMPLING"):
+            gen = generator()
+            fused = gen.generate(PROMPTS[:6], 8, 1.0, 1.0, 3)
+            assert gen.fused_sampling and len(calls) == fused.response_ids.shape[1] == 8
+            assert torch.equal(fused.response_ids, plain.response_ids)
+            mask = plain.response_mask.bool()
+            gap = (fused.logprobs[mask].double() - plain.logprobs[mask].double()).abs()
+            assert bool((gap <= 2 * LSE_BOUND + 2.0**-23 * plain.logprobs[mask].double().abs()).all())
+            gen.generate(PROMPTS[:6], 4, 1.0, 0.9, 3)  # top-p: torch's path
+            assert len(calls) == 8
             static = StaticDecoder(gen.model, torch.device("cpu"), False, False, log_softmax)
             assert static.fused_sampling
-            before = calls[0]
             ids, attn = left_pad(PROMPTS[:6], TOK.pad_id)
             tokens, _, _ = static.generate(ids, attn, 5, 1.0, 1.0, 3, -1, TOK.pad_id)
-            assert calls[0] - before == 5 and torch.equal(tokens, plain.response_ids[:, :5])
-            exact = NativeGenerator(spec_for("bf16", 0, exact=True), TOK.vocab_size, -1, TOK.pad_id, "cpu")
-            assert not exact.fused_sampling
-        finally:
-            os.environ.pop("FP8RL_SAMPLING", None)
-    finally:
-        triton_sample.sample_rows = kernel
+            assert len(calls) - 8 == 5 and torch.equal(tokens, plain.response_ids[:, :5])
+            assert not generator(exact=True).fused_sampling
 
 
 CHECKS = (
