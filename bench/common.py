@@ -107,13 +107,14 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def bench_spec(model: str, recipe: str, device: torch.device, **extra: Any) -> JobSpec:
-    """A job spec for benchmarking: the preset model, the recipe, one GPU per engine on CUDA."""
+def bench_spec(model: str, recipe: str, device: torch.device, positions: int = 1024, **extra: Any) -> JobSpec:
+    """A job spec for benchmarking: the preset model (``positions`` long), the recipe, one GPU per
+    engine on CUDA."""
     if model not in MODELS:
         raise ValueError(f"--model {model!r}: choose one of {sorted(MODELS)}")
     gpus = 1 if device.type == "cuda" else 0
     data: dict[str, Any] = {
-        "model": {"tiny": {**MODELS[model], "max_position_embeddings": 1024}},
+        "model": {"tiny": {**MODELS[model], "max_position_embeddings": positions}},
         "precision": {"recipe": recipe, **extra.pop("precision", {})},
         "resources": {"gpus_per_generator": gpus, "gpus_per_trainer": gpus},
         **extra,

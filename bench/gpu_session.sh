@@ -5,9 +5,11 @@
 #
 #   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
 #
-# part 1 (about 2 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
+# part 1 (about 3.5 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
 # pytest -m gpu with the Triton switches off and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING among them), the kernel microbenchmark and the host
-# overhead of one linear, then the sampling alone (torch's draw against the Triton launches).
+# overhead of one linear, then the sampling alone (torch's draw against the Triton launches), then
+# the long-context rollout rows of the 8b-4l preset (256 and 128 sequences x 4096 new tokens, BF16
+# against FP8 weights + E4M3 KV only: about 1.5 minutes).
 # part 2 (about 6 minutes): bench rollout of the 1B preset, 64 sequences x 2048 new tokens, graph
 # loop with the Triton decode attention and RoPE + the KV write in one launch, BF16/FP8 weights x BF16/E4M3
 # KV; the training profile of the 1B (bf16 against fp8-e2e, per kernel); the decode attention
@@ -35,6 +37,13 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
     stamp "part 1: bench sampling (torch's draw against the three launches of FP8RL_SAMPLING=triton)"
     $py -m fp8rl.cli bench sampling --device cuda >"$dir/sampling.txt" 2>>"$dir/session.log"
+    for n in 256 128; do
+        stamp "part 1: bench rollout 8b-4l, $n x 4096, BF16 against FP8 weights + E4M3 KV, every decode switch on"
+        FP8RL_KV_WRITE=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton \
+            $py -m fp8rl.cli bench rollout --model 8b-4l --device cuda --prompts $n --new-tokens 4096 \
+            --repeat 1 --decode graph-triton --variants bf16/bf16,fp8/fp8 \
+            >"$dir/rollout-8b-4l-${n}x4096.txt" 2>>"$dir/session.log"
+    done
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench rollout 1b, 64 x 2048, graph-triton, RoPE + the KV write in one launch (FP8RL_KV_WRITE=triton)"

@@ -76,7 +76,10 @@ def run(
     repeat: int = 3,
     decodes: tuple[str, ...] | None = None,
     kv_caches: tuple[str, ...] = ("bf16", "fp8"),
+    variants: tuple[str, ...] | None = None,
 ) -> tuple[str, list[RolloutRow]]:
+    """``variants`` (``WEIGHTS/KV`` pairs, e.g. ``bf16/bf16,fp8/fp8``) picks variants directly,
+    in place of every weight with each of ``kv_caches``."""
     dev = pick_device(device)
     decodes = decodes or (("eager", "graph") if dev.type == "cuda" else ("eager",))
     bad = [d for d in decodes if d not in DECODES]
@@ -86,13 +89,14 @@ def run(
         raise ValueError("--decode graph needs a CUDA GPU (CUDA graphs); use --decode eager on CPU")
     if not kv_caches or set(kv_caches) - {"bf16", "fp8"}:
         raise ValueError(f"--kv-cache {','.join(kv_caches)}: choose from bf16, fp8")
+    chosen = parse_variants(variants) if variants is not None else None
     tok = ByteTokenizer()
     texts = [tok.encode(f"Calculate {i % 10} + {i // 10 % 10}. ") for i in range(prompts)]
     trainer = build_trainer(bench_spec(model, "bf16", dev), vocab_size(model, tok.vocab_size), str(dev))
     plan = [
         (w, kv, d)
         for w, kv in VARIANTS
-        if ("fp8" if kv else "bf16") in kv_caches
+        if (chosen is None and ("fp8" if kv else "bf16") in kv_caches) or (w, kv) in (chosen or ())
         for d in decodes  # interleaved: each variant's loops back to back
     ]
     rows = []
@@ -109,6 +113,17 @@ def run(
     return device_name(dev), rows
 
 
+def parse_variants(variants: tuple[str, ...]) -> set[tuple[str, bool]]:
+    """``("bf16/bf16", "fp8/fp8")`` -> ``{("bf16", False), ("fp8", True)}``, each checked."""
+    names = {f"{w}/{'fp8' if kv else 'bf16'}": (w, kv) for w, kv in VARIANTS}
+    bad = [v for v in variants if v not in names]
+    if bad or not variants:
+        choices = ", ".join(names)
+        given = ",".join(variants)
+        raise ValueError(f"--variants {given}: give WEIGHTS/KV pairs, comma-separated, from {choices}")
+    return {names[v] for v in variants}
+
+
 def _variant(
     trainer: Trainer,
     model: str,
@@ -123,7 +138,10 @@ def _variant(
     tok = ByteTokenizer()
     recipe = "fp8-gen" if weights == "fp8" else "bf16"
     loop = "eager" if decode == "eager" else "graph"
-    spec = bench_spec(model, recipe, dev, precision={"fp8_kv_cache": fp8_kv}, rollout={"decode": loop})
+    positions = max(1024, max(map(len, texts)) + new_tokens)  # the longest sequence generated
+    spec = bench_spec(
+        model, recipe, dev, positions, precision={"fp8_kv_cache": fp8_kv}, rollout={"decode": loop}
+    )
     vocab = vocab_size(model, tok.vocab_size)
     attention = "triton" if decode == "graph-triton" else "sdpa"
     with _env("FP8RL_DECODE_ATTENTION", attention):  # read when the generator is built

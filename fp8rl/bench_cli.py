@@ -111,15 +111,27 @@ def bench_rollout(
             help="eager, graph, graph-triton, comma-separated (default: eager,graph on CUDA, eager on CPU)"
         ),
     ] = None,
-    kv_cache: Annotated[str, typer.Option(help="bf16 | fp8 | bf16,fp8: the KV caches measured")] = "bf16,fp8",
+    kv_cache: Annotated[
+        str | None, typer.Option(help="bf16 | fp8 | bf16,fp8: the KV caches measured [default: bf16,fp8]")
+    ] = None,
+    variants: Annotated[
+        str | None,
+        typer.Option(
+            help="WEIGHTS/KV pairs instead of --kv-cache, e.g. bf16/bf16,fp8/fp8 (default: all four)"
+        ),
+    ] = None,
 ) -> None:
     """Generator tokens/s: BF16 vs FP8 weights, BF16 vs FP8 KV cache, eager vs graph-captured decode;
     same model/prompts/seeds."""
     from bench import rollout
 
+    if kv_cache is not None and variants is not None:
+        raise typer.BadParameter("give --variants or --kv-cache, not both", param_hint="--variants")
     decodes = tuple(d.strip() for d in decode.split(",")) if decode else None
-    kv_caches = tuple(k.strip() for k in kv_cache.split(","))
+    kv_caches = tuple(k.strip() for k in (kv_cache or "bf16,fp8").split(","))
+    chosen = tuple(v.strip() for v in variants.split(",")) if variants is not None else None
     options = {"prompts": prompts, "new_tokens": new_tokens, "repeat": repeat, "kv_caches": kv_caches}
+    options["variants"] = chosen
     echo_report(lambda: rollout.report(model, device, decodes=decodes, **options))
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
-from bench.rollout import RolloutRow, format_table, run
+import pytest
+
+from bench.rollout import RolloutRow, format_table, parse_variants, run
 
 
 def test_decode_time_leaves_the_prefill_out() -> None:
@@ -29,3 +31,12 @@ def test_a_cpu_run_times_the_prefill_apart_from_the_whole_call() -> None:
     for row in rows:
         assert row.new_tokens == 6 and 0 < row.prefill_seconds < math.inf and 0 < row.seconds < math.inf
         assert math.isclose(row.decode_ms, (row.seconds - row.prefill_seconds) / 5 * 1e3)
+
+
+def test_variants_pick_weight_and_cache_pairs() -> None:
+    assert parse_variants(("bf16/bf16", "fp8/fp8")) == {("bf16", False), ("fp8", True)}
+    for bad in [(), ("fp8",), ("fp8/e4m3",), ("int8/bf16",)]:
+        with pytest.raises(ValueError, match="give WEIGHTS/KV pairs"):
+            parse_variants(bad)
+    _, rows = run("tiny", "cpu", prompts=2, new_tokens=2, repeat=1, variants=("fp8/fp8", "bf16/bf16"))
+    assert [(r.weights, r.kv_cache) for r in rows] == [("bf16", "bf16"), ("fp8", "fp8")]  # the plan's order

@@ -411,6 +411,10 @@ def test_bench_kernels_and_rollout_options() -> None:
     assert bad.exit_code == 2 and "--decode graph needs a CUDA GPU" in bad.output
     bad = runner.invoke(app, ["bench", "rollout", "--device", "cpu", "--kv-cache", "int8"])
     assert bad.exit_code == 2 and "--kv-cache int8" in bad.output
+    bad = runner.invoke(app, ["bench", "rollout", "--device", "cpu", "--variants", "fp8/e4m3"])
+    assert bad.exit_code == 2 and "--variants fp8/e4m3: give WEIGHTS/KV pairs" in bad.output
+    bad = runner.invoke(app, ["bench", "rollout", "--variants", "fp8/fp8", "--kv-cache", "fp8"])
+    assert bad.exit_code == 2 and "give --variants or --kv-cache, not both" in bad.output
     result = runner.invoke(
         app, ["bench", "rollout", "--device", "cpu", "--prompts", "2", "--new-tokens", "2", "--repeat", "1",
               "--kv-cache", "bf16"],

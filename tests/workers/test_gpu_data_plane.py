@@ -307,35 +307,75 @@ def test_non_finite_tile_is_named_at_the_end_of_the_guard(triton: bool) -> None:
 def test_graph_decode_samples_what_the_trainer_scores(recipe: str, fp8_kv: bool) -> None:
     """The CUDA-graph decode loop (``rollout.decode: auto`` on CUDA) against the trainer's full-
     sequence log-probs, before and after new weights arrive: the second load writes into the
-    storage the captured graph reads (stale weights would put the mismatch far above 1.05)."""
+    storage the captured graph reads (stale weights would put the mismatch far above 1.05).
+
+    With ``FP8RL_DECODE_ATTENTION=triton`` the bound is the same run's float64 attention rounded to
+    BF16 (tests/workers/engines/native/exact_attention.py), whose excess over 1 the kernel's may pass
+    by 25%: any attention that rounds otherwise than the trainer's SDPA scores ~1.04 here with
+    fp8-e2e weights (FP8 amplification through o_proj's E4M3 input; derived on the CPU, docs/engines.md)."""
+    from tests.workers.engines.native.exact_attention import exact_decode_attention
     from workers.algo.mismatch import mismatch_metrics
 
     s = spec(recipe, fp8_kv_cache=fp8_kv)
     gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cuda")  # eos -1: all 16 tokens
     assert gen.static is not None
+    exact = (
+        NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cuda") if gen.static.kernel_attention else None
+    )
     trainer = NativeTrainer(s, TOK.vocab_size, "cuda")
-    errors = []
+
+    def error(g: NativeGenerator, update: int) -> float:
+        batch = g.generate(PROMPTS, 16, 1.0, 1.0, update)
+        metrics = mismatch_metrics(trainer.logprobs(batch, 1.0), batch.logprobs, batch.response_mask)
+        return float(metrics["mismatch/token_mult_prob_error"])
+
+    errors, exact_errors = [], []
     for update in range(2):
         if update:  # other weights, same shapes (as after many optimizer steps)
             with torch.no_grad():
                 for p in trainer.model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
-        gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
-        batch = gen.generate(PROMPTS, 16, 1.0, 1.0, update)
-        metrics = mismatch_metrics(trainer.logprobs(batch, 1.0), batch.logprobs, batch.response_mask)
-        errors.append(float(metrics["mismatch/token_mult_prob_error"]))
+        payload = trainer.export_weights(fp8_weight_names(gen.model))
+        gen.load_weights(payload)
+        errors.append(error(gen, update))
+        if exact is not None:
+            exact.load_weights(payload)
+            with exact_decode_attention():
+                exact_errors.append(error(exact, update))
     assert gen.static.captures == 1  # one shape: captured once, replayed after the weight update
     # the same weights (FP8: the same bytes) in both engines: BF16 kernel differences only. An FP8
     # KV cache, which the trainer does not have, adds its own error: the eager loop on the CPU
     # (bit for bit the static loop there) gives 1.013 and, on the perturbed weights, 1.062 for this
     # test; stale weights (the first ones) against the second trainer would give far above 1.1
-    assert max(errors) < (1.10 if fp8_kv else 1.02), errors
+    bound = 1.10 if fp8_kv else 1.02
+    for i, err in enumerate(errors):
+        if exact_errors:  # the exact attention goes through the same cache: a key left out gives 1.15
+            assert exact_errors[i] < 1.10, exact_errors
+            bound = max(bound, 1 + 1.25 * (exact_errors[i] - 1))
+        assert err < bound, (errors, exact_errors)
+
+
+def _agreement(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[float, float, float]:
+    """Two greedy runs' (tokens, valid, log-probs): the fraction of rows whose first token agrees,
+    the fraction of tokens up to each row's first difference, and the largest log-prob difference
+    over those shared tokens."""
+    same = (a[0] == b[0]).long().cumprod(1).bool()
+    gap = float((a[2][same] - b[2][same]).abs().max()) if bool(same.any()) else 0.0
+    return float(same[:, 0].float().mean()), float(same.float().mean()), gap
 
 
 def test_graph_decode_greedy_matches_eager_decode() -> None:
     """Temperature 0 through the graph and through the eager loop, same weights: the first
     tokens agree (later ones may part where BF16 kernels for different key lengths round a
-    near-tie differently), and the graph's log-probs of the shared tokens match eager's."""
+    near-tie differently), and the graph's log-probs of the shared tokens match eager's.
+
+    With ``FP8RL_DECODE_ATTENTION=triton`` the graph's decode attention rounds otherwise than the
+    eager loop's SDPA, and with fp8-e2e weights o_proj's E4M3 input amplifies that: the shared
+    tokens and their log-prob gap are held to the same run's float64 attention rounded to BF16,
+    with the margins ten CPU seeds needed (docs/engines.md: shared fraction at most 0.11 lower,
+    gap at most 1.39x)."""
+    from tests.workers.engines.native.exact_attention import exact_decode_attention
+
     s = spec("fp8-e2e")
     graph = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cuda")
     eager = NativeGenerator(
@@ -350,10 +390,22 @@ def test_graph_decode_greedy_matches_eager_decode() -> None:
     ids, mask = left_pad(PROMPTS, TOK.pad_id)
     g = graph.generate_on_device(ids.cuda(), mask.cuda(), 12, 0.0, 1.0, 0)
     e = eager.generate_on_device(ids.cuda(), mask.cuda(), 12, 0.0, 1.0, 0)
-    same = (g[0] == e[0]).long().cumprod(1).bool()  # each row's tokens up to its first difference
-    # broken decoding (stale cache, wrong mask or position) agrees on ~none of them
-    assert float(same[:, 0].float().mean()) >= 0.9 and float(same.float().mean()) > 0.6
-    torch.testing.assert_close(g[2][same], e[2][same], rtol=0, atol=0.02)
+    first, shared, gap = _agreement(g, e)
+    assert first >= 0.9  # the first token comes from the prefill (SDPA in both loops)
+    if not graph.static.kernel_attention:
+        # broken decoding (stale cache, wrong mask or position) agrees on ~none of them
+        assert shared > 0.6 and gap <= 0.02, (shared, gap)
+        return
+    exact = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cuda")
+    exact.load_weights(payload)
+    with exact_decode_attention():
+        x = exact.generate_on_device(ids.cuda(), mask.cuda(), 12, 0.0, 1.0, 0)
+    _, exact_shared, exact_gap = _agreement(x, e)
+    assert exact_shared > 0.3, exact_shared  # the same cache and positions: broken decoding fails here
+    assert shared >= exact_shared - 0.15 and gap <= max(0.02, 1.5 * exact_gap + 0.005), (
+        (shared, gap),
+        (exact_shared, exact_gap),
+    )
 
 
 @pytest.mark.parametrize("scale", [2.0**-3, 0.3, 7.0])

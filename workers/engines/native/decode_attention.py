@@ -100,12 +100,13 @@ def reference(
     k: torch.Tensor,
     v: torch.Tensor,
     seen: torch.Tensor,
-    length: int,
+    length: int | torch.Tensor,
     scaling: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same attention in float64 (tests): K and V dequantized as the kernel does, then exact."""
+    """The same attention in float64 (tests): K and V dequantized as the kernel does, then exact.
+    ``length`` may be a one-element tensor on the device (no host sync: a CUDA graph may hold it)."""
 
     def values(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if x.dtype == torch.float8_e4m3fn:
@@ -117,8 +118,7 @@ def reference(
     kk = values(k, k_scale).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T, D]
     vv = values(v, v_scale).repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("bhd,bhtd->bht", q.to(torch.float64), kk) * scaling
-    keep = seen.clone()
-    keep[:, length:] = False
+    keep = seen & (torch.arange(seen.shape[1], device=seen.device) < length)
     scores = scores.masked_fill(~keep[:, None, :], float("-inf"))
     return torch.einsum("bht,bhtd->bhd", torch.softmax(scores, dim=-1), vv)
 

@@ -296,6 +296,58 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         print(f"token_mult_prob_error {float(metrics['mismatch/token_mult_prob_error']):.4f}")
 
 
+def fp8_amplification_not_the_kernel() -> None:
+    """The GPU test's model and prompts (tests/workers/test_gpu_data_plane.py), fp8-e2e weights
+    moved as after many optimizer steps, a BF16 cache: with the Triton decode attention the samples
+    score token_mult_prob_error above the 1.02 of the SDPA loop (1.037 on an H200). The float64
+    attention rounded once to BF16 scores as much: 1.02 is out of reach of any attention that rounds
+    otherwise than the trainer's SDPA, because the E4M3 input of o_proj turns a last-bit difference
+    into an E4M3 step. The kernel's excess over 1 stays within 1.25x the exact attention's (0.96-1.07x
+    over ten seeds: docs/engines.md), the bound the GPU test now uses; a score scale 10% off fails
+    it (1.073 against 1.053)."""
+    from tests.workers.engines.native.exact_attention import exact_decode_attention
+    from tests.workers.engines.native.test_static_decode import static_of
+    from tests.workers.test_gpu_data_plane import PROMPTS, TOK, spec
+    from workers.algo.mismatch import mismatch_metrics
+    from workers.engines.batching import left_pad
+    from workers.engines.native.generator import NativeGenerator
+    from workers.engines.native.trainer import NativeTrainer
+    from workers.engines.protocols import Rollouts
+    from workers.weight_sync.payload import fp8_weight_names
+
+    with switched_on("FP8RL_DECODE_ATTENTION"):
+        s = spec("fp8-e2e")
+        trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05)
+        gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
+        gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
+        ids, mask = left_pad(PROMPTS, TOK.pad_id)
+
+        def error() -> float:
+            decoder = static_of(gen, False)
+            assert decoder.kernel_attention
+            tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 1, -1, TOK.pad_id)
+            rollouts = Rollouts(ids, mask, tokens, valid, logps)
+            return float(
+                mismatch_metrics(trainer.logprobs(rollouts, 1.0), logps, valid)[
+                    "mismatch/token_mult_prob_error"
+                ]
+            )
+
+        with recorded(da, "decode_attention") as calls:
+            kernel = error()
+        assert len(calls) == 2 * 15  # 2 layers, 15 decode steps: the kernel ran
+        with exact_decode_attention(), recorded(da, "decode_attention") as calls:
+            exact = error()
+        assert len(calls) == 2 * 15
+    print(f"token_mult_prob_error: kernel {kernel:.4f}, float64 attention rounded to BF16 {exact:.4f}")
+    assert 1.02 < exact < 1.10, exact  # 1.02 is not a correct attention's; a key left out: 1.15
+    assert kernel - 1 <= 1.25 * (exact - 1), (kernel, exact)
+
+
 CHECKS = {
     "arithmetic": (
         kernel_matches_float64_attention,
@@ -306,6 +358,7 @@ CHECKS = {
         nothing_at_or_past_the_length_is_read_and_masked_keys_do_not_count,
     ),
     "decode": (static_decode_through_the_kernel_samples_what_the_trainer_scores,),
+    "amplification": (fp8_amplification_not_the_kernel,),
     "rope": (
         rope_write_is_hugging_faces_rope_then_the_write,
         static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit,
