@@ -6,7 +6,7 @@
 #   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
 #
 # part 1 (about 3.5 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
-# pytest -m gpu with the Triton switches off and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING among them), the kernel microbenchmark and the host
+# pytest -m gpu with the opt-in Triton switches off (the E4M3 KV write is on by default) and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING among them), the kernel microbenchmark and the host
 # overhead of one linear, then the sampling alone (torch's draw against the Triton launches), then
 # the long-context rollout rows of the 8b-4l preset (256 and 128 sequences x 4096 new tokens, BF16
 # against FP8 weights + E4M3 KV only: about 1.5 minutes).
@@ -29,7 +29,7 @@ started=$(date +%s)
 stamp() { echo "[gpu-session +$(($(date +%s) - started)) s] $*" | tee -a "$dir/session.log"; }
 
 if [ "$part" = 1 ] || [ "$part" = all ]; then
-    stamp "part 1: machine, probe, pytest (Triton switches off), kernels, overhead"
+    stamp "part 1: machine, probe, pytest (opt-in Triton switches off), kernels, overhead"
     $py -m bench.gpu_check --quick --out "$dir/check.md" \
         --sections machine,probe,plan,pytest,kernels,overhead >>"$dir/session.log" 2>&1
     stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton"

@@ -474,6 +474,22 @@ def test_fused_rope_kv_write_is_hugging_faces_rope_and_the_torch_write_bit_for_b
             assert torch.equal(buf[:, :, pos].view(torch.uint8), want.view(torch.uint8))
 
 
+def test_an_e4m3_cache_writes_through_the_kernel_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FP8RL_KV_WRITE unset on CUDA: the one-launch write (measured bit for bit and faster on an
+    H200, 2026-11-29); ``torch`` keeps the torch path; a BF16 cache has no quantization to fuse."""
+    from workers.engines.native.static_decode import StaticKvCache
+
+    def cache(fp8: bool) -> StaticKvCache:
+        return StaticKvCache(2, 3, 4, 128, 16, torch.bfloat16, torch.device("cuda"), fp8)
+
+    monkeypatch.delenv("FP8RL_KV_WRITE", raising=False)
+    assert cache(True).fused_write and not cache(False).fused_write
+    monkeypatch.setenv("FP8RL_KV_WRITE", "torch")
+    assert not cache(True).fused_write
+
+
 @pytest.mark.parametrize("fp8_kv", [False, True])
 def test_graph_decode_with_fused_rope_is_the_unfused_step_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch, fp8_kv: bool

@@ -317,15 +317,26 @@ def cublas_blockwise_disabled() -> bool:
     return os.environ.get("FP8RL_CUBLAS_BLOCKWISE", "1") == "0"
 
 
-def triton_switch(variable: str, default: str, triton_value: str, device: torch.device, instead: str) -> bool:
-    """An opt-in Triton kernel's environment switch: ``variable`` is ``default`` (off) or
+def triton_switch(
+    variable: str,
+    default: str,
+    triton_value: str,
+    device: torch.device,
+    instead: str,
+    on_cuda_when_unset: bool = False,
+) -> bool:
+    """A Triton kernel's environment switch: ``variable`` is ``default`` (off) or
     ``triton_value``/``"triton"`` (on); on only for a CUDA device, or a CPU under Triton's
     interpreter (tests), with Triton installed. Anything else is refused, naming the variable.
     Asked for where it cannot run, it logs a warning once per process and cause, saying that
-    ``instead`` runs."""
+    ``instead`` runs. ``on_cuda_when_unset``: a kernel a GPU run has measured (bit for bit and
+    faster) is on, unset, for CUDA tensors where Triton is installed, and silently off elsewhere."""
+    if variable not in os.environ and on_cuda_when_unset:
+        return device.type == "cuda" and _triton_problem(device) is None
     wanted = os.environ.get(variable, default)
     if wanted not in (default, triton_value):
-        raise ValueError(f"{variable}={wanted!r}: use {default} (default) or {triton_value}")
+        shown = f"{default} (the default off CUDA)" if on_cuda_when_unset else f"{default} (default)"
+        raise ValueError(f"{variable}={wanted!r}: use {shown} or {triton_value}")
     if wanted != triton_value:
         return False
     why = _triton_problem(device)

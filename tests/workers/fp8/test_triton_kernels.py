@@ -232,17 +232,31 @@ def test_the_rope_kv_write_refuses_what_it_cannot_write() -> None:
         call(buf=torch.float32)
 
 
-def test_the_kv_write_switch_is_off_by_default_and_checked(
+def test_the_kv_write_switch_is_on_for_cuda_by_default_and_checked(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Unset: on for CUDA tensors (Triton is installed here), off for CPU ones without a word (the
+    interpreter is the tests' to ask for); ``torch`` turns it off; anything else is refused."""
     from workers.engines.native.static_decode import fused_kv_write
     from workers.fp8 import dispatch
 
     monkeypatch.delenv("FP8RL_KV_WRITE", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dispatch._warn_fallback.cache_clear()
+    caplog.set_level(logging.WARNING, logger=dispatch.__name__)
+    assert fused_kv_write(torch.device("cuda")) and not fused_kv_write(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert fused_kv_write(torch.device("cuda")) and not fused_kv_write(torch.device("cpu"))
+    assert not [r for r in caplog.records if "FP8RL_KV_WRITE" in r.getMessage()]
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", lambda name: None)  # no Triton
+        assert not fused_kv_write(torch.device("cuda"))
+    monkeypatch.setenv("FP8RL_KV_WRITE", "torch")
     assert not fused_kv_write(torch.device("cuda"))
     monkeypatch.setenv("FP8RL_KV_WRITE", "fused")
-    with pytest.raises(ValueError, match="FP8RL_KV_WRITE='fused'"):
+    with pytest.raises(
+        ValueError, match=r"FP8RL_KV_WRITE='fused': use torch \(the default off CUDA\) or triton"
+    ):
         fused_kv_write(torch.device("cuda"))
     monkeypatch.setenv("FP8RL_KV_WRITE", "triton")
     dispatch._warn_fallback.cache_clear()

@@ -12,8 +12,8 @@ captured once in a CUDA graph and replayed: one launch per token instead of hund
 - The mask is a ``[B, T]`` "seen" buffer, one column switched on per step; position ids, the last
   token, "finished" and the outputs (tokens, log-probs, valid flags) are buffers written in place
   at a step counter on the device.
-- ``FP8RL_KV_WRITE=triton`` writes each step's K/V in one Triton launch; beside the Triton
-  attention (``FP8RL_DECODE_ATTENTION=triton``) RoPE joins that launch
+- ``FP8RL_KV_WRITE`` (on CUDA unless ``torch``) writes each step's E4M3 K/V in one Triton
+  launch; beside the Triton attention (``FP8RL_DECODE_ATTENTION=triton``) RoPE joins that launch
   (:func:`~workers.engines.native.decode_attention.fuse_rope`, bit for bit Hugging Face's).
 - Sampling is the eager path's exponential race (:func:`sample_top_p`; with
   ``FP8RL_SAMPLING=triton`` its three-launch kernel) with its generator registered on the graph,
@@ -56,12 +56,16 @@ PROMPT_MULTIPLE = 16  # prompts are left-padded to a multiple of this: fewer dis
 
 
 def fused_kv_write(device: torch.device) -> bool:
-    """``FP8RL_KV_WRITE``: ``torch`` (default: quantize, then ``index_copy_``) or ``triton`` (one
-    launch per K or V per layer and step, :mod:`workers.fp8.triton_kv`; CUDA, or the CPU under
-    Triton's interpreter). Asked for where it cannot run, it logs why once and the torch path runs."""
+    """``FP8RL_KV_WRITE``: ``triton`` (one launch per K or V per layer and step,
+    :mod:`workers.fp8.triton_kv`; CUDA, or the CPU under Triton's interpreter) or ``torch``
+    (quantize, then ``index_copy_``). Unset: ``triton`` on CUDA where Triton is installed (an H200
+    measured it bit for bit and faster, 2026-11-29), ``torch`` elsewhere. Asked for where it cannot
+    run, it logs why once and the torch path runs."""
     from workers.fp8.dispatch import triton_switch
 
-    return triton_switch("FP8RL_KV_WRITE", "torch", "triton", device, "the torch KV-cache write")
+    return triton_switch(
+        "FP8RL_KV_WRITE", "torch", "triton", device, "the torch KV-cache write", on_cuda_when_unset=True
+    )
 
 
 class StaticKvCache(DynamicCache):
@@ -99,7 +103,7 @@ class StaticKvCache(DynamicCache):
         self.calibrator = KvScaleCalibrator(num_layers) if fp8 else None
         self.fixed = False  # scales set by use_scales (else calibrated on each prefill)
         self.raw = False  # decode: return the stored buffers as they are (the Triton attention reads them)
-        # FP8RL_KV_WRITE=triton: each decode write in one Triton launch (workers.fp8.triton_kv)
+        # FP8RL_KV_WRITE (on CUDA unless torch): each E4M3 decode write in one launch (workers.fp8.triton_kv)
         self.fused_write = fp8 and fused_kv_write(device)
         self.k_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
         self.v_scale = torch.ones(num_layers, dtype=torch.float32, device=device)
