@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rljob.metrics import DRIVER_ATTEMPT
+from rljob.prometheus import DRIVER_ATTEMPT
 from rljob.status import MAX_ATTEMPTS, Attempt, Phase
 
 Cause = Literal["created", "retried", "in-place", "recreated", "resumed"]

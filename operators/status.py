@@ -11,9 +11,9 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from operators.actions import Event
-from rljob.metrics import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
 from rljob.mismatch_slo import MismatchSloSpec, condition_of
 from rljob.precision_actions import condition_of as precision_condition_of
+from rljob.prometheus import ACTOR_RESTARTS, PROMETHEUS, RESTART_ROLES, RUN_COMPLETE
 from rljob.status import (
     ALLOWED,
     FAULTS_RECOVERED,
@@ -103,7 +103,7 @@ def advance(status: JobStatus, target: Target) -> tuple[JobStatus, list[Phase]]:
 
 def gauges_of(exposition: str) -> dict[str, float]:
     """The driver's ``/metrics`` text as a ``metrics.jsonl`` line: each ``fp8rl_*`` gauge read
-    back as its JSONL key (``rljob.metrics.PROMETHEUS``)."""
+    back as its JSONL key (``rljob.prometheus.PROMETHEUS``)."""
     keys = {m.name: m.key for m in PROMETHEUS if m.kind == "gauge"}
     row: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):

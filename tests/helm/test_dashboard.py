@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rljob.metrics import (
+from rljob.prometheus import (
     ACTOR_RESTARTS,
     DRIVER_ATTEMPT,
     GRADER_PROMETHEUS,

@@ -35,6 +35,7 @@ from operators.settings import OperatorSettings
 from rljob import metrics as m
 from rljob import resource as rl
 from rljob.paths import POD_HOME
+from rljob.prometheus import PROMETHEUS
 from rljob.run_dir import JOB_SPEC, driver_argv
 from rljob.spec import JobSpec
 from tests.helpers import wait_for
@@ -220,7 +221,7 @@ def test_the_example_rljob_on_a_pretrained_model_reaches_status_and_prometheus(
             ("fp8rl_response_truncated_fraction", m.RESPONSE_TRUNCATED_FRACTION),
             ("fp8rl_response_unreadable_fraction", m.RESPONSE_UNREADABLE_FRACTION),
         ):
-            assert [p.name for p in m.PROMETHEUS if p.key == key] == [name]
+            assert [p.name for p in PROMETHEUS if p.key == key] == [name]
             [(labels, value)] = prometheus.query(url, f"{name}{selector}")
             assert (labels["namespace"], labels["recipe"]) == (NS, RECIPE), labels
             assert value == float(row[key]), (name, value, row[key])

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from rljob import metrics
+from rljob import metrics, prometheus
 from rljob.algorithms import AGGREGATIONS, IS_MODES, RECIPES
 from rljob.status import ACTIONS, Reason
 
@@ -37,12 +37,12 @@ def test_every_key_constant_is_a_field_of_the_typed_row_and_back() -> None:
 
 def test_every_prometheus_series_reads_a_key_of_the_row() -> None:
     typed = set(metrics.ValidatedStepMetrics.__annotations__)
-    assert {m.key for m in metrics.PROMETHEUS} <= typed
+    assert {m.key for m in prometheus.PROMETHEUS} <= typed
     optional = set(metrics.ValidationMetrics.__annotations__)
-    for m in metrics.PROMETHEUS:  # a series only some steps have is exported from its first step
+    for m in prometheus.PROMETHEUS:  # a series only some steps have is exported from its first step
         assert m.every_step == (m.key not in optional), m.key
     # the phases of fp8rl_step_duration_seconds are timing/<phase>_s keys of the row
-    assert {f"timing/{p}_s" for p in metrics.PHASES} <= typed
+    assert {f"timing/{p}_s" for p in prometheus.PHASES} <= typed
 
 
 def test_required_keys_are_the_keys_of_every_step() -> None:

@@ -26,7 +26,6 @@ from typing import Any, cast
 from rljob import metrics as m
 from rljob.metrics import (
     PRECISION_ACTIONS,
-    RESTART_ROLES,
     AsyncStepMetrics,
     InitialValidation,
     MetricsLog,
@@ -34,6 +33,7 @@ from rljob.metrics import (
     ValidatedStepMetrics,
 )
 from rljob.precision_actions import effective
+from rljob.prometheus import RESTART_ROLES
 from rljob.run_dir import RunDir
 from rljob.spec import JobSpec
 from workers.fp8.kv_cache import calibrates_kv

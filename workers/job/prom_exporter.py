@@ -8,7 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from rljob.metrics import (
+from rljob.metrics import grader_of_key, layer_of_key
+from rljob.prometheus import (
     ACTOR_RESTARTS,
     DRIVER_ATTEMPT,
     GRADER_PROMETHEUS,
@@ -18,8 +19,6 @@ from rljob.metrics import (
     PROMETHEUS,
     RESTART_ROLES,
     RUN_COMPLETE,
-    grader_of_key,
-    layer_of_key,
 )
 
 

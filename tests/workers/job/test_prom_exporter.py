@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rljob.metrics import PROMETHEUS
+from rljob.prometheus import PROMETHEUS
 from workers.job.prom_exporter import PromExporter
 
 LABELS = {"job": "j", "namespace": "team-a", "recipe": "fp8-e2e"}

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from rljob.metrics import ACTOR_RESTARTS, FAULT_KEYS
+from rljob.metrics import FAULT_KEYS
+from rljob.prometheus import ACTOR_RESTARTS
 from rljob.spec import parse_spec
 from service.local_runs import fault_condition
 from tests import helpers
