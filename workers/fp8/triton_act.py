@@ -29,7 +29,8 @@ import triton.language as tl
 
 from workers.fp8.formats import Fp8Format
 from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
-from workers.fp8.triton_quant import HW_BF16, bf16_value, expf, rows_layout, write_rows
+from workers.fp8.triton_math import HW_BF16, bf16_value, expf
+from workers.fp8.triton_quant import rows_layout, write_rows
 
 _TILE = 128
 # Multiply-add contraction, as the launch's enable_fp_fusion. torch's SiLU is one CUDA kernel

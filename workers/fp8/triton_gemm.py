@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fp8.triton_quant import fold_bad_tiles, scale_of, tile_amax, to_fp8
+from workers.fp8.triton_math import to_fp8
+from workers.fp8.triton_quant import fold_bad_tiles, scale_of, tile_amax
 
 MAX_M = 64  # tokens per call this kernel takes; more go to cuBLAS
 _BLOCK = 128

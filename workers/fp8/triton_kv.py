@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from workers.fp8.formats import get_format
-from workers.fp8.triton_quant import HW_BF16, bf16_value, to_fp8
+from workers.fp8.triton_math import HW_BF16, bf16_value, to_fp8
 
 
 @triton.jit

@@ -3,7 +3,7 @@ be switched on before Triton is imported: ``test_triton_kernels.py`` runs this m
 interpreter with ``TRITON_INTERPRET=1`` (``python -m tests.workers.fp8.triton_kernel_checks``).
 
 The interpreter's own FP8 cast rounds ~5% of values wrongly (ties, and roundings that carry into
-the exponent), so under it the kernels' :func:`~workers.fp8.triton_quant.to_fp8` rounds on the
+the exponent), so under it the kernels' :func:`~workers.fp8.triton_math.to_fp8` rounds on the
 format's grid in float32 first (:func:`the_fp8_cast_is_torchs_on_every_kind_of_value` holds that
 to torch's cast on every E4M3 and E5M2 value, every tie between neighbours and 200,000 others).
 Some checks compare kernel bytes against kernel bytes, as they were written before that; scales,
@@ -22,7 +22,8 @@ from tests.workers.recording import recorded
 from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
 from workers.fp8.quant import quantize
 from workers.fp8.triton_gemm import small_m_gemm
-from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual, quantize_128x128_many, to_fp8
+from workers.fp8.triton_math import to_fp8
+from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual, quantize_128x128_many
 from workers.fp8.triton_wgrad import wgrad_gemm
 
 E4M3 = ("e4m3", 448.0, torch.float8_e4m3fn)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fp8.triton_quant import HW_BF16, bf16_bits
+from workers.fp8.triton_math import HW_BF16, bf16_bits
 
 # -1e30 below stands for minus infinity: exp() and max() of a fully masked tile stay free of NaN
 

@@ -25,15 +25,8 @@ import triton.language as tl
 
 from workers.fp8.formats import Fp8Format
 from workers.fp8.fp8_tensor import Fp8Tensor, TILE_1x128
-from workers.fp8.triton_quant import (
-    HW_BF16,
-    bf16_value,
-    fold_bad_tiles,
-    rows_layout,
-    scale_of,
-    tile_amax,
-    to_fp8,
-)
+from workers.fp8.triton_math import HW_BF16, bf16_value, to_fp8
+from workers.fp8.triton_quant import fold_bad_tiles, rows_layout, scale_of, tile_amax
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.fp8.triton_quant import HW_BF16, expf, logf
+from workers.fp8.triton_math import HW_BF16, expf, logf
 
 BLOCK_V = 1024
 
