@@ -372,7 +372,7 @@ def test_graph_decode_greedy_matches_eager_decode() -> None:
     With ``FP8RL_DECODE_ATTENTION=triton`` the graph's decode attention rounds otherwise than the
     eager loop's SDPA, and with fp8-e2e weights o_proj's E4M3 input amplifies that: the shared
     tokens and their log-prob gap are held to the same run's float64 attention rounded to BF16,
-    with the margins ten CPU seeds needed (docs/engines.md: shared fraction at most 0.11 lower,
+    with the margins ten CPU cases needed (docs/engines.md: shared fraction at most 0.11 lower,
     gap at most 1.39x)."""
     from tests.workers.engines.native.exact_attention import exact_decode_attention
 

@@ -303,7 +303,7 @@ def fp8_amplification_not_the_kernel() -> None:
     attention rounded once to BF16 scores as much: 1.02 is out of reach of any attention that rounds
     otherwise than the trainer's SDPA, because the E4M3 input of o_proj turns a last-bit difference
     into an E4M3 step. The kernel's excess over 1 stays within 1.25x the exact attention's (0.96-1.07x
-    over ten seeds: docs/engines.md), the bound the GPU test now uses; a score scale 10% off fails
+    over ten cases: docs/engines.md), the bound the GPU test now uses; a score scale 10% off fails
     it (1.073 against 1.053)."""
     from tests.workers.engines.native.exact_attention import exact_decode_attention
     from tests.workers.engines.native.test_static_decode import static_of
