@@ -89,14 +89,18 @@ def run(
         raise ValueError("--decode graph needs a CUDA GPU (CUDA graphs); use --decode eager on CPU")
     if not kv_caches or set(kv_caches) - {"bf16", "fp8"}:
         raise ValueError(f"--kv-cache {','.join(kv_caches)}: choose from bf16, fp8")
-    chosen = parse_variants(variants) if variants is not None else None
+    chosen = (
+        parse_variants(variants)
+        if variants is not None
+        else {(w, kv) for w, kv in VARIANTS if ("fp8" if kv else "bf16") in kv_caches}
+    )
     tok = ByteTokenizer()
     texts = [tok.encode(f"Calculate {i % 10} + {i // 10 % 10}. ") for i in range(prompts)]
     trainer = build_trainer(bench_spec(model, "bf16", dev), vocab_size(model, tok.vocab_size), str(dev))
     plan = [
         (w, kv, d)
         for w, kv in VARIANTS
-        if (chosen is None and ("fp8" if kv else "bf16") in kv_caches) or (w, kv) in (chosen or ())
+        if (w, kv) in chosen
         for d in decodes  # interleaved: each variant's loops back to back
     ]
     rows = []

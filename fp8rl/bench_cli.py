@@ -130,8 +130,13 @@ def bench_rollout(
     decodes = tuple(d.strip() for d in decode.split(",")) if decode else None
     kv_caches = tuple(k.strip() for k in (kv_cache or "bf16,fp8").split(","))
     chosen = tuple(v.strip() for v in variants.split(",")) if variants is not None else None
-    options = {"prompts": prompts, "new_tokens": new_tokens, "repeat": repeat, "kv_caches": kv_caches}
-    options["variants"] = chosen
+    options = {
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "repeat": repeat,
+        "kv_caches": kv_caches,
+        "variants": chosen,
+    }
     echo_report(lambda: rollout.report(model, device, decodes=decodes, **options))
 
 

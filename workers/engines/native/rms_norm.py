@@ -96,8 +96,9 @@ def emit_fp8_tiles(model: nn.Module) -> int:
 
 
 # the attribute of a decoder layer's output (the sum) that carries the next norm's output of it,
-# computed in the same kernel as the sum (chain_layer_adds)
+# computed in the same kernel as the sum (chain_layer_adds); and the layer's attribute naming that norm
 NORMED_ATTR = "fp8rl_next_normed"
+NEXT_NORM_ATTR = "fp8rl_next_norm"
 
 
 def chain_layer_adds(model: nn.Module) -> int:
@@ -115,7 +116,7 @@ def chain_layer_adds(model: nn.Module) -> int:
         taken = type(layer).__name__ in LAYER_MODULES and hasattr(layer, "fp8rl_hf_forward")
         if taken and hasattr(norm, "fp8rl_hf_forward"):
             # a plain attribute: as a submodule it would enter the state dict under a second name
-            object.__setattr__(layer, "fp8rl_next_norm", norm)
+            object.__setattr__(layer, NEXT_NORM_ATTR, norm)
             chained += 1
     return chained
 
@@ -196,7 +197,7 @@ def _layer_forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs
     hidden_states, _ = layer.self_attn(hidden_states=hidden_states, **kwargs)
     residual, hidden_states = _add_norm(layer.post_attention_layernorm, hidden_states, residual)
     hidden_states = layer.mlp(hidden_states)
-    following = getattr(layer, "fp8rl_next_norm", None)
+    following = getattr(layer, NEXT_NORM_ATTR, None)
     if following is None or torch.is_grad_enabled():
         return residual + hidden_states
     total, normed = _add_norm(following, hidden_states, residual)

@@ -4,8 +4,8 @@ before Triton is imported: ``test_decode_attention.py`` runs this module in a fr
 
 from __future__ import annotations
 
-import os
 import sys
+from typing import Any
 
 import torch
 import triton
@@ -32,6 +32,19 @@ def fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).norm() / want.norm())
+
+
+def trainer_error(
+    trainer: Any, ids: torch.Tensor, mask: torch.Tensor, generated: tuple[torch.Tensor, ...]
+) -> float:
+    """token_mult_prob_error of a static decoder's ``(tokens, valid, log-probs)`` against the
+    trainer's log-probs of the same tokens."""
+    from workers.algo.mismatch import mismatch_metrics
+    from workers.engines.protocols import Rollouts
+
+    tokens, valid, logps = generated
+    metrics = mismatch_metrics(trainer.logprobs(Rollouts(ids, mask, tokens, valid, logps), 1.0), logps, valid)
+    return float(metrics["mismatch/token_mult_prob_error"])
 
 
 def kernel_matches_float64_attention() -> None:
@@ -142,25 +155,23 @@ def nothing_at_or_past_the_length_is_read_and_masked_keys_do_not_count() -> None
 
 def static_decode_through_the_kernel_samples_what_the_trainer_scores() -> None:
     from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
-    from workers.algo.mismatch import mismatch_metrics
     from workers.engines.batching import left_pad
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
-    from workers.engines.protocols import Rollouts
     from workers.weight_sync.payload import fp8_weight_names
 
-    os.environ["FP8RL_DECODE_ATTENTION"] = "triton"
-    s = spec("fp8-e2e", fp8_kv=True)
-    gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
-    trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
-    gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
-    decoder = static_of(gen, True)
-    assert decoder.kernel_attention and decoder.impl == da.ATTENTION_NAME
-    ids, mask = left_pad(PROMPTS, TOK.pad_id)
-    tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
-    batch = Rollouts(ids, mask, tokens, valid, logps)
-    metrics = mismatch_metrics(trainer.logprobs(batch, 1.0), logps, valid)
-    assert float(metrics["mismatch/token_mult_prob_error"]) < 1.02, metrics
+    with switched_on("FP8RL_DECODE_ATTENTION"):
+        s = spec("fp8-e2e", fp8_kv=True)
+        gen = NativeGenerator(s, TOK.vocab_size, -1, TOK.pad_id, "cpu")
+        trainer = NativeTrainer(s, TOK.vocab_size, "cpu")
+        gen.load_weights(trainer.export_weights(fp8_weight_names(gen.model)))
+        decoder = static_of(gen, True)
+        assert decoder.kernel_attention and decoder.impl == da.ATTENTION_NAME
+        ids, mask = left_pad(PROMPTS, TOK.pad_id)
+        error = trainer_error(
+            trainer, ids, mask, decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
+        )
+    assert error < 1.02, error
 
 
 def rope_write_is_hugging_faces_rope_then_the_write() -> None:
@@ -230,10 +241,11 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
     from workers.engines.native.generator import NativeGenerator
     from workers.fp8 import triton_kv
 
-    os.environ["FP8RL_DECODE_ATTENTION"] = "triton"
-    os.environ["FP8RL_KV_WRITE"] = "triton"
     ids, mask = left_pad(PROMPTS, TOK.pad_id)
-    with recorded(triton_kv, "rope_write_kv") as calls:
+    with (
+        switched_on("FP8RL_DECODE_ATTENTION", "FP8RL_KV_WRITE"),
+        recorded(triton_kv, "rope_write_kv") as calls,
+    ):
         for recipe, fp8_kv, temperature in (("bf16", False, 0.0), ("fp8-e2e", True, 1.0)):
             gen = NativeGenerator(spec(recipe, fp8_kv), TOK.vocab_size, -1, TOK.pad_id, "cpu")
             decoder = static_of(gen, fp8_kv)
@@ -247,7 +259,6 @@ def static_decode_with_fused_rope_is_the_unfused_step_bit_for_bit() -> None:
                 assert len(calls) == (2 * steps if rope else 0), (len(calls), steps)  # 2 layers
             for got, want in zip(runs[True], runs[False], strict=True):
                 assert torch.equal(got, want), (recipe, got, want)
-    os.environ.pop("FP8RL_KV_WRITE")
 
 
 def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
@@ -258,12 +269,10 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
     the trainer's as the eager loop's do (the bound of the attention-only check, 1.02), and each
     kernel ran (counted)."""
     from tests.workers.engines.native.test_static_decode import PROMPTS, TOK, spec, static_of
-    from workers.algo.mismatch import mismatch_metrics
     from workers.engines.batching import left_pad
     from workers.engines.native import triton_sample
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
-    from workers.engines.protocols import Rollouts
     from workers.fp8 import triton_act, triton_kv
     from workers.fp8.fused import fuse_projections, fuse_silu_mul
     from workers.weight_sync.payload import fp8_weight_names
@@ -286,14 +295,13 @@ def every_decode_kernel_together_samples_what_the_trainer_scores() -> None:
         decoder = static_of(gen, True)
         assert decoder.kernel_attention and decoder.fused_rope and decoder.fused_sampling
         ids, mask = left_pad(PROMPTS, TOK.pad_id)
-        tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
+        error = trainer_error(
+            trainer, ids, mask, decoder.generate(ids, mask, 16, 1.0, 1.0, 0, -1, TOK.pad_id)
+        )
         assert len(rope) == 2 * 15 and len(silu) == 2 * 16  # 2 layers; the prefill's MLP too
         assert len(sample) == 16
-        metrics = mismatch_metrics(
-            trainer.logprobs(Rollouts(ids, mask, tokens, valid, logps), 1.0), logps, valid
-        )
-        assert float(metrics["mismatch/token_mult_prob_error"]) < 1.02, metrics
-        print(f"token_mult_prob_error {float(metrics['mismatch/token_mult_prob_error']):.4f}")
+        assert error < 1.02, error
+        print(f"token_mult_prob_error {error:.4f}")
 
 
 def fp8_amplification_not_the_kernel() -> None:
@@ -308,11 +316,9 @@ def fp8_amplification_not_the_kernel() -> None:
     from tests.workers.engines.native.exact_attention import exact_decode_attention
     from tests.workers.engines.native.test_static_decode import static_of
     from tests.workers.test_gpu_data_plane import PROMPTS, TOK, spec
-    from workers.algo.mismatch import mismatch_metrics
     from workers.engines.batching import left_pad
     from workers.engines.native.generator import NativeGenerator
     from workers.engines.native.trainer import NativeTrainer
-    from workers.engines.protocols import Rollouts
     from workers.weight_sync.payload import fp8_weight_names
 
     with switched_on("FP8RL_DECODE_ATTENTION"):
@@ -329,12 +335,8 @@ def fp8_amplification_not_the_kernel() -> None:
         def error() -> float:
             decoder = static_of(gen, False)
             assert decoder.kernel_attention
-            tokens, valid, logps = decoder.generate(ids, mask, 16, 1.0, 1.0, 1, -1, TOK.pad_id)
-            rollouts = Rollouts(ids, mask, tokens, valid, logps)
-            return float(
-                mismatch_metrics(trainer.logprobs(rollouts, 1.0), logps, valid)[
-                    "mismatch/token_mult_prob_error"
-                ]
+            return trainer_error(
+                trainer, ids, mask, decoder.generate(ids, mask, 16, 1.0, 1.0, 1, -1, TOK.pad_id)
             )
 
         with recorded(da, "decode_attention") as calls:

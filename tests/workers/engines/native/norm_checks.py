@@ -233,7 +233,7 @@ def the_layer_closing_add_joins_the_next_norm() -> None:
     from workers.engines.batching import left_pad, positions
     from workers.engines.native import triton_norm
     from workers.engines.native.generator import NativeGenerator
-    from workers.engines.native.rms_norm import NORMED_ATTR
+    from workers.engines.native.rms_norm import NEXT_NORM_ATTR, NORMED_ATTR
 
     with switched_on("FP8RL_RMS_NORM"), recorded(triton_norm, "rms_norm") as calls:
         ids, mask = left_pad(PROMPTS[:5], TOK.pad_id)
@@ -244,7 +244,7 @@ def the_layer_closing_add_joins_the_next_norm() -> None:
             layers = list(gen.model.model.layers)
             if not chain:
                 for layer in layers:
-                    del layer.fp8rl_next_norm
+                    delattr(layer, NEXT_NORM_ATTR)
             seen: list[torch.Tensor] = []
             hooks = [
                 layer.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out)) for layer in layers
