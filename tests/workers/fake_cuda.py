@@ -61,21 +61,50 @@ def blocking_copy_to_host(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
 
 
 class Launches(TorchDispatchMode):
-    """Counts kernel launches by operator (``aten``) and by Triton kernel (``triton``); raises
-    :class:`HostCopyError` at a blocking copy to the host."""
+    """Counts kernel launches by operator (``aten``) and by Triton kernel (``triton``) while it is
+    the active mode; raises :class:`HostCopyError` at a blocking copy to the host.
+
+    ``F.scaled_dot_product_attention`` counts as one kernel, as a GPU runs it (flash or memory-
+    efficient attention); on fake tensors it takes torch's math path, whose operators are not
+    counted."""
 
     def __init__(self) -> None:
         super().__init__()
         self.aten: Counter[str] = Counter()
         self.triton: Counter[str] = Counter()
+        self.active = False
+        self.inside_fused = 0
+
+    def __enter__(self) -> Launches:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if blocking_copy_to_host(func, args, kwargs):
             raise HostCopyError(f"{func}: a blocking copy from the GPU to the host")
-        if launches_kernel(func):
+        if launches_kernel(func) and not self.inside_fused:
             self.aten[func.overloadpacket.__name__] += 1
         return func(*args, **kwargs)
+
+    def launched(self, kernel: str) -> None:
+        """A Triton kernel's launch (counted while active)."""
+        if self.active:
+            self.triton[kernel] += 1
+
+    def fused(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` counted as the one kernel ``name``."""
+        if self.active and not self.inside_fused:
+            self.aten[name] += 1
+        self.inside_fused += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.inside_fused -= 1
 
     def clear(self) -> None:
         self.aten.clear()
@@ -86,18 +115,54 @@ class Launches(TorchDispatchMode):
         return sum(self.aten.values()) + sum(self.triton.values())
 
 
+class _Event:
+    """``torch.cuda.Event`` without a driver: recorded, never seen to complete (a loop that polls
+    one without waiting reads nothing)."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return False
+
+
 @contextmanager
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeTensorMode, Launches]]:
+def fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, processors: int = 132
+) -> Iterator[tuple[FakeTensorMode, Launches]]:
     """A fake-tensor mode whose ``cuda`` tensors need no GPU, and a :class:`Launches` that Triton's
     launches (``kernel[grid](...)``) report to; use the counter as a mode (``with launches:``)
-    around the code to count."""
+    around the code to count.
+
+    What the CUDA driver would answer is stood in for: the GPU has ``processors`` multiprocessors
+    (an H200's 132 by default; kernels size their grids by it), pinned host memory is ordinary
+    memory, an event never completes (:class:`_Event`), and a CUDA random generator is ``None``
+    (a fake tensor cannot draw from one; the draw is still one kernel)."""
     import triton.runtime.jit as jit
 
+    from workers.fp8 import dispatch
+
     launches = Launches()
+    real_generator = torch.Generator
+
+    class Generator(torch.Generator):  # a type still, for annotations evaluated meanwhile
+        def __new__(cls, device: Any = "cpu") -> Any:
+            return None if torch.device(device).type == "cuda" else real_generator(device)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        return launches.fused("scaled_dot_product_attention", sdpa, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", attention)
+    monkeypatch.setattr(dispatch, "_sm_count", lambda index: processors)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args, **kwargs: t)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *args, **kwargs: _Event())
+    monkeypatch.setattr(torch, "Generator", Generator)
 
     def launcher(kernel: Any, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> None:
-            launches.triton[kernel.fn.__name__] += 1
+            launches.launched(kernel.fn.__name__)
 
         return launch
 
@@ -121,3 +186,25 @@ def to_fake_cuda(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
                     moved[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
                 store[name] = moved[id(t)]
     return model
+
+
+def build_on_fake_cuda(monkeypatch: pytest.MonkeyPatch, mode: FakeTensorMode, *modules: Any) -> None:
+    """``build_policy`` as each of ``modules`` imported it builds the model on ``meta`` and moves it
+    to the fake GPU, with SDPA attention (what it picks on CUDA). The FP8 conversion's audit skips
+    its one read of the weights' maxima (at start-up, not in a hot loop)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from workers.engines.models import build_policy
+    from workers.fp8 import convert
+
+    def built(
+        spec: Any, vocab: int, dtype: torch.dtype, device: Any, init_on_host: bool = False
+    ) -> nn.Module:
+        with unset_fake_temporarily():
+            model = build_policy(spec, vocab, dtype, "meta")
+        model.config._attn_implementation = "sdpa"
+        return to_fake_cuda(model, mode)
+
+    for module in modules:
+        monkeypatch.setattr(module, "build_policy", built)
+    monkeypatch.setattr(convert, "_with_weight_amax", lambda rows, amax: rows)

@@ -86,7 +86,7 @@ def test_generate_never_waits_for_the_host() -> None:
     ids, mask = ids.cuda(), mask.cuda()
     gen.generate_on_device(ids, mask, 4, 1.0, 0.9, 0)  # warm-up: allocator, kernels, cuBLAS handles
     with no_host_sync():
-        # the guard's single read at the end is the one sync: checked outside
+        # the guards' reads at the end are the one sync (tests/workers/engines/native/test_decode_launches.py)
         from workers.fp8 import guard
 
         with pytest.MonkeyPatch.context() as mp:

@@ -165,6 +165,19 @@ def profile_of(device: torch.device) -> DeviceProfile:
 _DEVICE_PROFILES: dict[int, DeviceProfile] = {}
 
 
+def multiprocessors(device: torch.device, elsewhere: int) -> int:
+    """The streaming multiprocessors of a CUDA ``device`` (asked once per GPU), by which kernels
+    size their grids; ``elsewhere`` for any other device (Triton's interpreter on the CPU)."""
+    if device.type != "cuda":
+        return elsewhere
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
 @contextmanager
 def simulate(profile: DeviceProfile | str) -> Iterator[DeviceProfile]:
     """Plan every GEMM in the block as if it ran on ``profile`` (the tensors stay where they are).

@@ -56,11 +56,16 @@ def calibrates_kv(spec: JobSpec) -> bool:
     return spec.precision.fp8_kv_cache
 
 
+def check_percentile(percentile: float) -> None:
+    """Refuse a percentile outside (0, 100]."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile={percentile} must be in (0, 100]")
+
+
 def abs_percentile(x: torch.Tensor, percentile: float, where: str = "KV calibration") -> torch.Tensor:
     """The ``percentile``-th percentile of ``|x|`` (nearest rank, exact): a float32 0-d tensor on
     ``x``'s device, computed there (no host sync; NaN/inf is checked as in ``quantize``)."""
-    if not 0.0 < percentile <= 100.0:
-        raise ValueError(f"percentile={percentile} must be in (0, 100]")
+    check_percentile(percentile)
     flat = x.detach().reshape(-1).abs().to(torch.float32)
     if flat.numel() == 0:
         raise ValueError("abs_percentile of an empty tensor")
@@ -132,7 +137,7 @@ class KvScaleCalibrator:
         margin = KV_MARGIN if margin is None else margin
         if margin < 1.0:
             raise ValueError(f"margin={margin} must be >= 1.0 (headroom above the calibrated magnitude)")
-        abs_percentile(torch.ones(1), percentile)  # validate once, here
+        check_percentile(percentile)  # once, here
         self.num_layers = num_layers
         self.fmt = get_format(fmt)
         self.percentile = percentile

@@ -30,13 +30,13 @@ interpreter in the CPU tests).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.fp8.dispatch import multiprocessors
 from workers.fp8.triton_math import to_fp8
 from workers.fp8.triton_quant import fold_bad_tiles, scale_of, tile_amax
 
@@ -96,18 +96,10 @@ def _small_m_kernel(
     tl.store(part_ptr + pid_s * m_rows * n_cols + m[:, None] * n_cols + n[None, :], acc, mask=out)
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    """The GPU's SM count, asked once (the forward GEMM of every decoded token plans its splits)."""
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def splits_for(n_cols: int, n_kblocks: int, device: torch.device) -> int:
     """K-ranges per column block: about two programs per multiprocessor in all, each range at
     least two K-blocks. Depends on shapes only (a captured graph keeps it)."""
-    sms = 8  # the interpreter's (CPU tests)
-    if device.type == "cuda":
-        sms = _multiprocessors(torch.cuda.current_device() if device.index is None else device.index)
+    sms = multiprocessors(device, elsewhere=8)  # 8: the interpreter's (CPU tests)
     col_blocks = -(-n_cols // _BLOCK)
     wanted = -(-2 * sms // col_blocks)
     return max(1, min(wanted, n_kblocks // 2))

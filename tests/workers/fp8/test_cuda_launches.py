@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bench.common import MODELS
 from rljob import parse_spec
-from tests.workers.fake_cuda import CUDA, Launches, fake_cuda, to_fake_cuda
+from tests.workers.fake_cuda import CUDA, Launches, build_on_fake_cuda, fake_cuda
 from workers.engines.protocols import Rollouts
 from workers.fp8 import Fp8Linear, simulate
 from workers.fp8.fused import TrainFusedGroup
@@ -39,24 +39,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of Fa
 
 
 def trainer_on_fake_cuda(monkeypatch: pytest.MonkeyPatch, mode: FakeTensorMode, recipe: str) -> Any:
-    """A NativeTrainer for ``recipe`` whose model lives on the fake CUDA device (built on meta,
-    then moved), with SDPA attention as on a GPU; the conversion audit's one read of the weights'
-    maxima (made once, at start-up) is left out."""
-    from workers.engines.models import build_policy
-    from workers.engines.native import trainer as trainer_module
+    """A NativeTrainer for ``recipe`` whose model lives on the fake CUDA device."""
+    from workers.engines.native import trainer
     from workers.engines.native.trainer import NativeTrainer
-    from workers.fp8 import convert
 
-    def built_on_fake_cuda(
-        spec: Any, vocab: int, dtype: torch.dtype, device: Any, init_on_host: bool = False
-    ) -> Any:
-        with unset_fake_temporarily():
-            model = build_policy(spec, vocab, dtype, "meta")
-        model.config._attn_implementation = "sdpa"  # what build_policy picks on CUDA
-        return to_fake_cuda(model, mode)
-
-    monkeypatch.setattr(trainer_module, "build_policy", built_on_fake_cuda)
-    monkeypatch.setattr(convert, "_with_weight_amax", lambda rows, amax: rows)
+    build_on_fake_cuda(monkeypatch, mode, trainer)
     shape = {**MODELS["1b"], "num_layers": LAYERS, "max_position_embeddings": 256}
     spec = parse_spec({"model": {"tiny": shape}, "precision": {"recipe": recipe}})
     return NativeTrainer(spec, VOCAB, "cuda")

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.fp8.dispatch import multiprocessors
+
 ATTENTION_NAME = "fp8rl_decode"  # registered below; models.BOOL_MASKS lists it (a bool mask)
 BLOCK_N = 64  # keys per tile (32 until 2026-11-30: half the tensor-core work per loaded tile)
 
@@ -48,7 +50,7 @@ def enabled(device: torch.device) -> bool:
 def splits_for(batch: int, kv_heads: int, length: int, device: torch.device) -> int:
     """Key ranges per (sequence, KV head): about two programs per multiprocessor in all, at least
     one tile of keys each. Depends on shapes only, so a captured graph keeps it."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = multiprocessors(device, elsewhere=8)
     tiles = math.ceil(length / BLOCK_N)
     return max(1, min(tiles, math.ceil(2 * sms / (batch * kv_heads))))
 
@@ -142,7 +144,7 @@ def _attend(ctx: _Context, layer: int, query: torch.Tensor, scaling: float) -> t
     cache = ctx.cache
     k_scale, v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if cache.fp8 else (None, None)
     return decode_attention(
-        query, cache.k[layer], cache.v[layer], ctx.seen, cache.index + 1, scaling, k_scale, v_scale
+        query, cache.k[layer], cache.v[layer], ctx.seen, ctx.length, scaling, k_scale, v_scale
     )
 
 
@@ -151,6 +153,7 @@ class _Context:
     cache: Any  # a StaticKvCache
     seen: torch.Tensor
     rope: bool  # RoPE and the K/V write in one launch (fuse_rope)
+    length: torch.Tensor  # [1]: the cache's index + 1, the keys of this step, once for every layer
 
 
 _ACTIVE: _Context | None = None
@@ -159,11 +162,11 @@ _ACTIVE: _Context | None = None
 class active:
     """Inside the block, decode steps of ``cache`` (a StaticKvCache) attend through this kernel,
     with ``seen [B, T]`` as the mask; with ``rope`` (and the model's attention modules given to
-    :func:`fuse_rope`), their RoPE and K/V write run in one launch too. Host state only: read while
-    a step is issued (or captured)."""
+    :func:`fuse_rope`), their RoPE and K/V write run in one launch too. Made inside the step (or
+    its capture): it computes the step's key count once, for every layer's attention."""
 
     def __init__(self, cache: Any, seen: torch.Tensor, rope: bool = False) -> None:
-        self.ctx = _Context(cache, seen, rope)
+        self.ctx = _Context(cache, seen, rope, cache.index + 1)
 
     def __enter__(self) -> None:
         global _ACTIVE

@@ -205,7 +205,7 @@ class NativeGenerator:
         0: greedy, ``top_p`` and ``seed`` unused).
 
         Returns ``(response_ids [B, L] int64, response_mask [B, L] float32, logprobs [B, L]
-        float32)`` on the device, without a host sync until the guard's one read at the end.
+        float32)`` on the device, without a host sync until the guards' reads at the end.
         """
         if self.static is not None:
             out = self.static.generate(

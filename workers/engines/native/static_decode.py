@@ -24,6 +24,8 @@ captured once in a CUDA graph and replayed: one launch per token instead of hund
 - FP8 weights: weight sync writes new weights into the storage the graph reads
   (:meth:`~workers.fp8.linear.Fp8Linear.load_fp8_weight` copies in place), and the FP8 quantizer's
   NaN/inf guard is a buffer of the graph's own, re-armed before and read once after the replays.
+  The prefill's guard is read there too: the host waits for the GPU once per generate, after it
+  has issued all of the generate's work (a NaN in the prefill is still the one reported).
 
 Without graphs (``use_graphs=False``: CPU, tests) the same step runs eagerly: the static path's
 reference against the dynamic-cache loop in :mod:`workers.engines.native.generator`, which stays
@@ -298,7 +300,8 @@ class StaticDecoder:
         cache = s.cache
         cache.use_scales(kv_scales)
         cache.start(p, extra)
-        with finite_guard():  # the prefill and the first token, eagerly
+        # the prefill and the first token, eagerly; their guard is read at the end with the loop's
+        with finite_guard(check=False) as prefill_guard:
             pos = positions(attn)  # [B, P]
             out = self.model(
                 input_ids=ids,
@@ -334,9 +337,12 @@ class StaticDecoder:
                     self._step(s)
                 done += 1
                 all_finished.post(s.finished)
-        s.guard.check()  # the one host read of the decode loop
         mask = s.valid[:, :done].float()
-        return s.tokens[:, :done].clone(), mask, s.logps[:, :done] * mask
+        out = s.tokens[:, :done].clone(), mask, s.logps[:, :done] * mask
+        # the host's reads, after every launch of the generate: the prefill's NaN/inf first
+        prefill_guard.check()
+        s.guard.check()
+        return out
 
     def _capture(self, s: _Session) -> None:
         """Capture one step of ``s`` (its first step ran eagerly on a side stream just before, as

@@ -28,13 +28,13 @@ vocabulary; ``-inf`` logits (a masked token) have probability 0, and a row of on
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from workers.fp8.dispatch import multiprocessors
 from workers.fp8.triton_math import HW_BF16, expf, logf
 
 BLOCK_V = 1024
@@ -137,16 +137,9 @@ def _finish(
     tl.store(logp_ptr + row, (x - m) - log_s)
 
 
-@functools.cache
-def _processors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: any count works
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
 def default_splits(rows: int, vocab: int, device: torch.device) -> int:
     """Ranges per row: enough programs for two per processor, each range at least one block."""
-    want = -(-2 * _processors(device) // max(rows, 1))
+    want = -(-2 * multiprocessors(device, elsewhere=4) // max(rows, 1))  # 4: the interpreter's
     return max(1, min(want, -(-vocab // BLOCK_V)))
 
 

@@ -42,7 +42,7 @@ def test_ranges_give_two_programs_per_processor_and_at_least_a_block_each(
 ) -> None:
     """Worked by hand for 132 processors: ceil(264 / B) ranges, at most ceil(V / 1024)."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(triton_sample, "_processors", lambda device: 132)
+    monkeypatch.setattr(triton_sample, "multiprocessors", lambda device, elsewhere: 132)
     assert triton_sample.default_splits(1, 128256, cuda) == 126  # ceil(128256 / 1024)
     assert triton_sample.default_splits(8, 128256, cuda) == 33
     assert triton_sample.default_splits(256, 128256, cuda) == 2

@@ -133,6 +133,32 @@ def test_static_decode_runs_on_meta(fp8_kv: bool) -> None:
     assert tokens.shape == valid.shape == logps.shape == (4, 5) and tokens.device.type == "meta"
 
 
+def test_a_non_finite_prefill_is_what_the_static_loop_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's guard is read at the end with the loop's (no host read between prefill and
+    decode), first: a NaN that enters in the prefill is reported as the prefill's, naming the
+    first layer's q_proj input, although every decode step then saw it too."""
+    from workers.fp8 import NonFiniteError, guard
+
+    gen = NativeGenerator(spec("fp8-e2e"), TOK.vocab_size, -1, TOK.pad_id, "cpu")
+    ids, mask = left_pad(PROMPTS, TOK.pad_id)
+    with torch.no_grad():
+        gen.model.get_input_embeddings().weight[int(ids[0, -1])] = float("nan")
+    decoder = static_of(gen, False)
+    checked: list[Any] = []
+    real = guard.FiniteGuard.check
+
+    def check(self: Any) -> None:
+        checked.append(self)
+        real(self)
+
+    monkeypatch.setattr(guard.FiniteGuard, "check", check)
+    with pytest.raises(NonFiniteError, match=r"layers\.0\.self_attn\.q_proj"):
+        decoder.generate(ids, mask, 4, 1.0, 1.0, 0, -1, TOK.pad_id)
+    (session,) = decoder.sessions.values()
+    assert len(checked) == 1 and checked[0] is not session.guard  # the prefill's guard raised
+    assert int(session.step) == 4  # after the whole loop had run
+
+
 @pytest.mark.slow
 def test_a_decode_step_compiles_as_one_graph() -> None:
     """``torch.compile(fullgraph=True)`` traces a whole greedy step (the model forward with the
