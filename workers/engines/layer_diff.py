@@ -126,6 +126,8 @@ def _inputs(model: Any, ids: torch.Tensor, start: int, cache: Any = None) -> dic
     }
     if cache is not None:
         out.update(past_key_values=cache, use_cache=True)
+    else:  # the trainer's full-sequence forward keeps no cache either
+        out["use_cache"] = False
     return out
 
 

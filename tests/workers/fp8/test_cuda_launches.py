@@ -15,6 +15,7 @@ quantizer calls in a 16-layer step of 8 micro-batches, forward and backward: 4 p
 from __future__ import annotations
 
 import types
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -38,13 +39,15 @@ VOCAB = 32768
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 
 
-def trainer_on_fake_cuda(monkeypatch: pytest.MonkeyPatch, mode: FakeTensorMode, recipe: str) -> Any:
+def trainer_on_fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, mode: FakeTensorMode, recipe: str, layers: int = LAYERS
+) -> Any:
     """A NativeTrainer for ``recipe`` whose model lives on the fake CUDA device."""
     from workers.engines.native import trainer
     from workers.engines.native.trainer import NativeTrainer
 
     build_on_fake_cuda(monkeypatch, mode, trainer)
-    shape = {**MODELS["1b"], "num_layers": LAYERS, "max_position_embeddings": 256}
+    shape = {**MODELS["1b"], "num_layers": layers, "max_position_embeddings": 256}
     spec = parse_spec({"model": {"tiny": shape}, "precision": {"recipe": recipe}})
     return NativeTrainer(spec, VOCAB, "cuda")
 
@@ -59,19 +62,20 @@ def micro_batch(sequences: int = 8, prompt: int = 16, response: int = 64) -> Rol
     )
 
 
-def forward_launches(monkeypatch: pytest.MonkeyPatch, recipe: str) -> Launches:
+def forward_launches(monkeypatch: pytest.MonkeyPatch, recipe: str, layers: int = LAYERS) -> Launches:
     """The kernels of the training forward of one micro-batch (the second: the first binds the
     GEMMs and quantizes the weights)."""
     from workers.engines.native.trainer import sequence_logprobs
 
     with simulate("sm90-cuda13.0"), fake_cuda(monkeypatch) as (mode, launches):
-        trainer = trainer_on_fake_cuda(monkeypatch, mode, recipe)
+        trainer = trainer_on_fake_cuda(monkeypatch, mode, recipe, layers)
         batch = micro_batch()
         sequence_logprobs(trainer.model, batch, 1.0)
         launches.clear()
         with launches:
             logp = sequence_logprobs(trainer.model, batch, 1.0)
         assert logp.is_cuda and logp.shape == (8, 64)
+        assert len(trainer.model.model.layers) == layers
     return launches
 
 
@@ -97,6 +101,43 @@ def test_the_training_forward_on_cuda_reads_nothing_back_and_swaps_each_bf16_gem
     # so fp8-e2e launches fewer kernels than bf16: the GPU's idle time in its step (221 ms on
     # 2026-11-29) is the host's cost per launch (Triton's, cuBLAS's), not more launches
     assert fp8.total == bf16.total - LAYERS * (2 * PROJECTIONS - 2 * FP8_GEMMS)
+
+
+# One decoder layer's training forward with Hugging Face's Llama and the default switches, worked
+# out by hand from its code: each RMSNorm (2) casts to float32, squares, averages, adds eps, takes
+# rsqrt, scales, casts back and multiplies by its weight; RoPE of q and of k is x*cos +
+# rotate_half(x)*sin, rotate_half a neg and a cat; two residual adds; the MLP's SiLU and product;
+# SDPA (one kernel), with repeat_kv's copies of K and V and the output's contiguous copy; the FP8
+# GEMMs (q/k/v, o, gate/up, down) each with its dual quantizer; the BF16 copies of the two norms'
+# float32 master weights (the FP8 layers read their FP8 weights). No KV cache.
+FP8_LAYER_FORWARD = {
+    "_to_copy": 2 * 2 + 2,
+    "pow": 2,
+    "mean": 2,
+    "rsqrt": 2,
+    "mul": 2 * 2 + 2 * 2 + 1,
+    "add": 2 + 2 * 1 + 2,
+    "neg": 2,
+    "cat": 2,
+    "silu": 1,
+    "scaled_dot_product_attention": 1,
+    "clone": 2 + 1,
+    "_scaled_mm_v2": FP8_GEMMS,
+    "_quantize_1x128_dual": FP8_GEMMS,
+}
+
+
+def test_a_layer_of_the_training_forward_launches_what_its_code_says_and_keeps_no_kv_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer's share of the fp8-e2e training forward (three layers' launches less two layers')
+    is the hand count above: in particular no copy of K and V into a cache nobody reads."""
+    counts = []
+    for layers in (2, 3):
+        launches = forward_launches(monkeypatch, "fp8-e2e", layers)
+        counts.append(Counter(launches.aten) + Counter(launches.triton))
+    assert dict(counts[1] - counts[0]) == FP8_LAYER_FORWARD
+    assert not counts[0] - counts[1]
 
 
 @pytest.mark.parametrize("wgrad", ["cublas", "triton"])

@@ -82,6 +82,8 @@ def sequence_logprobs(
         "attention_mask": attention_mask_4d(attn, ids.shape[1], compute_dtype, impl),
         "position_ids": positions(attn),
         "logits_to_keep": length + 1,
+        # no KV cache: Hugging Face would otherwise build one and copy every layer's K and V into it
+        "use_cache": False,
     }
     if kv_scales is not None:
         inputs |= {"past_key_values": KvRoundingCache(kv_scales), "use_cache": True}
