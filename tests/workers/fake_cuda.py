@@ -115,6 +115,13 @@ class Launches(TorchDispatchMode):
         return sum(self.aten.values()) + sum(self.triton.values())
 
 
+def added(before: Counter[str], after: Counter[str]) -> Counter[str]:
+    """The launches ``after`` has beyond ``before`` (a longer run's against a shorter one's), which
+    must have none that ``after`` lacks."""
+    assert not before - after, before - after
+    return after - before
+
+
 class _Event:
     """``torch.cuda.Event`` without a driver: recorded, never seen to complete (a loop that polls
     one without waiting reads nothing)."""

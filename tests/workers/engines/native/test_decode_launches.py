@@ -24,7 +24,7 @@ import torch
 
 from bench.common import MODELS
 from rljob import parse_spec
-from tests.workers.fake_cuda import CUDA, Launches, build_on_fake_cuda, fake_cuda
+from tests.workers.fake_cuda import CUDA, Launches, added, build_on_fake_cuda, fake_cuda
 from workers.fp8 import simulate
 
 # Fp8Linear's weight key reads the weight's data pointer, which a fake tensor warns about
@@ -73,13 +73,8 @@ def step_launches(monkeypatch: pytest.MonkeyPatch, recipe: str, kv: bool, layers
             assert reads == [launches.total] * 2, (reads, launches.total)
             counts.append((Counter(launches.triton), Counter(launches.aten)))
     step = Launches()
-    step.triton, step.aten = counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
-    assert not (counts[0][0] - counts[1][0]) and not (counts[0][1] - counts[1][1])  # nothing fewer
+    step.triton, step.aten = added(counts[0][0], counts[1][0]), added(counts[0][1], counts[1][1])
     return step
-
-
-def layer_share(a: Counter[str], b: Counter[str]) -> dict[str, int]:
-    return {k: v for k, v in (b - a).items() if v}
 
 
 @pytest.mark.parametrize(("recipe", "kv"), [("bf16", False), ("fp8-e2e", False), ("fp8-e2e", True)])
@@ -91,9 +86,8 @@ def test_with_every_switch_a_decode_layer_is_its_gemms_and_its_triton_launches_a
     two = step_launches(monkeypatch, recipe, kv, 2)
     three = step_launches(monkeypatch, recipe, kv, 3)
     triton, other = PER_LAYER[recipe]
-    assert layer_share(two.triton, three.triton) == triton
-    assert layer_share(two.aten, three.aten) == other
-    assert not (two.triton - three.triton) and not (two.aten - three.aten)
+    assert added(two.triton, three.triton) == triton
+    assert added(two.aten, three.aten) == other
     # once per step: the final norm and the three sampling launches
     fixed = two.triton - Counter({k: 2 * v for k, v in triton.items()})
     assert dict(fixed) == {NORM: 1, **SAMPLING}
