@@ -6,7 +6,7 @@
 #   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
 #
 # part 1 (about 3.5 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
-# pytest -m gpu with the opt-in Triton switches off (the E4M3 KV write is on by default) and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING among them), the kernel microbenchmark and the host
+# pytest -m gpu with the opt-in Triton switches off (the E4M3 KV write is on by default) and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING, FP8RL_CHECKSUM among them), the kernel microbenchmark and the host
 # overhead of one linear, then the sampling alone (torch's draw against the Triton launches), then
 # the long-context rollout rows of the 8b-4l preset (256 and 128 sequences x 4096 new tokens, BF16
 # against FP8 weights + E4M3 KV only: about 1.5 minutes).
@@ -16,7 +16,7 @@
 # alone at four shapes; the kernels at training's token counts; the 8b-4l rollout at 256 x 1024 (fused SiLU*mul, RMSNorm and sampling on);
 # bench fp8 (train) on the 8B-shaped layers at 4096 tokens, with cuBLAS's wgrad and the Triton
 # one; then one RL step per recipe of the 1B
-# preset (64 x 8 x 64) and of the 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16
+# preset (64 x 8 x 64; bf16 and fp8-gen again with FP8RL_CHECKSUM=triton, the weight sync's reports in one launch) and of the 8b-4l preset (32 x 8 x 1024: bf16, and fp8-e2e with the BF16
 # and the E4M3 KV cache).
 # Without a part, both run (about 10 minutes: one call of a 15-minute lease).
 set -u
@@ -32,8 +32,8 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
     stamp "part 1: machine, probe, pytest (opt-in Triton switches off), kernels, overhead"
     $py -m bench.gpu_check --quick --out "$dir/check.md" \
         --sections machine,probe,plan,pytest,kernels,overhead >>"$dir/session.log" 2>&1
-    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton"
-    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton \
+    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton FP8RL_CHECKSUM=triton"
+    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton FP8RL_CHECKSUM=triton \
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
     stamp "part 1: bench sampling (torch's draw against the three launches of FP8RL_SAMPLING=triton)"
     $py -m fp8rl.cli bench sampling --device cuda >"$dir/sampling.txt" 2>>"$dir/session.log"
@@ -69,6 +69,9 @@ if [ "$part" = 2 ] || [ "$part" = all ]; then
     stamp "part 2: bench step 1b"
     $py -m fp8rl.cli bench step --model 1b --device cuda --prompts 64 --group-size 8 \
         --new-tokens 64 --steps 1 --no-baseline >"$dir/step-1b.txt" 2>>"$dir/session.log"
+    stamp "part 2: bench step 1b, bf16 and fp8-gen, the reports' checksums in one launch (FP8RL_CHECKSUM=triton)"
+    FP8RL_CHECKSUM=triton $py -m fp8rl.cli bench step --model 1b --device cuda --prompts 64 --group-size 8 \
+        --new-tokens 64 --steps 1 --no-baseline --recipes bf16,fp8-gen >"$dir/step-1b-checksum.txt" 2>>"$dir/session.log"
     stamp "part 2: bench step 8b-4l (8B-shaped layers, 4 of them), 32 x 8 x 1024, fp8-e2e with each KV cache"
     FP8RL_DECODE_ATTENTION=triton FP8RL_KV_WRITE=triton $py -m fp8rl.cli bench step --model 8b-4l \
         --device cuda --prompts 32 --group-size 8 --new-tokens 1024 --steps 1 --no-baseline \

@@ -74,6 +74,7 @@ class Launches(TorchDispatchMode):
         self.triton: Counter[str] = Counter()
         self.active = False
         self.inside_fused = 0
+        self.reads: int | None = None  # host reads, counted inside counting_reads (else they raise)
 
     def __enter__(self) -> Launches:
         self.active = True
@@ -86,7 +87,9 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if blocking_copy_to_host(func, args, kwargs):
-            raise HostCopyError(f"{func}: a blocking copy from the GPU to the host")
+            if self.reads is None:
+                raise HostCopyError(f"{func}: a blocking copy from the GPU to the host")
+            self.reads += 1
         if launches_kernel(func) and not self.inside_fused:
             self.aten[func.overloadpacket.__name__] += 1
         return func(*args, **kwargs)
@@ -176,6 +179,40 @@ def fake_cuda(
     monkeypatch.setattr(jit.JITFunction, "__getitem__", launcher)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         yield mode, launches
+
+
+@contextmanager
+def counting_reads(monkeypatch: pytest.MonkeyPatch, launches: Launches) -> Iterator[None]:
+    """Inside, each read of a fake CUDA tensor's values by the host (``tolist()``, ``item()``,
+    ``float()``, ``int()``, a blocking copy to the CPU) counts one in ``launches.reads`` and reads
+    zeros, instead of raising: to count the reads of code that must read (a report's checksums).
+    Values of a fake CPU tensor (what such a copy made) read as zeros, uncounted. A copy is seen
+    only while ``launches`` is the active mode: use both (``with counting_reads(...), launches:``)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda:
+            assert launches.reads is not None
+            launches.reads += 1
+        launches.inside_fused += 1  # the stand-in's own zeros are no launch of the code's
+        try:
+            with unset_fake_temporarily():
+                return torch.zeros(t.shape, dtype=t.dtype)
+        finally:
+            launches.inside_fused -= 1
+
+    def on_fakes(real: Any, read: Any) -> Any:
+        return lambda t, *args: read(zeros(t)) if isinstance(t, FakeTensor) else real(t, *args)
+
+    monkeypatch.setattr(FakeTensor, "tolist", lambda t: zeros(t).tolist())
+    for name in ("item", "__float__", "__int__"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, on_fakes(method, method))
+    launches.reads = 0
+    try:
+        yield
+    finally:
+        launches.reads = None
 
 
 def to_fake_cuda(model: nn.Module, mode: FakeTensorMode) -> nn.Module:

@@ -243,6 +243,28 @@ def test_a_gpu_trainer_fuses_its_projections_and_keeps_the_gradients() -> None:
         assert rel_err(p.grad, q.grad) < GPU_FP8_REL_TOL, name
 
 
+def test_a_reports_checksums_in_one_launch_are_the_torch_checksums(seed: int) -> None:
+    """``FP8RL_CHECKSUM=triton`` (workers/weight_sync/triton_checksum.py) against the torch
+    checksum, tensor by tensor: an FP8 weight's data and scales, BF16 tensors of several programs
+    and of none, a transposed view; and a report read back without waiting for the GPU before it."""
+    from workers.weight_sync.contract import checksum
+    from workers.weight_sync.triton_checksum import checksum_many
+
+    w = Fp8Linear(4096, 1024, bias=False, device="cuda").fp8_weight()
+    tensors = [
+        w.data,
+        w.scale,
+        torch.randn(50257, 768, device="cuda").to(torch.bfloat16),
+        torch.randn(3, device="cuda"),
+        torch.empty(0, device="cuda"),
+        torch.randn(96, 80, device="cuda").t(),
+    ]
+    want = [int(checksum(t)) for t in tensors]
+    with no_host_sync():
+        sums = checksum_many(tensors)
+    assert sums.tolist() == want
+
+
 def test_a_gpu_trainers_weights_are_quantized_in_one_launch_bit_for_bit() -> None:
     """After an update one Triton launch quantizes every FP8 weight (workers/fp8/weights.py):
     each layer's bytes and scales are the torch quantizer's, its cuBLAS scale layout the one the

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workers.fp8.dispatch import triton_switch
 from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.weight_sync.data import HeldWeight, KvHeld, WeightReport
 
@@ -111,18 +112,31 @@ def checksum(t: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> torch.Tensor:
     return (cols * weight).sum() + (tail.to(torch.int64) * weight[: tail.numel()]).sum()
 
 
-def _read(values: list[torch.Tensor]) -> list[int]:
-    """Checksums of possibly several devices, read back in one transfer per device."""
-    if not values:
-        return []
+def checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """:func:`checksum` of each tensor (possibly on several devices), read back in one transfer per
+    device. On CUDA with ``FP8RL_CHECKSUM=triton``, a device's tensors are summed in one launch
+    (:mod:`workers.weight_sync.triton_checksum`) instead of ~10 kernels each."""
     by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(values):
-        by_device.setdefault(v.device, []).append(i)
-    out = [0] * len(values)
-    for indices in by_device.values():
-        for i, x in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out = [0] * len(tensors)
+    for device, indices in by_device.items():
+        if batched_checksums(device):
+            from workers.weight_sync.triton_checksum import checksum_many
+
+            sums = checksum_many([tensors[i] for i in indices])
+        else:
+            sums = torch.stack([checksum(tensors[i]) for i in indices])
+        for i, x in zip(indices, sums.tolist(), strict=True):
             out[i] = int(x)
     return out
+
+
+def batched_checksums(device: torch.device) -> bool:
+    """``FP8RL_CHECKSUM=triton``: a report's checksums in one Triton launch per CUDA device (or on
+    the CPU under Triton's interpreter, for tests); ``torch`` (the default until a GPU has run it):
+    :func:`checksum` tensor by tensor. Read at each report."""
+    return triton_switch("FP8RL_CHECKSUM", "torch", "triton", device, "one checksum per tensor (torch)")
 
 
 def kv_dtype_name(name: str) -> str:
@@ -143,23 +157,24 @@ def received_weights(
     precision each layer computes with from ``holds`` (name -> ``fp8`` | dtype name; a name
     missing there is reported as ``missing``: the receiver did not load it). K/V-cache scales
     are left out: they are checked through :class:`KvHeld`."""
-    names, kinds, sums = [], [], []
+    names, kinds, summed = [], [], []  # summed: each name's tensors (data, and an FP8 weight's scales)
     for name, value in payload.items():
         if is_kv_scale(name):
             continue
         names.append(name)
         if isinstance(value, Fp8Tensor):
             kinds.append(dtype_name(value.data.dtype))
-            sums += [checksum(value.data), checksum(value.scale.to(torch.float32))]
+            summed.append([value.data, value.scale.to(torch.float32)])
         else:
             kinds.append(dtype_name(value.dtype))
-            sums += [checksum(value), torch.zeros((), dtype=torch.int64, device=value.device)]
-    values = _read(sums)
+            summed.append([value])
+    values = iter(checksums([t for ts in summed for t in ts]))
+    sums = [[next(values) for _ in ts] for ts in summed]
     return {
         name: HeldWeight(
-            dtype=kind, holds=holds.get(name, "missing"), data=values[2 * i], scale=values[2 * i + 1]
+            dtype=kind, holds=holds.get(name, "missing"), data=s[0], scale=s[1] if len(s) > 1 else 0
         )
-        for i, (name, kind) in enumerate(zip(names, kinds, strict=True))
+        for name, kind, s in zip(names, kinds, sums, strict=True)
     }
 
 
@@ -175,24 +190,34 @@ def sent_report(payload: Mapping[str, Fp8Tensor | torch.Tensor], kv_dtype: str) 
     )
 
 
-def kv_scales_of(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> tuple[list[float], list[float]]:
-    """The K and V scales a payload carries, by layer (empty lists when it carries none)."""
+def kv_scale_tensors(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> torch.Tensor | None:
+    """The K and V scales a payload carries, as one float32 ``[2, layers]`` tensor (K, then V) on
+    the payload's device, without reading them back; None when it carries none."""
     found: dict[tuple[str, int], torch.Tensor] = {}
     for name, value in payload.items():
         match = _KV_SCALE.match(name)
         if match and isinstance(value, torch.Tensor):
             found[(match.group(2), int(match.group(1)))] = value.reshape(()).to(torch.float32)
     if not found:
-        return [], []
+        return None
     layers = 1 + max(i for _, i in found)
     missing = [f"{w}_scale of layer {i}" for w in "kv" for i in range(layers) if (w, i) not in found]
     if missing:
         raise ValueError(
             f"weight sync: the payload's K/V scales are incomplete: missing {', '.join(missing[:4])}"
         )
-    order = [found[(w, i)] for w in "kv" for i in range(layers)]
-    values = [float(x) for x in torch.stack([t.cpu() for t in order]).tolist()]
-    return values[:layers], values[layers:]
+    device = found[("k", 0)].device
+    return torch.stack([found[(w, i)].to(device) for w in "kv" for i in range(layers)]).view(2, layers)
+
+
+def kv_scales_of(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> tuple[list[float], list[float]]:
+    """The K and V scales a payload carries, by layer (empty lists when it carries none), read
+    back in one transfer."""
+    both = kv_scale_tensors(payload)
+    if both is None:
+        return [], []
+    k, v = both.tolist()
+    return [float(x) for x in k], [float(x) for x in v]
 
 
 def _fp8(kind: str) -> bool:

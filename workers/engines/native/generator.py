@@ -51,7 +51,7 @@ from workers.weight_sync.contract import (
     dtype_name,
     is_kv_scale,
     kv_cache_dtype,
-    kv_scales_of,
+    kv_scale_tensors,
     received_weights,
 )
 from workers.weight_sync.data import KvHeld, Payload, SyncResult, WeightReport
@@ -119,11 +119,10 @@ class NativeGenerator:
         return fp8_weight_names(self.model)
 
     def load_weights(self, payload: Payload) -> None:
-        k, v = kv_scales_of(payload)
-        if k:  # the trainer's K/V-cache scales: fixed until the next update (module docstring)
-            self.kv_scales = KvScales(
-                torch.tensor(k, device=self.device), torch.tensor(v, device=self.device), get_format("e4m3")
-            )
+        both = kv_scale_tensors(payload)  # on the device: nothing read back
+        if both is not None:  # the trainer's K/V-cache scales: fixed until the next update (module docstring)
+            k, v = both.to(self.device).unbind()
+            self.kv_scales = KvScales(k, v, get_format("e4m3"))
         load_weights(self.model, {n: t for n, t in payload.items() if not is_kv_scale(n)})
         self._report = self._held(payload)
 
@@ -135,7 +134,8 @@ class NativeGenerator:
         params = dict(self.model.named_parameters())
         fp8 = set(fp8_weight_names(self.model))
         holds = {n: "fp8" if n in fp8 else dtype_name(params[n].dtype) for n in payload if n in params}
-        k, v = ([], []) if self.kv_scales is None else (self.kv_scales.k.tolist(), self.kv_scales.v.tolist())
+        held = self.kv_scales
+        k, v = ([], []) if held is None else torch.stack([held.k, held.v]).tolist()  # one read
         kv = KvHeld(dtype=kv_cache_dtype(self.spec.precision.fp8_kv_cache), k_scales=k, v_scales=v)
         return WeightReport(weights=received_weights(payload, holds), kv=kv)
 
