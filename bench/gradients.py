@@ -44,9 +44,9 @@ from rljob.spec import JobSpec
 from workers.algo.advantages import grpo_advantages
 from workers.algo.grpo import grpo_loss, loss_units
 from workers.engines.factory import native_pair, native_trainer
-from workers.engines.models import to_device
 from workers.engines.native.trainer import NativeTrainer, sequence_logprobs
 from workers.engines.protocols import Rollouts
+from workers.fp8.dispatch import to_device
 from workers.fp8.linear import Fp8Linear
 from workers.models.checkpoint import load_master_weights
 from workers.models.tokenizer import build_tokenizer

@@ -265,6 +265,29 @@ def test_a_reports_checksums_in_one_launch_are_the_torch_checksums(seed: int) ->
     assert sums.tolist() == want
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_an_fp8_gen_export_is_the_quantizer_weight_by_weight(pow2: bool) -> None:
+    """fp8-gen's export quantizes the generators' FP8 layers with the grouped kernel, in one launch
+    and without waiting for the GPU: each weight's bytes and scales are the torch quantizer's."""
+    from torch import nn
+
+    from workers.fp8 import Fp8LinearConfig
+    from workers.weight_sync.payload import export_weights
+
+    model = nn.Sequential(
+        nn.Linear(2048, 8192, bias=False), nn.Linear(8192, 2048), nn.Linear(200, 300)
+    ).cuda()
+    cfg = Fp8LinearConfig(power_of_two_scales=pow2)
+    names = ["0.weight", "1.weight", "2.weight"]
+    with no_host_sync():
+        payload = export_weights(model, names, cfg)
+    params = dict(model.named_parameters())
+    for name in names:
+        want = cfg.quantize_weight(params[name], name)
+        assert torch.equal(payload[name].scale, want.scale), name
+        assert torch.equal(payload[name].data.view(torch.uint8), want.data.view(torch.uint8)), name
+
+
 def test_a_gpu_trainers_weights_are_quantized_in_one_launch_bit_for_bit() -> None:
     """After an update one Triton launch quantizes every FP8 weight (workers/fp8/weights.py):
     each layer's bytes and scales are the torch quantizer's, its cuBLAS scale layout the one the

@@ -229,13 +229,6 @@ def attention_mask_4d(
     return torch.where(seen, zero, torch.finfo(dtype).min)
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor to ``device`` without making the host wait: pinned + non-blocking on CUDA."""
-    if device.type != "cuda" or t.device == device:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def fp8_config(precision: PrecisionSpec) -> Fp8LinearConfig:
     return Fp8LinearConfig.for_format(
         precision.fp8_format,

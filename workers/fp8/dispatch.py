@@ -374,3 +374,10 @@ def _triton_problem(device: torch.device) -> str | None:
 def _warn_fallback(variable: str, value: str, why: str, instead: str) -> None:
     # once per process and cause: the switch is read at every weight bind / generator build
     log.warning("%s=%s is set, but %s: %s runs instead", variable, value, why, instead)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without making the host wait: pinned + non-blocking on CUDA."""
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -23,21 +23,30 @@ right after the optimizer step:
 
 Only layers with master weights in 128x128 blocks take part (a trainer's; a generator holds FP8
 weights alone and loads them).
+
+:func:`quantize_weights` serves an ``fp8-gen`` export (a BF16 trainer's master weights quantized
+for FP8 generators at each sync) with the same grouped kernel: one launch for all of them, where
+torch takes about eight kernels a weight.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from workers.fp8.dispatch import to_device
 from workers.fp8.formats import Fp8Format, get_format
 from workers.fp8.fp8_tensor import BLOCK_128x128, Fp8Tensor
 from workers.fp8.fused import TrainFusedGroup
 from workers.fp8.guard import active_guard
 from workers.fp8.linear import Fp8Linear
+from workers.fp8.linear_config import Fp8LinearConfig
 from workers.fp8.quant import quantize_weight_compiled, use_triton
 
 _DATA_ALIGN = 256  # bytes: where each unit's FP8 bytes start (cuBLAS wants 16)
@@ -116,12 +125,10 @@ class _Lane:
         if self._tables is None or sources != self._sources:
             rows, owner = [], []
             for i, p in enumerate(self.parts):
-                w = p.layer.weight
                 n_r, n_c = p.grid
                 rows.append(
-                    [w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.stride(1), n_c, p.first_block,
-                     p.data_off, p.scale_off, p.cublas_off, p.ld]
-                )  # fmt: skip
+                    _table_row(p.layer.weight, p.first_block, p.data_off, p.scale_off, p.cublas_off, p.ld)
+                )
                 owner += [i] * (n_r * n_c)
             table = torch.tensor(rows, dtype=torch.int64).to(self.device)
             self._tables = (table, torch.tensor(owner, dtype=torch.int32).to(self.device))
@@ -146,20 +153,9 @@ class _Lane:
         )
         weights = [self._tensor(data, scale, cublas, p, p.layer.out_features) for p in self.parts]
         if dev.type == "cuda" and use_triton():
-            from workers.fp8.triton_quant import quantize_128x128_many
-
-            guard = active_guard()
-            check = None
-            if guard is not None:  # one guard call per weight, numbered in a row: an error names the layer
-                calls = [
-                    guard.reserve(dev, tuple(p.layer.weight.shape), BLOCK_128x128, _where(p))
-                    for p in self.parts
-                ]
-                check = calls[0]
             table, owner = self._kernel_tables()
-            quantize_128x128_many(
-                table, owner, data, scale, cublas, self.src_dtype, fmt.name, fmt.max, self.power_of_two, check
-            )
+            masters = [(_where(p), p.layer.weight) for p in self.parts]
+            _quantize_grouped(masters, table, owner, data, scale, cublas, fmt, self.power_of_two)
         else:
             for p, w in zip(self.parts, weights, strict=True):
                 # on a CPU with power-of-two scales: compiled, the BF16 GEMM operand made in the same pass
@@ -251,3 +247,83 @@ class WeightBatch:
                 lane.quantize()
                 done += len(lane.parts)
         return done
+
+
+def _table_row(
+    w: torch.Tensor, first_block: int, data_off: int, scale_off: int, cublas_off: int = 0, ld: int = 0
+) -> list[int]:
+    """A master weight's row of the grouped kernel's table (``triton_quant.WEIGHT_FIELDS``)."""
+    n_c = _cdiv(w.shape[1], 128)
+    return [w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), w.stride(1), n_c, first_block, data_off,
+            scale_off, cublas_off, ld]  # fmt: skip
+
+
+def _quantize_grouped(
+    masters: Sequence[tuple[str, torch.Tensor]],
+    table: torch.Tensor,
+    owner: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    cublas: torch.Tensor | None,
+    fmt: Fp8Format,
+    power_of_two: bool,
+) -> None:
+    """One launch of the grouped 128x128 kernel over ``masters`` ((where, weight), one device and
+    master dtype, in ``table``'s order), with one call of the active finite guard reserved per
+    weight, numbered in a row: an error names the weight."""
+    from workers.fp8.triton_quant import quantize_128x128_many
+
+    guard = active_guard()
+    check = None
+    if guard is not None:
+        calls = [guard.reserve(data.device, tuple(w.shape), BLOCK_128x128, where) for where, w in masters]
+        check = calls[0]
+    src_dtype = masters[0][1].dtype
+    quantize_128x128_many(
+        table, owner, data, scale, cublas, src_dtype, fmt.name, fmt.max, power_of_two, check
+    )
+
+
+def quantize_weights(named: Sequence[tuple[str, torch.Tensor]], cfg: Fp8LinearConfig) -> list[Fp8Tensor]:
+    """``cfg.quantize_weight(w, name)`` of each named master weight, as new FP8 copies: an
+    ``fp8-gen`` export, the generators' FP8 layers quantized from a BF16 trainer's weights at each
+    sync. On CUDA with Triton and 128x128 blocks, the weights of one device and master dtype in one
+    launch of the grouped kernel, as views of one flat buffer (before: about eight torch kernels a
+    weight); elsewhere weight by weight. The same bytes and scales either way."""
+    fmt = get_format(cfg.forward_fmt)
+    out: list[Fp8Tensor | None] = [None] * len(named)
+    grouped: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (name, w) in enumerate(named):
+        if _grouped_here(w) and cfg.weight_block == BLOCK_128x128 and w.dim() == 2 and w.dtype in _DTYPES:
+            grouped.setdefault((w.device, w.dtype), []).append(i)
+        else:
+            out[i] = cfg.quantize_weight(w, name)
+    for (dev, _), members in grouped.items():
+        masters = [(named[i][0], named[i][1].detach()) for i in members]
+        rows, places, blocks = [], [], []
+        data_size = scale_size = first = 0
+        for _, w in masters:
+            data_size, scale_size = _align(data_size, _DATA_ALIGN), _align(scale_size, _SCALE_ALIGN)
+            grid = (_cdiv(w.shape[0], 128), _cdiv(w.shape[1], 128))
+            rows.append(_table_row(w, first, data_size, scale_size))
+            places.append((data_size, scale_size, grid))
+            blocks.append(grid[0] * grid[1])
+            data_size, scale_size, first = data_size + w.numel(), scale_size + blocks[-1], first + blocks[-1]
+        owner = np.repeat(np.arange(len(masters), dtype=np.int32), blocks)  # each block's weight
+        table = to_device(torch.tensor(rows, dtype=torch.int64), dev)
+        data = torch.empty(data_size, dtype=fmt.dtype, device=dev)
+        scale = torch.empty(scale_size, dtype=torch.float32, device=dev)
+        _quantize_grouped(masters, table, to_device(torch.from_numpy(owner), dev), data, scale, None, fmt,
+                          cfg.power_of_two_scales)  # fmt: skip
+        for i, (_, w), (d, s, (n_r, n_c)) in zip(members, masters, places, strict=True):
+            out[i] = Fp8Tensor(
+                _view(data, d, w.shape[0], w.shape[1]), _view(scale, s, n_r, n_c), BLOCK_128x128, fmt
+            )
+    return [q for q in out if q is not None]
+
+
+def _grouped_here(w: torch.Tensor) -> bool:
+    """Whether the grouped kernel quantizes ``w`` for :func:`quantize_weights`: on CUDA with Triton
+    (unless ``FP8RL_TRITON=0``), or on the CPU under Triton's interpreter (tests)."""
+    interpreted = w.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (w.is_cuda or interpreted) and use_triton()

@@ -4,7 +4,8 @@
 - the weight of every :class:`Fp8Linear` as the trainer's *own* FP8 copy (the one its forward pass
   used), so a generator that loads it computes with exactly the trainer's quantized weights;
 - weights named in ``fp8_names`` that the sender holds in high precision, quantized now with the
-  receiver's settings (recipe ``fp8-gen``: BF16 trainer, FP8 generator);
+  receiver's settings (recipe ``fp8-gen``: BF16 trainer, FP8 generator), all at once
+  (:func:`workers.fp8.weights.quantize_weights`: one launch on a GPU);
 - everything else (embeddings, norms, lm_head, biases) as the tensor itself.
 
 ``load_weights(model, payload)`` is the inverse: FP8 entries go into the receiver's
@@ -22,6 +23,7 @@ from torch import nn
 from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.fp8.linear import Fp8Linear
 from workers.fp8.linear_config import Fp8LinearConfig
+from workers.fp8.weights import quantize_weights
 from workers.weight_sync.data import Payload
 
 
@@ -48,19 +50,22 @@ def export_weights(
     """The model's parameters as a weight-sync payload (see the module docstring)."""
     cfg = config or Fp8LinearConfig()
     quantize_now = set(fp8_names)
-    payload: Payload = {}
+    entries: dict[str, Fp8Tensor | torch.Tensor | None] = {}  # None: quantized below, all at once
+    masters: list[tuple[str, torch.Tensor]] = []
     for name, param in model.named_parameters():
         module, attr = _owner(model, name)
         if isinstance(module, Fp8Linear) and attr == "weight":
-            payload[name] = module.fp8_weight()
+            entries[name] = module.fp8_weight()
         elif name in quantize_now:
-            payload[name] = cfg.quantize_weight(param, name)
+            entries[name] = None
+            masters.append((name, param))
         else:
-            payload[name] = param.detach()
-    unknown = quantize_now - payload.keys()
+            entries[name] = param.detach()
+    unknown = quantize_now - entries.keys()
     if unknown:
         raise ValueError(f"export_weights: fp8_names not in the model: {sorted(unknown)[:5]}")
-    return payload
+    entries.update(zip((name for name, _ in masters), quantize_weights(masters, cfg), strict=True))
+    return {name: value for name, value in entries.items() if value is not None}
 
 
 def payload_bytes(payload: Mapping[str, Fp8Tensor | torch.Tensor]) -> int:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.fp8.dispatch import to_device
+
 MODULUS = 65521  # workers.weight_sync.contract's (that module does not import Triton)
 CHUNK = 1 << 16  # bytes per program
 BLOCK = 4096  # bytes per step of a program
@@ -81,7 +83,7 @@ def checksum_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     table = np.stack([np.array([f.data_ptr() for f in flats], dtype=np.int64), sizes, first], axis=1)
     owner = np.repeat(np.arange(len(flats), dtype=np.int64), programs)  # [P]: each program's tensor
     host = torch.from_numpy(np.concatenate((table.reshape(-1), owner)))
-    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    on_device = to_device(host, device)
     rows, owners = on_device[: table.size], on_device[table.size :]
     partial = torch.empty(total, dtype=torch.int64, device=device)
     grid: Any = (total,)

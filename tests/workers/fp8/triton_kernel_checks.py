@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tests.workers.recording import recorded
-from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard
+from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard, triton_quant
 from workers.fp8.quant import quantize
 from workers.fp8.triton_gemm import small_m_gemm
 from workers.fp8.triton_math import to_fp8
@@ -176,6 +176,36 @@ def grouped_weight_pass_is_the_quantizer() -> None:
     scale = torch.empty(int(owner.shape[0]))
     quantize_128x128_many(table, owner, data, scale, None, torch.float32, "e4m3", 448.0, False, (code, 7))
     assert int(code) == (7 + 1) * 2**32 + 2, int(code)
+
+
+def fp8_gen_export_is_the_quantizer_weight_by_weight() -> None:
+    """An ``fp8-gen`` export (workers.fp8.weights.quantize_weights, through export_weights): every
+    weight named, of a BF16 and a float32 model, quantized by the grouped kernel in one launch per
+    master dtype, is the torch quantizer's weight (bytes and scales), with power-of-two scales or
+    not; the weights not named travel as they are."""
+    from torch import nn
+
+    from workers.fp8 import Fp8LinearConfig
+    from workers.weight_sync.payload import export_weights
+
+    g = torch.Generator().manual_seed(8)
+    for dtype, pow2 in ((torch.bfloat16, False), (torch.float32, True)):
+        model = nn.Sequential(nn.Linear(200, 300, bias=False), nn.Linear(300, 130), nn.Linear(130, 256))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * torch.logspace(-3, 2, p.shape[-1]))
+        model.to(dtype)
+        cfg = Fp8LinearConfig(power_of_two_scales=pow2)
+        names = ["0.weight", "1.weight", "2.weight"]
+        with recorded(triton_quant, "quantize_128x128_many") as calls:
+            payload = export_weights(model, names, cfg)
+        assert len(calls) == 1, len(calls)
+        params = dict(model.named_parameters())
+        for name in names:
+            got, want = payload[name], cfg.quantize_weight(params[name], name)
+            assert torch.equal(got.scale, want.scale), (dtype, name)
+            assert same_bytes(got.data, want.data), (dtype, name)
+        assert payload["1.bias"] is not None and torch.equal(payload["1.bias"], params["1.bias"])
 
 
 def float64_tiles(data: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
@@ -477,6 +507,7 @@ def the_fp8_cast_is_torchs_on_every_kind_of_value() -> None:
 CHECKS = (
     the_fp8_cast_is_torchs_on_every_kind_of_value,
     grouped_weight_pass_is_the_quantizer,
+    fp8_gen_export_is_the_quantizer_weight_by_weight,
     dual_layout_pass_writes_the_two_calls_bytes_and_scales,
     the_guard_is_touched_only_by_a_non_finite_tile,
     small_m_gemm_is_the_quantized_product,

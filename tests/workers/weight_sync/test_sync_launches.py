@@ -12,6 +12,7 @@ The shapes are the 1B preset's (hidden 2048, MLP 8192, 16/8 heads of 128), at tw
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from bench.common import MODELS
 from rljob import parse_spec
-from tests.workers.fake_cuda import CUDA, Launches, build_on_fake_cuda, counting_reads, fake_cuda
+from tests.workers.fake_cuda import CUDA, Launches, added, build_on_fake_cuda, counting_reads, fake_cuda
 from workers.fp8 import simulate
 from workers.fp8.formats import get_format
 from workers.fp8.kv_cache import KvScales
@@ -113,3 +114,36 @@ def test_with_the_switch_a_report_is_one_triton_launch_whatever_the_model(
         assert batched.aten == {"_to_copy": 1, "zeros": 1, "index_add_": 1}, batched.aten
     per_tensor = [report_launches(monkeypatch, fake, n, "torch").total for n in (2, 3)]
     assert per_tensor[1] - per_tensor[0] >= 16 * 3  # at least 3 kernels a tensor
+
+
+def export_launches(
+    monkeypatch: pytest.MonkeyPatch, fake: tuple[Any, Launches], recipe: str, layers: int
+) -> tuple[Counter[str], Counter[str]]:
+    """The launches (torch's, Triton's) of a trainer's export for generators whose decoder linears
+    are FP8."""
+    from workers.engines.native import trainer
+
+    mode, launches = fake
+    build_on_fake_cuda(monkeypatch, mode, trainer)
+    tr = trainer.NativeTrainer(spec(layers, recipe, kv=False), VOCAB, "cuda")
+    names = [f"model.layers.{i}.{p}.weight" for i in range(layers) for p in PROJECTIONS]
+    launches.clear()
+    with launches:
+        payload = tr.export_weights(names)
+    assert all(payload[n].data.dtype == torch.float8_e4m3fn for n in names)
+    return Counter(launches.aten), Counter(launches.triton)
+
+
+PROJECTIONS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+
+
+def test_an_fp8_gen_export_quantizes_every_weight_in_one_launch(
+    monkeypatch: pytest.MonkeyPatch, fake: tuple[Any, Launches]
+) -> None:
+    """fp8-gen (a BF16 trainer, FP8 generators) quantizes the generators' FP8 layers at every sync:
+    the grouped 128x128 kernel once for all of them (before: about eight torch kernels a weight),
+    and per layer only the BF16 copies of the two norms' float32 master weights, as fp8-e2e's export."""
+    counts = {n: export_launches(monkeypatch, fake, "fp8-gen", n) for n in (2, 3)}
+    for _, triton in counts.values():
+        assert triton == {"_quantize_128x128_many": 1}
+    assert added(counts[2][0], counts[3][0]) == {"_to_copy": 2}

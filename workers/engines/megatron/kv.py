@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from workers.engines.megatron.convert import stage_layers
 from workers.engines.megatron.schedule import MegatronSchedule
-from workers.engines.models import to_device
 from workers.engines.protocols import Rollouts
+from workers.fp8.dispatch import to_device
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name, round_kv
 
 

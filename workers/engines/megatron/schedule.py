@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from workers.engines.megatron import without_cuda
 from workers.engines.megatron.convert import response_logprobs, right_align, token_logprobs
 from workers.engines.megatron.model import MegatronModel
-from workers.engines.models import to_device
 from workers.engines.protocols import Rollouts
+from workers.fp8.dispatch import to_device
 
 ALIGN = 16  # sequence length multiple: FP8 GEMMs want the token count a multiple of 16
 LossFn = Callable[[dict[str, Any], torch.Tensor], tuple[Any, ...]]

@@ -34,7 +34,7 @@ from workers.engines.batching import StopIds, left_pad, positions, stop_ids
 from workers.engines.exact import is_exact
 from workers.engines.exact import log_softmax as exact_log_softmax
 from workers.engines.layer_diff import Trace, trace_generation
-from workers.engines.models import apply_recipe, attention_mask_4d, build_policy, to_device
+from workers.engines.models import apply_recipe, attention_mask_4d, build_policy
 from workers.engines.native.rms_norm import chain_layer_adds, emit_fp8_tiles, fuse_norms
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import enabled as sampling_enabled
@@ -42,6 +42,7 @@ from workers.engines.native.sampling import log_softmax as plain_log_softmax
 from workers.engines.native.static_decode import StaticDecoder
 from workers.engines.protocols import Rollouts
 from workers.fp8.convert import Fp8Audit, drop_master_weights, weight_bytes
+from workers.fp8.dispatch import to_device
 from workers.fp8.formats import get_format
 from workers.fp8.fused import fuse_projections, fuse_silu_mul, silu_mul_enabled
 from workers.fp8.guard import finite_guard

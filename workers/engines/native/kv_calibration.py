@@ -21,8 +21,9 @@ import torch
 from transformers import DynamicCache
 
 from workers.engines.batching import positions
-from workers.engines.models import COMPUTE_DTYPE, attention_mask_4d, compute_params, to_device
+from workers.engines.models import COMPUTE_DTYPE, attention_mask_4d, compute_params
 from workers.engines.protocols import Rollouts
+from workers.fp8.dispatch import to_device
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, kv_scale_name
 
 

@@ -45,11 +45,12 @@ from torch import nn
 from transformers import DynamicCache
 
 from workers.engines.batching import StopIds, positions, stop_ids
-from workers.engines.models import BOOL_MASKS, attention_mask_4d, to_device
+from workers.engines.models import BOOL_MASKS, attention_mask_4d
 from workers.engines.native import decode_attention
 from workers.engines.native.sampling import AllFinished, next_token, stops
 from workers.engines.native.sampling import enabled as sampling_enabled
 from workers.engines.native.sampling import log_softmax as plain_log_softmax
+from workers.fp8.dispatch import to_device
 from workers.fp8.formats import to_float32
 from workers.fp8.guard import FiniteGuard, finite_guard, use_guard
 from workers.fp8.kv_cache import KvScaleCalibrator, KvScales, quantize_kv

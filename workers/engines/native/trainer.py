@@ -42,13 +42,13 @@ from workers.engines.models import (
     build_policy,
     compute_params,
     fp8_config,
-    to_device,
 )
 from workers.engines.native.kv_calibration import kv_scale_payload, observe_kv
 from workers.engines.native.rms_norm import fuse_norms
 from workers.engines.protocols import Rollouts, TrainStats
 from workers.engines.step_stats import STEP_SUMS, train_stats
 from workers.fp8.convert import Fp8Audit, weight_bytes
+from workers.fp8.dispatch import to_device
 from workers.fp8.fused import fuse_for_training
 from workers.fp8.guard import finite_guard
 from workers.fp8.kv_cache import KvRoundingCache, KvScaleCalibrator, KvScales, calibrates_kv
