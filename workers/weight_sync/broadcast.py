@@ -10,9 +10,12 @@ Wire format of one sync, from the trainer (rank 0 of the sync group) to every ge
 1. a manifest (``broadcast_object_list``): version and, per parameter, its kind (``fp8``: data +
    float32 scales, or ``tensor``), dtype, shape, scale shape, block and format;
 2. the bytes, packed in order into uint8 buckets of at most ``bucket_bytes`` (a tensor larger than
-   a bucket travels alone), one ``broadcast`` per bucket.
+   a bucket travels alone), one ``broadcast`` per bucket. Each tensor's bytes (an FP8 weight's
+   data, then its scales) start at a multiple of 16 bytes in its bucket, zeros between (at most
+   15 bytes a tensor): aligned for any dtype and for cuBLAS's operands.
 Buckets live on the compute device (NCCL: the GPU, where the weights are; gloo: the CPU), and
-receivers unpack them there: no host round trip on a GPU.
+receivers unpack them there: no host round trip on a GPU. The unpacked tensors are views of the
+received buckets, no copy (a receiver's load copies them into its own parameters).
 FP8 weights travel as the trainer's own data and scales; the generator wraps them back into
 :class:`~workers.fp8.fp8_tensor.Fp8Tensor` and loads them without re-quantizing.
 """
@@ -33,6 +36,7 @@ from workers.fp8.fp8_tensor import Fp8Tensor
 from workers.weight_sync.data import Payload, SyncResult
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+ALIGN = 16  # bytes: where each tensor starts in its bucket
 
 
 @dataclass(frozen=True)
@@ -45,9 +49,22 @@ class _Entry:
     block: tuple[int, int] | None = None
     fmt: str = ""
 
+    def parts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors it travels as, in order: the data, and an FP8 weight's float32 scales."""
+        data = (self.shape, _dtype(self.dtype))
+        return [data, (self.scale_shape, torch.float32)] if self.kind == "fp8" else [data]
+
     def nbytes(self) -> int:
-        n = _numel(self.shape) * torch.empty((), dtype=_dtype(self.dtype)).element_size()
-        return n + (4 * _numel(self.scale_shape) if self.kind == "fp8" else 0)
+        """Its bytes in a bucket, each part padded to :data:`ALIGN`."""
+        return sum(_aligned(_part_bytes(shape, dtype)) for shape, dtype in self.parts())
+
+
+def _part_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return _numel(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -104,14 +121,20 @@ def pack(payload: Payload, manifest: list[_Entry], bucket_bytes: int) -> list[to
     """The payload's bytes in uint8 buckets (see the module docstring)."""
     buckets = []
     for group in bucket_plan(manifest, bucket_bytes):
+        device = _device_of(payload[group[0].name])
+        zeros = torch.zeros(ALIGN - 1, dtype=torch.uint8, device=device)  # the padding, as views
         parts = []
         for entry in group:
             v = payload[entry.name]
-            parts += (
-                [_as_bytes(v.data), _as_bytes(v.scale.float())] if entry.kind == "fp8" else [_as_bytes(v)]
-            )
+            for t in [v.data, v.scale.float()] if entry.kind == "fp8" else [v]:
+                raw = _as_bytes(t)
+                parts += [raw, zeros[: _aligned(raw.numel()) - raw.numel()]]
         buckets.append(torch.cat(parts))
     return buckets
+
+
+def _device_of(v: Fp8Tensor | torch.Tensor) -> torch.device:
+    return v.data.device if isinstance(v, Fp8Tensor) else v.device
 
 
 def bucket_sizes(manifest: list[_Entry], bucket_bytes: int) -> list[int]:
@@ -122,8 +145,10 @@ def bucket_sizes(manifest: list[_Entry], bucket_bytes: int) -> list[int]:
 def _take(
     bucket: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[torch.Tensor, int]:
-    n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-    return bucket[offset : offset + n].clone().view(dtype).reshape(shape), offset + n
+    """The tensor at ``offset`` (a multiple of :data:`ALIGN`), a view of ``bucket``, and where the
+    next one starts."""
+    n = _part_bytes(shape, dtype)
+    return bucket[offset : offset + n].view(dtype).reshape(shape), offset + _aligned(n)
 
 
 def unpack(
@@ -131,8 +156,9 @@ def unpack(
 ) -> Payload:
     """Inverse of :func:`pack`, on the buckets' device (no host round trip).
 
-    Entries never straddle buckets (:func:`bucket_plan`), so each is cut from its own bucket and
-    cloned: a fresh allocation, aligned for the dtype it is viewed as (and for FP8 GEMMs).
+    Entries never straddle buckets (:func:`bucket_plan`), so each is a view of its own bucket,
+    aligned for the dtype it is viewed as and for FP8 GEMMs (each starts at a multiple of 16
+    bytes): no copy. The payload keeps the buckets alive while it is held.
     """
     groups = bucket_plan(manifest, bucket_bytes)
     if len(groups) != len(buckets):

@@ -213,10 +213,11 @@ def test_the_per_layer_attribution_runs_on_its_interval_and_at_the_breach(tmp_pa
 
 # one decoder layer of the tiny model (test_weight_sync_bytes_follow_the_recipe): its linears q, k,
 # v, o, gate, up, down hold 9216 weights in 7 blocks of 128x128; FP8 sends 1 B a weight and a 4 B
-# scale a block, BF16 2 B a weight
+# scale a block, BF16 2 B a weight; on the wire each tensor is padded to a multiple of 16 bytes (the
+# weights' bytes already are: 512, 1024, 2048; each 4 B scale becomes 16 B)
 LAYER_WEIGHTS = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 64 * 32
-LAYER_TO_BF16_BYTES = 2 * LAYER_WEIGHTS - (LAYER_WEIGHTS + 4 * 7)
-KV_SCALE_BYTES = 2 * 2 * 4  # K and V, 4 B each, for each of 2 layers
+LAYER_TO_BF16_BYTES = 2 * LAYER_WEIGHTS - (LAYER_WEIGHTS + 16 * 7)
+KV_SCALE_BYTES = 2 * 2 * 16  # K and V, 4 B each (16 B on the wire), for each of 2 layers
 
 
 def responding_spec(
@@ -318,7 +319,7 @@ def test_a_crash_and_resume_keep_the_actions_of_the_checkpoint(tmp_path: Path, s
 @pytest.mark.slow
 def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     """BF16 sends 2 B per parameter; FP8 layers send 1 B per weight + 4 B per 128x128 block, and an
-    FP8 KV cache's scales 4 B per layer for K and for V."""
+    FP8 KV cache's scales 4 B per layer for K and for V; each tensor padded to a multiple of 16 B."""
     sizes = {}
     for recipe in ("bf16", "fp8-e2e"):
         sizes[recipe] = run(
@@ -328,9 +329,10 @@ def test_weight_sync_bytes_follow_the_recipe(tmp_path: Path) -> None:
     # linears q 32x32, k 16x32, v 16x32, o 32x32, gate/up 64x32, down 32x64 = 7168 weights, 7 blocks
     linear = 32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 64 * 32
     other = 2 * 272 * 32 + 3 * 32
-    assert sizes["bf16"]["weight_sync/bytes"] == 2 * (linear + other)
-    # fp8-e2e runs with the FP8 KV cache here (tiny_spec): its K and V scales, float32, one layer
-    assert sizes["fp8-e2e"]["weight_sync/bytes"] == linear + 4 * 7 + 2 * other + 2 * 4
+    assert sizes["bf16"]["weight_sync/bytes"] == 2 * (linear + other)  # every tensor a multiple of 16 B
+    # fp8-e2e runs with the FP8 KV cache here (tiny_spec): its K and V scales, float32, one layer;
+    # each 4 B scale (7 weights' one block each, K, V) travels as 16 B
+    assert sizes["fp8-e2e"]["weight_sync/bytes"] == linear + 16 * 7 + 2 * other + 2 * 16
 
 
 @pytest.mark.slow

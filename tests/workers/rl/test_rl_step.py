@@ -111,14 +111,19 @@ def assert_generators_hold(actors: InProcessActors, trainer: dict[str, torch.Ten
 
 def payload_bytes(model: torch.nn.Module, fp8_names: list[str]) -> int:
     """What one sync moves, from the parameter shapes: an FP8 weight is 1 byte an element plus a
-    float32 scale per 128x128 block; any other weight 2 bytes (BF16) an element."""
+    float32 scale per 128x128 block; any other weight 2 bytes (BF16) an element; each tensor (an
+    FP8 weight's data, its scales, any other weight) padded to a multiple of 16 bytes."""
+
+    def padded(n: int) -> int:
+        return 16 * math.ceil(n / 16)
+
     total = 0
     for name, p in model.named_parameters():
         if name in fp8_names:
             rows, cols = p.shape
-            total += p.numel() + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+            total += padded(p.numel()) + padded(4 * math.ceil(rows / 128) * math.ceil(cols / 128))
         else:
-            total += 2 * p.numel()
+            total += padded(2 * p.numel())
     return total
 
 

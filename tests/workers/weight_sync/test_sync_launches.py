@@ -147,3 +147,26 @@ def test_an_fp8_gen_export_quantizes_every_weight_in_one_launch(
     for _, triton in counts.values():
         assert triton == {"_quantize_128x128_many": 1}
     assert added(counts[2][0], counts[3][0]) == {"_to_copy": 2}
+
+
+def test_a_receiver_unpacks_without_a_kernel(
+    monkeypatch: pytest.MonkeyPatch, fake: tuple[Any, Launches]
+) -> None:
+    """The received tensors are views of the buckets (each at a multiple of 16 bytes): unpacking
+    launches nothing (before: one copy a tensor, 16 a layer), and packing one concatenation and
+    one padding source a bucket."""
+    from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, bucket_plan, manifest_of, pack, unpack
+
+    mode, launches = fake
+    payload = payload_of(monkeypatch, mode, 2)
+    manifest = manifest_of(payload)
+    launches.clear()
+    with launches:
+        buckets = pack(payload, manifest, DEFAULT_BUCKET_BYTES)
+    groups = len(bucket_plan(manifest, DEFAULT_BUCKET_BYTES))
+    assert len(buckets) == groups and launches.aten == {"cat": groups, "zeros": groups}, launches.aten
+    launches.clear()
+    with launches:
+        got = unpack(buckets, manifest, DEFAULT_BUCKET_BYTES)
+    assert launches.total == 0, launches.aten
+    assert list(got) == list(payload)

@@ -180,9 +180,11 @@ def cpu_kv_cache_bytes(hf_config: Any, spec: JobSpec, model_len: int) -> int:
 
 
 def gpu_memory_utilization(weight_bytes: int, total_bytes: int) -> float:
-    """The share of a GPU vLLM may take: all but room for one weight update, which holds the
-    received buckets and the unpacked payload at once (``2 x weight_bytes``), plus 1 GiB for what
-    vLLM does not count (the NCCL communicator, allocator slack); at most vLLM's default 0.9."""
+    """The share of a GPU vLLM may take: all but room for one weight update (``2 x weight_bytes``:
+    the received buckets, of which the unpacked payload is views since 2026-12-01, and as much
+    again for what vLLM's loaders make of them; not lowered until a GPU run shows the peak), plus
+    1 GiB for what vLLM does not count (the NCCL communicator, allocator slack); at most vLLM's
+    default 0.9."""
     reserve = 2 * weight_bytes + 2**30
     share = min(GPU_MEMORY_UTILIZATION_MAX, 1.0 - reserve / total_bytes)
     if share < 0.2:

@@ -87,9 +87,12 @@ def test_real_rollouts_stop_at_eos_and_carry_a_logprob_per_token(engine: Engine)
 
 
 def test_a_sync_through_vllms_transfer_api_makes_vllm_sample_what_the_trainer_scores(engine: Engine) -> None:
-    # the first sync: version 1, every byte of the BF16 payload (counted here from the tensors)
+    # the first sync: version 1, every byte of the BF16 payload (counted here from the tensors),
+    # each tensor padded to a multiple of 16 bytes on the wire
     assert engine.sync.version == 1
-    assert engine.sync.bytes == sum(t.numel() * t.element_size() for t in engine.payload.values())
+    assert engine.sync.bytes == sum(
+        -(-t.numel() * t.element_size() // 16) * 16 for t in engine.payload.values()
+    )
     temperature = 0.7
     r = engine.gen.generate(PROMPTS, MAX_NEW, temperature, 1.0, seed=1)
     mask = r.response_mask
