@@ -319,7 +319,9 @@ def quantize_weights(named: Sequence[tuple[str, torch.Tensor]], cfg: Fp8LinearCo
             out[i] = Fp8Tensor(
                 _view(data, d, w.shape[0], w.shape[1]), _view(scale, s, n_r, n_c), BLOCK_128x128, fmt
             )
-    return [q for q in out if q is not None]
+    done = [q for q in out if q is not None]
+    assert len(done) == len(named), "quantize_weights: a weight was left out"
+    return done
 
 
 def _grouped_here(w: torch.Tensor) -> bool:
