@@ -170,3 +170,56 @@ def test_a_receiver_unpacks_without_a_kernel(
         got = unpack(buckets, manifest, DEFAULT_BUCKET_BYTES)
     assert launches.total == 0, launches.aten
     assert list(got) == list(payload)
+
+
+def sync_launches(monkeypatch: pytest.MonkeyPatch, recipe: str, layers: int) -> dict[str, int]:
+    """The launches of one sync as ``bench step`` times it (the trainer's export, pack, unpack, the
+    generator's load and report), by phase, for the 1B preset's shapes at ``layers`` layers."""
+    from workers.engines.native import generator, trainer
+    from workers.weight_sync.broadcast import DEFAULT_BUCKET_BYTES, manifest_of, pack, unpack
+
+    out: dict[str, int] = {}
+    with simulate("sm90-cuda13.0"), fake_cuda(monkeypatch) as (mode, launches):
+        build_on_fake_cuda(monkeypatch, mode, trainer, generator)
+        tr = trainer.NativeTrainer(spec(layers, recipe, kv=False), VOCAB, "cuda")
+        gen = generator.NativeGenerator(spec(layers, recipe, kv=False), VOCAB, 1, 0, "cuda")
+        names = gen.fp8_weight_names()
+        with counting_reads(monkeypatch, launches):
+
+            def phase(name: str, fn: Any) -> Any:
+                launches.clear()
+                with launches:
+                    done = fn()
+                out[name] = launches.total
+                return done
+
+            payload = phase("export", lambda: tr.export_weights(names))
+            manifest = manifest_of(payload)
+            buckets = phase("pack", lambda: pack(payload, manifest, DEFAULT_BUCKET_BYTES))
+            received = phase("unpack", lambda: unpack(buckets, manifest, DEFAULT_BUCKET_BYTES))
+            phase("load and report", lambda: gen.load_weights(received))
+    return out
+
+
+def table(layers: int = 16) -> str:
+    """Launches of one sync of the 1B preset (``layers`` layers) per recipe, with the checksums
+    tensor by tensor and in one launch (for docs/engines.md). Counted at 2 and 3 layers: the
+    fixed part plus ``layers`` times one layer's."""
+    rows = ["| recipe | FP8RL_CHECKSUM | export | pack | unpack | load and report | in all |"]
+    rows.append("|---|---|---|---|---|---|---|")
+    for recipe in ("bf16", "fp8-e2e", "fp8-gen"):
+        for switch in ("torch", "triton"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("FP8RL_CHECKSUM", switch)
+                two, three = (sync_launches(mp, recipe, n) for n in (2, 3))
+            at = {k: two[k] + (layers - 2) * (three[k] - two[k]) for k in two}
+            cells = " | ".join(str(at[k]) for k in ("export", "pack", "unpack", "load and report"))
+            rows.append(f"| {recipe} | {switch} | {cells} | {sum(at.values())} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    print(table())
