@@ -120,9 +120,12 @@ def bucket_plan(manifest: list[_Entry], bucket_bytes: int) -> list[list[_Entry]]
 def pack(payload: Payload, manifest: list[_Entry], bucket_bytes: int) -> list[torch.Tensor]:
     """The payload's bytes in uint8 buckets (see the module docstring)."""
     buckets = []
+    padding: dict[torch.device, torch.Tensor] = {}  # zeros to cut the padding from, per device
     for group in bucket_plan(manifest, bucket_bytes):
         device = _device_of(payload[group[0].name])
-        zeros = torch.zeros(ALIGN - 1, dtype=torch.uint8, device=device)  # the padding, as views
+        if device not in padding:
+            padding[device] = torch.zeros(ALIGN - 1, dtype=torch.uint8, device=device)
+        zeros = padding[device]
         parts = []
         for entry in group:
             v = payload[entry.name]
