@@ -200,8 +200,13 @@ def _where(p: _Part) -> str:
 
 
 def _takes_part(m: Fp8Linear) -> bool:
-    w = m.weight
-    return not m.fp8_only and m.config.weight_block == BLOCK_128x128 and w.dim() == 2 and w.dtype in _DTYPES
+    return not m.fp8_only and _groupable(m.weight, m.config)
+
+
+def _groupable(w: torch.Tensor, cfg: Fp8LinearConfig) -> bool:
+    """Whether the grouped kernel can quantize the master weight ``w`` under ``cfg``: a 2-D float
+    weight in 128x128 blocks."""
+    return cfg.weight_block == BLOCK_128x128 and w.dim() == 2 and w.dtype in _DTYPES
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -294,7 +299,7 @@ def quantize_weights(named: Sequence[tuple[str, torch.Tensor]], cfg: Fp8LinearCo
     out: list[Fp8Tensor | None] = [None] * len(named)
     grouped: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (name, w) in enumerate(named):
-        if _grouped_here(w) and cfg.weight_block == BLOCK_128x128 and w.dim() == 2 and w.dtype in _DTYPES:
+        if _grouped_here(w) and _groupable(w, cfg):
             grouped.setdefault((w.device, w.dtype), []).append(i)
         else:
             out[i] = cfg.quantize_weight(w, name)

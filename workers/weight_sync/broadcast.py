@@ -173,12 +173,15 @@ def unpack(
     for bucket, group in zip(buckets, groups, strict=True):
         offset = 0
         for e in group:
-            data, offset = _take(bucket, offset, e.shape, _dtype(e.dtype))
+            parts = []
+            for shape, dtype in e.parts():
+                part, offset = _take(bucket, offset, shape, dtype)
+                parts.append(part)
             if e.kind == "fp8":
-                scale, offset = _take(bucket, offset, e.scale_shape, torch.float32)
+                data, scale = parts
                 payload[e.name] = Fp8Tensor(data=data, scale=scale, block=e.block, fmt=get_format(e.fmt))
             else:
-                payload[e.name] = data
+                payload[e.name] = parts[0]
         if offset != bucket.numel():
             raise RuntimeError(
                 f"weight sync: {bucket.numel() - offset} bytes left after unpacking a bucket; "
