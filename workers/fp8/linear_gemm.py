@@ -285,6 +285,11 @@ class WgradGemm:
         self, g_t: Fp8Tensor, x_t: Fp8Tensor, cfg: Fp8LinearConfig, out_dtype: torch.dtype
     ) -> torch.Tensor:
         """``g_t [N, M] @ x_t.T`` -> ``[N, K]`` in ``out_dtype`` (float32 accumulation)."""
+        if g_t.device.type == "cpu":
+            # the direct call is cuBLAS's (meta tensors stand for CUDA ones in tests); and the key
+            # below reads the bytes, which a CPU operand of the compiled quantizer makes only when
+            # read (a division per element) and which the CPU's BF16 GEMMs never read
+            return _wgrad_matmul(g_t, x_t, cfg, out_dtype)
         key = (
             g_t.data.shape, g_t.data.stride(), g_t.scale.stride(), g_t.block, g_t.fmt,
             x_t.data.shape, x_t.data.stride(), x_t.scale.stride(), x_t.block, x_t.fmt,
@@ -293,9 +298,7 @@ class WgradGemm:
         if key != self._key:
             self._key, self._direct = key, self._plan(g_t, x_t, cfg, out_dtype)
         if self._direct is None:
-            return fp8_matmul(
-                g_t, x_t.t(), backend=cfg.backend, out_dtype=out_dtype, bf16_exact=cfg.bf16_exact
-            )
+            return _wgrad_matmul(g_t, x_t, cfg, out_dtype)
         # blockwise_scaled_mm(g_t, x_t.t()) without its per-call layout work: the plan found both
         # scale tensors already as cuBLAS reads them (dy.T's stride 1 along N, x.T's along K)
         recipe = F.ScalingType.BlockWise1x128
@@ -319,6 +322,13 @@ class WgradGemm:
         same = sa.stride() == g_t.scale.stride() and sb.stride() == x_t.scale.stride()
         same = same and sa.shape == g_t.scale.shape and sb.shape == x_t.scale.shape
         return plan.out_dtype if laid_a is g_t and laid_b is b and same else None
+
+
+def _wgrad_matmul(
+    g_t: Fp8Tensor, x_t: Fp8Tensor, cfg: Fp8LinearConfig, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``g_t @ x_t.T`` through :func:`fp8_matmul` (its plan and layout work on every call)."""
+    return fp8_matmul(g_t, x_t.t(), backend=cfg.backend, out_dtype=out_dtype, bf16_exact=cfg.bf16_exact)
 
 
 def _quantize_rows(x: torch.Tensor, fmt: str, block: Block, cfg: Fp8LinearConfig, where: str) -> Fp8Tensor:
