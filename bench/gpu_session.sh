@@ -5,9 +5,10 @@
 #
 #   FP8RL_GIT_COMMIT=$(git rev-parse HEAD) bash bench/gpu_session.sh DIR [part]
 #
-# part 1 (about 3.5 minutes on an H200): the machine (commit, GPU, versions), the kernel probe,
-# pytest -m gpu with the opt-in Triton switches off (the E4M3 KV write is on by default) and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING, FP8RL_CHECKSUM among them), the kernel microbenchmark and the host
-# overhead of one linear, then the sampling alone (torch's draw against the Triton launches), then
+# part 1 (about 4 minutes on an H200, estimated): the machine (commit, GPU, versions), the kernel probe,
+# pytest -m gpu with the opt-in Triton switches off (the E4M3 KV write is on by default) and then on (FP8RL_WGRAD_GEMM, FP8RL_SILU_MUL, FP8RL_RMS_NORM, FP8RL_SAMPLING, FP8RL_CHECKSUM, FP8RL_DUAL_QUANT=split among them), the kernel microbenchmark and the host
+# overhead of one linear, then the 1B's training profile with the dual-layout quantizer in strips
+# (FP8RL_DUAL_QUANT=split, bf16 against fp8-e2e), then the sampling alone (torch's draw against the Triton launches), then
 # the long-context rollout rows of the 8b-4l preset (256 and 128 sequences x 4096 new tokens, BF16
 # against FP8 weights + E4M3 KV only: about 1.5 minutes).
 # part 2 (about 6 minutes): bench rollout of the 1B preset, 64 sequences x 2048 new tokens, graph
@@ -32,9 +33,12 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
     stamp "part 1: machine, probe, pytest (opt-in Triton switches off), kernels, overhead"
     $py -m bench.gpu_check --quick --out "$dir/check.md" \
         --sections machine,probe,plan,pytest,kernels,overhead >>"$dir/session.log" 2>&1
-    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton FP8RL_CHECKSUM=triton"
-    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton FP8RL_CHECKSUM=triton \
+    stamp "part 1: pytest -m gpu with FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton FP8RL_CHECKSUM=triton FP8RL_DUAL_QUANT=split"
+    FP8RL_DECODE_ATTENTION=triton FP8RL_SMALL_M_GEMM=triton FP8RL_KV_WRITE=triton FP8RL_WGRAD_GEMM=triton FP8RL_SILU_MUL=triton FP8RL_RMS_NORM=triton FP8RL_SAMPLING=triton FP8RL_CHECKSUM=triton FP8RL_DUAL_QUANT=split \
         $py -m bench.gpu_check --out "$dir/check-triton.md" --sections pytest >>"$dir/session.log" 2>&1
+    stamp "part 1: bench profile-train 1b, fp8-e2e with the dual-layout quantizer in strips (FP8RL_DUAL_QUANT=split)"
+    FP8RL_DUAL_QUANT=split $py -m fp8rl.cli bench profile-train --model 1b --device cuda --top 12 \
+        --recipes bf16,fp8-e2e >"$dir/profile-train-1b-dual-split.txt" 2>>"$dir/session.log"
     stamp "part 1: bench sampling (torch's draw against the three launches of FP8RL_SAMPLING=triton)"
     $py -m fp8rl.cli bench sampling --device cuda >"$dir/sampling.txt" 2>>"$dir/session.log"
     for n in 256 128; do

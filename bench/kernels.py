@@ -25,6 +25,8 @@ Kernels (``a [M, K]`` activations, ``w [N, K]`` a weight, ``out = a @ w.T``):
   along M, one read of ``x``; Triton on CUDA), GB/s of bytes read plus written: what fp8-e2e
   training pays per linear input and output gradient beyond BF16's GEMMs; ``quantize_dual_f32t``
   the same kernel with ``x.T``'s tile transposed in float32 before the cast (CUDA only);
+  ``quantize_dual_split`` the same bytes by eight programs of 32-wide strips per 128x128 tile in
+  one launch, which training takes with ``FP8RL_DUAL_QUANT=split`` (CUDA only);
   ``quantize_dual_pow2`` the same call with power-of-two scales (``precision.power_of_two_scales``):
   on a CPU the compiled quantizer (``workers/fp8/cpu_compiled.py``, unless ``FP8RL_CPU_COMPILE=0``),
   which writes both layouts' BF16 values instead of bytes (its GB/s counts the bytes all the same);
@@ -58,9 +60,10 @@ TOKENS: tuple[int, ...] = (1, 16, 64, 256, 1024, 4096)
 SHAPES: tuple[tuple[int, int], ...] = ((2048, 8192), (8192, 2048), (4096, 14336))
 KINDS: tuple[str, ...] = (
     "bf16", "blockwise", "rowwise", "tensorwise", "wgrad", "wgrad_triton", "quantize", "quantize_dual",
-    "quantize_dual_f32t", "quantize_dual_pow2", "small_m", "silu_mul_torch", "silu_mul",
+    "quantize_dual_f32t", "quantize_dual_split", "quantize_dual_pow2", "small_m", "silu_mul_torch",
+    "silu_mul",
 )  # fmt: skip
-QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t", "quantize_dual_pow2")
+QUANTIZERS = ("quantize", "quantize_dual", "quantize_dual_f32t", "quantize_dual_split", "quantize_dual_pow2")
 SETS = 4  # operand sets cycled through (more bytes than the L2 holds at the larger shapes)
 
 
@@ -172,14 +175,15 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
             calls.append(
                 partial(quantize_dual, x, "e4m3", power_of_two=True, rows_multiple=16, pad_tokens=True)
             )
-        elif kind == "quantize_dual_f32t":  # the same kernel, x.T's tile transposed before the cast
+        elif kind in ("quantize_dual_f32t", "quantize_dual_split"):  # the same bytes, made otherwise
             if device.type != "cuda":
                 raise ValueError("the dual-layout Triton kernel runs on CUDA only")
             from workers.fp8.triton_quant import quantize_1x128_dual
 
             pad = -(-m // 128) * 128
             f = ("e4m3", 448.0, torch.float8_e4m3fn)
-            calls.append(partial(quantize_1x128_dual, x, *f, False, None, -(-m // 16) * 16, pad, "f32"))
+            transpose = "f32" if kind == "quantize_dual_f32t" else "split"
+            calls.append(partial(quantize_1x128_dual, x, *f, False, None, -(-m // 16) * 16, pad, transpose))
         elif kind == "small_m":
             from workers.fp8.triton_gemm import small_m_gemm
 
@@ -242,6 +246,7 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
     lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t, "]
+    lines[0] += "dual split, "
     lines[0] += (
         "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m; wgrad ratios (bf16, cuBLAS) / triton; "
         "silu_mul_torch / silu_mul"

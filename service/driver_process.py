@@ -44,7 +44,7 @@ DRIVER_ENV_NAMES = frozenset(
         *("FP8RL_HOME", "FP8RL_CUBLAS_BLOCKWISE", "FP8RL_DECODE_ATTENTION", "FP8RL_SMALL_M_GEMM"),
         *("FP8RL_TRITON", "FP8RL_RAY_GROUPS", "FP8RL_CPU_BF16_GEMM", "FP8RL_KV_WRITE", "FP8RL_CPU_COMPILE"),
         *("FP8RL_WGRAD_GEMM", "FP8RL_CPU_MALLOC", "FP8RL_DRIVER_ATTEMPT", "FP8RL_DRIVER_PREVIOUS_EXIT"),
-        *("FP8RL_SILU_MUL", "FP8RL_RMS_NORM", "FP8RL_SAMPLING", "FP8RL_CHECKSUM"),
+        *("FP8RL_SILU_MUL", "FP8RL_RMS_NORM", "FP8RL_SAMPLING", "FP8RL_CHECKSUM", "FP8RL_DUAL_QUANT"),
         # the grader sandbox (workers/tasks/sandbox); the last is the pool's own, set for its children
         *("FP8RL_GRADER_SANDBOX", "FP8RL_BWRAP", "FP8RL_GRADER_WORKERS", "FP8RL_GRADER_WORKDIR"),
         # Hugging Face: where models are and whether to go online (never HF_TOKEN: see below)

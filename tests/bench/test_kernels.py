@@ -21,6 +21,9 @@ def test_rates_are_computed_from_the_bytes_and_flops_by_hand() -> None:
     dual = kernels.KernelRow(128, 256, 512, "quantize_dual", us=10.0)
     assert dual.quantizer_gbs == pytest.approx((128 * 256 * 2 + 2 * (128 * 256 + 256 * 4)) / 10e-6 / 1e9)
     assert dual.tflops is None
+    # the split pass writes the same two layouts: the same bytes to move, whatever it reads twice
+    split = kernels.KernelRow(128, 256, 512, "quantize_dual_split", us=10.0)
+    assert split.quantizer_gbs == dual.quantizer_gbs
 
 
 @pytest.mark.slow
@@ -31,9 +34,9 @@ def test_every_kind_gets_a_row_and_refusals_say_why() -> None:
     assert got[(1, "wgrad")].us is None and "multiple of 128" in got[(1, "wgrad")].note
     for kind in ("bf16", "rowwise", "tensorwise", "quantize", "quantize_dual", "quantize_dual_pow2"):
         assert all((got[(m, kind)].us or 0.0) > 0 for m in (1, 128))
-    # the dual Triton kernel's other transpose exists on CUDA only: refused here, saying so
-    note = got[(128, "quantize_dual_f32t")].note
-    assert note == "refused: ValueError: the dual-layout Triton kernel runs on CUDA only"
+    # the dual Triton kernel's other transpose and the split pass exist on CUDA only: refused here, saying so
+    for kind in ("quantize_dual_f32t", "quantize_dual_split"):
+        assert got[(128, kind)].note == "refused: ValueError: the dual-layout Triton kernel runs on CUDA only"
     assert got[(1, "wgrad_triton")].note == "refused: ValueError: the Triton wgrad GEMM runs on CUDA only"
     assert got[(1, "silu_mul")].note == "refused: ValueError: the fused SiLU*mul kernel runs on CUDA only"
     assert all((got[(m, "silu_mul_torch")].us or 0.0) > 0 for m in (1, 128))

@@ -151,14 +151,18 @@ def test_triton_quantizer_is_the_torch_quantizer_bit_for_bit(
     assert torch.equal(fast.data.view(torch.uint8), ref.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dual", ["fp8", "f32", "split"])
 @pytest.mark.parametrize("shape", [(1, 128), (7, 200), (300, 4096), (2048, 14336)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_dual_layout_quantizer_is_two_torch_quantizations_bit_for_bit(
-    seed: int, shape: tuple[int, int], fmt: str
+    seed: int, shape: tuple[int, int], fmt: str, dual: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Training's one-read pass (x along K, x.T along tokens) against the torch quantizer of x
-    and of x.T: same bytes, same scales, x's rows padded to 16 with zeros of scale 1."""
+    """Training's pass of both layouts (x along K, x.T along tokens), each way FP8RL_DUAL_QUANT
+    makes it, against the torch quantizer of x and of x.T: same bytes, same scales, x's rows
+    padded to 16 with zeros of scale 1."""
     from workers.fp8 import quant
+
+    monkeypatch.setenv("FP8RL_DUAL_QUANT", dual)
 
     x = (torch.randn(*shape, device="cuda") * torch.rand(shape[0], 1, device="cuda") * 10).to(torch.bfloat16)
     x.view(-1)[torch.randperm(x.numel(), device="cuda")[:3]] *= 1000

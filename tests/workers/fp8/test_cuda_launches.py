@@ -103,6 +103,31 @@ def test_the_training_forward_on_cuda_reads_nothing_back_and_swaps_each_bf16_gem
     assert fp8.total == bf16.total - LAYERS * (2 * PROJECTIONS - 2 * FP8_GEMMS)
 
 
+def test_the_split_dual_pass_takes_the_dual_kernels_place_one_launch_for_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``FP8RL_DUAL_QUANT=split``: every dual quantizer of the training forward, and of a
+    linear's backward (dy), is one launch of the split pass instead; nothing else changes. An
+    unknown value is refused, naming the variable and its values."""
+    fp8 = forward_launches(monkeypatch, "fp8-e2e")
+    monkeypatch.setenv("FP8RL_DUAL_QUANT", "split")
+    split = forward_launches(monkeypatch, "fp8-e2e")
+    assert split.triton == {"_quantize_1x128_split": LAYERS * FP8_GEMMS}
+    assert split.aten == fp8.aten
+    with simulate("sm90-cuda13.0"), fake_cuda(monkeypatch) as (mode, launches):
+        trainer = trainer_on_fake_cuda(monkeypatch, mode, "fp8-e2e")
+        o_proj = trainer.model.model.layers[0].self_attn.o_proj
+        x = torch.randn(1000, 2048, device=CUDA, dtype=torch.bfloat16)
+        ctx = types.SimpleNamespace()
+        train_forward(ctx, x, o_proj, None, True, torch.float32)
+        with launches:
+            train_backward(ctx, torch.randn(1000, 2048, device=CUDA, dtype=torch.bfloat16), True, True, False)
+        assert launches.triton == {"_quantize_1x128_split": 1}
+        monkeypatch.setenv("FP8RL_DUAL_QUANT", "fast")
+        with pytest.raises(ValueError, match=r"FP8RL_DUAL_QUANT='fast': use fp8 \(default\), f32, split"):
+            train_forward(types.SimpleNamespace(), x + 1, o_proj, None, True, torch.float32)
+
+
 # One decoder layer's training forward with Hugging Face's Llama and the default switches, worked
 # out by hand from its code: each RMSNorm (2) casts to float32, squares, averages, adds eps, takes
 # rsqrt, scales, casts back and multiplies by its weight; RoPE of q and of k is x*cos +

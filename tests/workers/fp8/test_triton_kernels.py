@@ -13,7 +13,7 @@ import torch
 
 from tests.workers.interpreter import run_under_interpreter
 from tests.workers.switches import assert_off_by_default_and_checked
-from tests.workers.triton_sm90 import compile_sm90
+from tests.workers.triton_sm90 import compile_sm90, resources_sm90
 from workers.fp8 import triton_quant as tq
 from workers.fp8.quant import quantize_dual, quantize_rows
 
@@ -32,6 +32,7 @@ COMMON = {"rows": "i32", "rows_out": "i32", "cols": "i32", "stride_r": "i32", "s
 COMMON |= {"n_tiles_c": "i32", "call_code": "i64"}
 
 
+@pytest.mark.slow  # five SM90 compilations a case: 11 s with an empty Triton cache
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("check", [True, False])
 def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> None:
@@ -51,7 +52,30 @@ def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> 
     dual |= {"code_ptr": "*i64", "rows_t_out": "i32", **COMMON}
     for t32 in (False, True):  # x.T's tile transposed after the cast (FP8 bytes) or before (float32)
         ptx = compile_sm90(tq._quantize_1x128_dual, dual, {**consts, "T32": t32}, num_warps=8)
-        assert "st.local" not in ptx and "ld.local" not in ptx, "the 128x128 tile spills registers"
+        assert "st.local" not in ptx and "ld.local" not in ptx, "Triton itself keeps the tile in local memory"
+    ptx = compile_sm90(tq._quantize_1x128_split, dual, {**consts, "STRIP": tq._STRIP})
+    assert ("atom.global" in ptx) == check
+
+
+DUAL_SIG = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "data_t_ptr": "*fp8e4nv"}
+DUAL_SIG |= {"scale_t_ptr": "*fp32", "code_ptr": "*i64", "rows_t_out": "i32", **COMMON}
+
+
+@pytest.mark.slow  # three SM90 compilations
+def test_the_dual_layout_tile_spills_and_fills_an_sm_alone_where_the_split_pass_does_not() -> None:
+    """Why ``FP8RL_DUAL_QUANT=split`` exists, from ptxas's own allocation for SM90: the dual
+    kernel's 128x128 float32 tile takes all 255 registers a thread may have at 8 warps and spills
+    past them (a stack frame), so a multiprocessor holds one such program, 8 warps, to hide the
+    memory's latency with; the split pass's strips spill nothing and fit two programs of 4
+    warps, as the one-layout kernel (2.2-2.9 TB/s on an H200, 2026-11-29) does."""
+    consts = {"FMT_MAX": 448.0, "E4M3": True, "POW2": False, "CHECK": True, "TILE": 128}
+    dual = resources_sm90(tq._quantize_1x128_dual, DUAL_SIG, {**consts, "T32": False}, num_warps=8)
+    assert dual.registers == 255 and dual.stack > 0 and dual.programs_per_sm == 1, dual
+    split = resources_sm90(tq._quantize_1x128_split, DUAL_SIG, {**consts, "STRIP": tq._STRIP})
+    one_sig = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "code_ptr": "*i64", **COMMON}
+    one = resources_sm90(tq._quantize_1x128, one_sig, {**consts, "BLOCK_R": 32})
+    assert split.stack == 0 and split.programs_per_sm >= 2 and split.warps == 4, split
+    assert split.programs_per_sm == one.programs_per_sm, (split, one)
 
 
 @pytest.mark.parametrize(("check", "src", "pow2"), [(True, 1, False), (False, 0, True), (True, 2, False)])

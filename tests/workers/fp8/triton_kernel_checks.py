@@ -60,10 +60,13 @@ def dual_layout_pass_writes_the_two_calls_bytes_and_scales() -> None:
         rows_out = -(-rows // 16) * 16
         case = (rows, cols, fmt[0], pow2, transposed)
         data, scale, data_t, scale_t = quantize_1x128_dual(x, *fmt, pow2, None, rows_out)
-        # the tile transposed in float32 before the cast: the same bytes and scales
-        f32 = quantize_1x128_dual(x, *fmt, pow2, None, rows_out, transpose="f32")
-        assert all(same_bytes(a, b) if a.dtype != torch.float32 else same(a, b)
-                   for a, b in zip((data, scale, data_t, scale_t), f32, strict=True)), case  # fmt: skip
+        # the tile transposed in float32 before the cast, and the tile's two layouts in strips by
+        # eight programs: the same bytes and scales
+        for other in ("f32", "split"):
+            again = quantize_1x128_dual(x, *fmt, pow2, None, rows_out, transpose=other)
+            pairs = zip((data, scale, data_t, scale_t), again, strict=True)
+            equal = [same_bytes(a, b) if a.dtype != torch.float32 else same(a, b) for a, b in pairs]
+            assert all(equal), (case, other, equal)
         one, one_scale = quantize_1x128(x, *fmt, pow2, None, rows_out)
         t, t_scale = quantize_1x128(x.t(), *fmt, pow2, None, cols)
         assert same_bytes(data, one) and same(scale, one_scale), case
@@ -73,17 +76,18 @@ def dual_layout_pass_writes_the_two_calls_bytes_and_scales() -> None:
         assert bool((data[rows:].float() == 0).all()) and bool((scale[rows:] == 1).all()), case
         # x.T's tokens padded to a multiple of 128 (for wgrad): the same bytes, zeros after, same scales
         padded = -(-rows // 128) * 128
-        _, _, data_p, scale_p = quantize_1x128_dual(x, *fmt, pow2, None, rows_out, padded)
-        assert data_p.shape == (cols, padded) and data_p.is_contiguous(), case
-        assert torch.equal(data_p[:, :rows].view(torch.uint8), t.view(torch.uint8)), case
-        assert bool((data_p[:, rows:].float() == 0).all()) and same(scale_p, t_scale), case
+        for transpose in ("fp8", "split"):
+            _, _, data_p, scale_p = quantize_1x128_dual(x, *fmt, pow2, None, rows_out, padded, transpose)
+            assert data_p.shape == (cols, padded) and data_p.is_contiguous(), (case, transpose)
+            assert torch.equal(data_p[:, :rows].view(torch.uint8), t.view(torch.uint8)), (case, transpose)
+            assert bool((data_p[:, rows:].float() == 0).all()) and same(scale_p, t_scale), (case, transpose)
 
 
 def the_guard_is_touched_only_by_a_non_finite_tile() -> None:
     """All finite: the guard's code stays "none". A NaN at row 33, column 200 of a 256-wide tensor
     is tile 33 * 2 + 1 of the call: both kernels fold exactly that code."""
     x = torch.randn(40, 256)
-    for kernel in ("one", "dual"):
+    for kernel in ("one", "dual", "split"):
         code = torch.full((), NONE, dtype=torch.int64)
         run(kernel, x, code)
         assert int(code) == NONE, kernel
@@ -98,7 +102,7 @@ def run(kernel: str, x: torch.Tensor, code: torch.Tensor) -> None:
     if kernel == "one":
         quantize_1x128(x, *E4M3, False, (code, 5), 48)
     else:
-        quantize_1x128_dual(x, *E4M3, False, (code, 5), 48)
+        quantize_1x128_dual(x, *E4M3, False, (code, 5), 48, transpose="fp8" if kernel == "dual" else "split")
 
 
 def weight_table(
