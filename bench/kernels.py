@@ -246,10 +246,9 @@ def format_table(rows: Sequence[KernelRow]) -> str:
         by_key.setdefault((r.in_features, r.out_features, r.tokens), {})[r.kind] = r
     head = f"{'in':>6} {'out':>6} {'M':>5} " + " ".join(f"{kind + ' us':>13}" for kind in kinds)
     lines = [head + "   bf16/fp8 (blockwise, rowwise, tensorwise); quantizer GB/s (rows, dual, dual f32t, "]
-    lines[0] += "dual split, "
     lines[0] += (
-        "dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m; wgrad ratios (bf16, cuBLAS) / triton; "
-        "silu_mul_torch / silu_mul"
+        "dual split, dual pow2); bf16 TFLOP/s; (blockwise + quantize) / small_m; "
+        "wgrad ratios (bf16, cuBLAS) / triton; silu_mul_torch / silu_mul"
     )
     notes: dict[str, str] = {}
     for (k, n, m), by_kind in by_key.items():
