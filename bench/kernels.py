@@ -178,7 +178,7 @@ def _calls(kind: str, m: int, k: int, n: int, device: torch.device) -> list[Call
         elif kind in ("quantize_dual_f32t", "quantize_dual_split"):  # the same bytes, made otherwise
             if device.type != "cuda":
                 raise ValueError("the dual-layout Triton kernel runs on CUDA only")
-            from workers.fp8.triton_quant import quantize_1x128_dual
+            from workers.fp8.triton_dual import quantize_1x128_dual
 
             pad = -(-m // 128) * 128
             f = ("e4m3", 448.0, torch.float8_e4m3fn)

@@ -185,7 +185,7 @@ def quantize_dual(
     (1, 128))``), the activation's or the output gradient's two layouts in training.
 
     On CUDA one Triton kernel reads each 128x128 tile of ``x`` once and writes both layouts and
-    both scale tensors (:func:`workers.fp8.triton_quant.quantize_1x128_dual`); elsewhere it is
+    both scale tensors (:func:`workers.fp8.triton_dual.quantize_1x128_dual`); elsewhere it is
     those two calls. Either way the bytes and scales are the two calls' (tested under Triton's
     interpreter), and a NaN/inf in ``x`` is reported once, for ``x``'s own tiles. On CUDA,
     ``pad_tokens`` writes ``x.T`` as ``[K, M']`` with M' the next multiple of 128, zeros past M
@@ -195,7 +195,7 @@ def quantize_dual(
     f = get_format(fmt)
     if x.is_cuda and x.dim() == 2 and use_triton():
         from workers.fp8.guard import active_guard
-        from workers.fp8.triton_quant import quantize_1x128_dual
+        from workers.fp8.triton_dual import quantize_1x128_dual
 
         guard = active_guard()
         slot = guard.reserve(x.device, tuple(x.shape), TILE_1x128, where) if guard is not None else None

@@ -1,6 +1,6 @@
-"""The Triton quantizers (workers/fp8/triton_quant.py), the small-M GEMM (triton_gemm.py) and the
-wgrad GEMM (triton_wgrad.py) on the CPU: their arithmetic under Triton's interpreter (in a fresh
-interpreter: ``triton_kernel_checks.py``), and their compilation for SM90
+"""The Triton quantizers (workers/fp8/triton_quant.py, triton_dual.py), the small-M GEMM
+(triton_gemm.py) and the wgrad GEMM (triton_wgrad.py) on the CPU: their arithmetic under Triton's
+interpreter (in a fresh interpreter: ``triton_kernel_checks.py``), and their compilation for SM90
 (``tests/workers/triton_sm90.py``). Their speed only a GPU shows (``make gpu-check``, kernels)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from tests.workers.interpreter import run_under_interpreter
 from tests.workers.switches import assert_off_by_default_and_checked
 from tests.workers.triton_sm90 import compile_sm90, resources_sm90
+from workers.fp8 import triton_dual as td
 from workers.fp8 import triton_quant as tq
 from workers.fp8.quant import quantize_dual, quantize_rows
 
@@ -51,9 +52,9 @@ def test_quantizers_compile_for_sm90_without_spilling(fmt: str, check: bool) -> 
     }
     dual |= {"code_ptr": "*i64", "rows_t_out": "i32", **COMMON}
     for t32 in (False, True):  # x.T's tile transposed after the cast (FP8 bytes) or before (float32)
-        ptx = compile_sm90(tq._quantize_1x128_dual, dual, {**consts, "T32": t32}, num_warps=8)
+        ptx = compile_sm90(td._quantize_1x128_dual, dual, {**consts, "T32": t32}, num_warps=8)
         assert "st.local" not in ptx and "ld.local" not in ptx, "Triton itself keeps the tile in local memory"
-    ptx = compile_sm90(tq._quantize_1x128_split, dual, {**consts, "STRIP": tq._STRIP})
+    ptx = compile_sm90(td._quantize_1x128_split, dual, {**consts, "STRIP": td._STRIP})
     assert ("atom.global" in ptx) == check
 
 
@@ -69,9 +70,9 @@ def test_the_dual_layout_tile_spills_and_fills_an_sm_alone_where_the_split_pass_
     memory's latency with; the split pass's strips spill nothing and fit two programs of 4
     warps, as the one-layout kernel (2.2-2.9 TB/s on an H200, 2026-11-29) does."""
     consts = {"FMT_MAX": 448.0, "E4M3": True, "POW2": False, "CHECK": True, "TILE": 128}
-    dual = resources_sm90(tq._quantize_1x128_dual, DUAL_SIG, {**consts, "T32": False}, num_warps=8)
+    dual = resources_sm90(td._quantize_1x128_dual, DUAL_SIG, {**consts, "T32": False}, num_warps=8)
     assert dual.registers == 255 and dual.stack > 0 and dual.programs_per_sm == 1, dual
-    split = resources_sm90(tq._quantize_1x128_split, DUAL_SIG, {**consts, "STRIP": tq._STRIP})
+    split = resources_sm90(td._quantize_1x128_split, DUAL_SIG, {**consts, "STRIP": td._STRIP})
     one_sig = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "code_ptr": "*i64", **COMMON}
     one = resources_sm90(tq._quantize_1x128, one_sig, {**consts, "BLOCK_R": 32})
     assert split.stack == 0 and split.programs_per_sm >= 2 and split.warps == 4, split

@@ -21,9 +21,10 @@ import triton.language as tl
 from tests.workers.recording import recorded
 from workers.fp8 import Fp8Linear, NonFiniteError, finite_guard, triton_quant
 from workers.fp8.quant import quantize
+from workers.fp8.triton_dual import quantize_1x128_dual
 from workers.fp8.triton_gemm import small_m_gemm
 from workers.fp8.triton_math import to_fp8
-from workers.fp8.triton_quant import quantize_1x128, quantize_1x128_dual, quantize_128x128_many
+from workers.fp8.triton_quant import quantize_1x128, quantize_128x128_many
 from workers.fp8.triton_wgrad import wgrad_gemm
 
 E4M3 = ("e4m3", 448.0, torch.float8_e4m3fn)
