@@ -211,7 +211,8 @@ def an_fp8_generator_takes_the_tiles_from_its_norms() -> None:
                         if hasattr(module, "fp8rl_tiles_for"):
                             module.fp8rl_tiles_for = None
                 quantized.clear()
-                outs.append(gen.generate(PROMPTS[:8], 5, 1.0, 1.0, 1))
+                # three prompts: the interpreter runs the norm kernel once per row (prefill 3 x 18)
+                outs.append(gen.generate(PROMPTS[:3], 5, 1.0, 1.0, 1))
                 readers = {args[-1].split(":")[0].split(".")[-1] for args, _ in quantized}
                 if emit:
                     assert readers == {"o_proj", "down_proj"}, readers

@@ -48,7 +48,7 @@ def test_the_gpu_tests_misses_are_fp8_amplification_not_the_kernel() -> None:
     run_checks("amplification")
 
 
-@pytest.mark.slow  # the interpreter runs the kernel over four shapes, then five short decodes: ~60 s
+@pytest.mark.slow  # the kernel over four shapes, then short decodes, interpreted: ~90 s (2026-12-02)
 def test_fused_rope_and_kv_write_under_the_interpreter() -> None:
     """``FP8RL_KV_WRITE=triton`` beside the Triton attention: RoPE and the K/V write in one launch,
     Hugging Face's rotated values bit for bit, the decode loop's samples unchanged by it, and with

@@ -17,7 +17,7 @@ from workers.engines.native import rms_norm
 pytestmark = pytest.mark.timeout(660)  # above the subprocess's wait (tests/test_timeouts.py)
 
 
-@pytest.mark.slow  # the interpreter runs every row of eight short decodes and a trainer pass: ~90 s
+@pytest.mark.slow  # every row of short decodes and a trainer pass, interpreted: ~130 s (2026-12-02)
 def test_the_norm_kernel_under_the_interpreter() -> None:
     out = run_under_interpreter("tests.workers.engines.native.norm_checks", timeout=600)
     assert out.count("ok ") == 7

@@ -16,7 +16,7 @@ from workers.engines.native import sampling, triton_sample
 pytestmark = pytest.mark.timeout(660)  # above the subprocess's wait (tests/test_timeouts.py)
 
 
-@pytest.mark.slow  # the interpreter runs each program of ~150 small launches and two decodes: ~35 s
+@pytest.mark.slow  # each program of ~150 small launches and two decodes, interpreted: ~55 s (2026-12-02)
 def test_the_sampling_kernels_under_the_interpreter() -> None:
     out = run_under_interpreter("tests.workers.engines.native.sample_checks", timeout=600)
     assert out.count("ok ") == 5
