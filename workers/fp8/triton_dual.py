@@ -16,9 +16,8 @@ import triton
 import triton.language as tl
 
 from workers.fp8.triton_math import to_fp8
-from workers.fp8.triton_quant import load_tile, scale_of, tile_amax, write_rows
+from workers.fp8.triton_quant import TILE_WIDTH, load_tile, scale_of, tile_amax, write_rows
 
-_TILE = 128  # the 1x128 tile, as workers.fp8.triton_quant's
 # How the dual-layout pass makes x.T (FP8RL_DUAL_QUANT, read at each call; all three write the same
 # bits): "fp8", one 128x128 tile per program, transposed after the cast as 1-byte FP8 values
 # (the default; measured on an H200, 2026-11-29: 0.67-0.79 TB/s against 2.2-2.9 TB/s for one
@@ -198,9 +197,11 @@ def quantize_1x128_dual(
         raise ValueError(f"transpose={transpose!r}: one of {', '.join(DUAL_TRANSPOSES)}")
     rows, cols = x.shape
     rows_t_out = rows if rows_t_out is None else rows_t_out
-    n_tiles_c, n_tiles_r = triton.cdiv(cols, _TILE), triton.cdiv(rows, _TILE)
-    if not rows <= rows_t_out <= n_tiles_r * _TILE:
-        raise ValueError(f"rows_t_out={rows_t_out}: between {rows} and {n_tiles_r * _TILE} (no new tile)")
+    n_tiles_c, n_tiles_r = triton.cdiv(cols, TILE_WIDTH), triton.cdiv(rows, TILE_WIDTH)
+    if not rows <= rows_t_out <= n_tiles_r * TILE_WIDTH:
+        raise ValueError(
+            f"rows_t_out={rows_t_out}: between {rows} and {n_tiles_r * TILE_WIDTH} (no new tile)"
+        )
     data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=x.device)
     scale = torch.empty((n_tiles_c, rows_out), dtype=torch.float32, device=x.device).t()
     data_t = torch.empty((cols, rows_t_out), dtype=fp8_dtype, device=x.device)
@@ -208,20 +209,20 @@ def quantize_1x128_dual(
     if rows_out == 0 or cols == 0:
         return data, scale, data_t, scale_t
     code_buf, call = check if check is not None else (scale, 0)  # unused without CHECK
-    tiles_r = triton.cdiv(max(rows_out, rows_t_out), _TILE)
+    tiles_r = triton.cdiv(max(rows_out, rows_t_out), TILE_WIDTH)
     if transpose == "split":
-        _quantize_1x128_split[(tiles_r * n_tiles_c * 2 * (_TILE // _STRIP),)](
+        _quantize_1x128_split[(tiles_r * n_tiles_c * 2 * (TILE_WIDTH // _STRIP),)](
             x, data, scale, data_t, scale_t, code_buf, rows, rows_out, rows_t_out, cols, x.stride(0),
             x.stride(1), n_tiles_c, call * 2**32,
-            FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None, TILE=_TILE,
-            STRIP=_STRIP, num_warps=4,
+            FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None,
+            TILE=TILE_WIDTH, STRIP=_STRIP, num_warps=4,
         )  # fmt: skip
         return data, scale, data_t, scale_t
     grid: Any = (tiles_r, n_tiles_c)
     _quantize_1x128_dual[grid](
         x, data, scale, data_t, scale_t, code_buf, rows, rows_out, rows_t_out, cols, x.stride(0), x.stride(1),
         n_tiles_c, call * 2**32,
-        FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None, TILE=_TILE,
+        FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3", POW2=power_of_two, CHECK=check is not None, TILE=TILE_WIDTH,
         T32=transpose == "f32", num_warps=8,
     )  # fmt: skip
     return data, scale, data_t, scale_t

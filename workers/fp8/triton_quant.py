@@ -25,7 +25,7 @@ import triton.language as tl
 
 from workers.fp8.triton_math import to_fp8
 
-_TILE = 128
+TILE_WIDTH = 128  # a 1x128 tile's width, the scale block of every quantizer here and in triton_dual.py
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def rows_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The buffers a one-layout 1x128 pass writes (``data [R', C]`` row-major, ``scale [R', C/128]``
     M-major), the number of column tiles and the rows a program takes."""
-    n_tiles = triton.cdiv(cols, _TILE)
+    n_tiles = triton.cdiv(cols, TILE_WIDTH)
     data = torch.empty((rows_out, cols), dtype=fp8_dtype, device=device)
     scale = torch.empty((n_tiles, rows_out), dtype=torch.float32, device=device).t()
     return data, scale, n_tiles, 16 if rows_out <= 16 else 32
@@ -165,7 +165,7 @@ def quantize_1x128(
         POW2=power_of_two,
         CHECK=check is not None,
         BLOCK_R=block_r,
-        TILE=_TILE,
+        TILE=TILE_WIDTH,
     )
     return data, scale
 
@@ -264,5 +264,5 @@ def quantize_128x128_many(
     _quantize_128x128_many[(blocks,)](
         table, owner, data, scale, cublas if cublas is not None else scale, code_buf, call * 2**32,
         SRC=SRC_CODES[src_dtype], FIELDS=len(WEIGHT_FIELDS), FMT_MAX=fmt_max, E4M3=fmt_name == "e4m3",
-        POW2=power_of_two, CHECK=check is not None, CUBLAS=cublas is not None, TILE=_TILE, num_warps=8,
+        POW2=power_of_two, CHECK=check is not None, CUBLAS=cublas is not None, TILE=TILE_WIDTH, num_warps=8,
     )  # fmt: skip
