@@ -58,9 +58,10 @@ def _quantize_1x128_dual(
     """One 128x128 tile of ``x [rows, cols]`` read once, written twice: along ``cols`` (1x128
     tiles of a row: :func:`~workers.fp8.triton_quant.quantize_1x128` of ``x``) and along ``rows``
     (1x128 tiles of a column: the same of ``x.T``, its rows ``rows_t_out >= rows`` long, zeros
-    past ``rows``), each with its own scales. ``T32``: the tile is transposed in float32 before ``x.T``'s cast
-    (4-byte elements through shared memory) instead of after it (1-byte FP8 elements); the same
-    bits either way (see DUAL_TRANSPOSE)."""
+    past ``rows``), each with its own scales (:func:`write_rows`, :func:`write_columns`). ``T32``:
+    the tile is transposed in float32 before ``x.T``'s cast (4-byte elements through shared
+    memory) instead of after it (1-byte FP8 elements); the same bits either way (see
+    DUAL_TRANSPOSE)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     r = pid_r * TILE + tl.arange(0, TILE)  # [TILE] rows of x (tokens)
@@ -70,15 +71,27 @@ def _quantize_1x128_dual(
     # the columns' tiles see the same ones)
     write_rows(x, r, c, pid_c, rows, rows_out, cols, data_ptr, scale_ptr, code_ptr, n_tiles_c, call_code,
                FMT_MAX, E4M3, POW2, CHECK)  # fmt: skip
-    # along rows: one scale per column, over this tile's rows (x.T [cols, rows] in 1x128 tiles)
+    write_columns(x, r, c, pid_r, cols, rows_t_out, data_t_ptr, scale_t_ptr, FMT_MAX, E4M3, POW2, T32)
+
+
+@triton.jit
+def write_columns(
+    x, r, c, tile_r, cols, rows_t_out, data_t_ptr, scale_t_ptr,
+    FMT_MAX: tl.constexpr, E4M3: tl.constexpr, POW2: tl.constexpr, T32: tl.constexpr,
+) -> None:  # fmt: skip
+    """The tile ``x [r, c]`` (``r``: all 128 rows of row tile ``tile_r``) along ``rows``: ``x.T``'s
+    rows in 1x128 tiles, one scale per column over the tile's rows, FP8 bytes into ``data_t [cols,
+    rows_t_out]`` (row-major; x is 0 past ``rows``: data 0) and scales into ``scale_t``
+    (``[cols, n_tiles_r]``, stride 1 along cols). ``T32``: transposed before the cast (float32)
+    rather than after it (FP8 bytes); the same bits."""
     scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)
     if T32:
-        q8_t = to_fp8(tl.math.div_rn(tl.trans(x), scale_t[:, None]), FMT_MAX, E4M3)  # [cols tile, rows tile]
+        q8_t = to_fp8(tl.math.div_rn(tl.trans(x), scale_t[:, None]), FMT_MAX, E4M3)  # [cols, rows]
     else:
         q8_t = tl.trans(to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))
-    inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)  # x is 0 past rows: data 0
+    inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)
     tl.store(data_t_ptr + c[:, None] * rows_t_out + r[None, :], q8_t, mask=inside_t)
-    tl.store(scale_t_ptr + pid_r * cols + c, scale_t, mask=c < cols)  # [cols, n_tiles_r], stride 1 along cols
+    tl.store(scale_t_ptr + tile_r * cols + c, scale_t, mask=c < cols)
 
 
 @triton.jit
@@ -153,11 +166,7 @@ def _columns_strip(
     r = tile_r * TILE + tl.arange(0, TILE)
     c = first_col + tl.arange(0, STRIP)
     x = load_tile(x_ptr, r, c, rows, cols, stride_r, stride_c)  # [TILE, STRIP]
-    scale_t = scale_of(tile_amax(x, 0), FMT_MAX, POW2)
-    q8_t = tl.trans(to_fp8(tl.math.div_rn(x, scale_t[None, :]), FMT_MAX, E4M3))  # [STRIP, TILE]
-    inside_t = (c[:, None] < cols) & (r[None, :] < rows_t_out)
-    tl.store(data_t_ptr + c[:, None] * rows_t_out + r[None, :], q8_t, mask=inside_t)
-    tl.store(scale_t_ptr + tile_r * cols + c, scale_t, mask=c < cols)
+    write_columns(x, r, c, tile_r, cols, rows_t_out, data_t_ptr, scale_t_ptr, FMT_MAX, E4M3, POW2, False)
 
 
 def dual_transpose() -> str:
