@@ -24,11 +24,19 @@ from workers.job.driver import RunOptions, run
 from workers.models import checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def ray_for_the_slow_tests(request: pytest.FixtureRequest) -> None:
+    """Ray for the module's slow tests only: its unit-tier tests never reach it, and starting it
+    (6.8 s on CI's machine) counted against the first one's 10 s (docs/development.md#tests)."""
+    if request.node.get_closest_marker("slow"):
+        request.getfixturevalue("ray_cluster")
 
 
 def tiny_spec(recipe: str, steps: int = 2, **extra: Any) -> JobSpec:
