@@ -29,9 +29,12 @@ def test_ratio_and_rate_by_hand() -> None:
     assert "2.50x" in table and "2/2" in table and "refused: X" in table
 
 
+# one small size, one timing: the CLI's arguments for both runs below
+SMALL = ["bench", "sampling", "--device", "cpu", "--rows", "3", "--vocabs", "3000", "--replays", "1"]
+
+
 def run_cli(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "fp8rl.cli", "bench", "sampling", "--device", "cpu"]
-    cmd += ["--rows", "3", "--vocabs", "3000", "--replays", "1"]
+    cmd = [sys.executable, "-m", "fp8rl.cli", *SMALL]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -46,8 +49,7 @@ def test_the_kernels_run_under_the_interpreter_and_draw_torchs_tokens() -> None:
 def test_without_triton_the_row_says_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # in this process (torch is loaded already): a fresh interpreter for the CLI took 10-11 s on CI
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    args = ["bench", "sampling", "--device", "cpu", "--rows", "3", "--vocabs", "3000", "--replays", "1"]
-    out = runner.invoke(app, args)
+    out = runner.invoke(app, SMALL)
     assert out.exit_code == 0, out.output[-3000:]
     row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["3", "3000"])
     assert "refused:" in row and row.split()[3] == "-", row
